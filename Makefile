@@ -1,0 +1,56 @@
+# Two commands on a fresh machine: `make demo` and `make test`. Both build what they need.
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+# The local environment pins a CPU build of torch; a bare `torch` would pull a CUDA build.
+TORCH := torch==2.13.0
+
+.PHONY: help venv sshd demo test test-fast lint bench clean
+
+help:
+	@echo "make demo   - 2-node local cluster, fine-tune MiniLM on the bundled paraphrase set, stop the cluster"
+	@echo "make test   - the test suite (unit + local-cluster integration)"
+	@echo "make lint   - ruff"
+	@echo "make bench  - benchmarks under bench/"
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q $(TORCH)
+	$(BIN)/pip install -q -e '.[infra,train,dev]'
+	touch $(STAMP)
+
+venv: $(STAMP) sshd
+
+# The local cluster needs sshd; install it when we can, say how when we can't.
+sshd:
+	@if ! command -v sshd >/dev/null && [ ! -x /usr/sbin/sshd ]; then \
+	  if [ "$$(id -u)" = 0 ]; then \
+	    echo "installing openssh-server"; \
+	    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq openssh-server >/dev/null) \
+	      || { echo "error: could not install openssh-server; install it and re-run" >&2; exit 1; }; \
+	  else \
+	    echo "error: sshd is not installed; run 'sudo apt-get install openssh-server' and re-run" >&2; exit 1; \
+	  fi; \
+	fi
+
+demo: venv
+	$(BIN)/fab demo
+
+test: venv
+	$(BIN)/python -m pytest -q
+
+test-fast: venv
+	$(BIN)/python -m pytest -q -m "not cluster and not slow"
+
+lint: venv
+	$(BIN)/ruff check .
+
+bench: venv
+	$(BIN)/python bench/glue_single_node.py
+
+clean:
+	-$(BIN)/fab local-down 2>/dev/null
+	rm -rf $(VENV) .cluster runs

@@ -1,0 +1,1 @@
+"""Operator-side library: inventory, local cluster, keys, launching jobs over Fabric."""

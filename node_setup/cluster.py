@@ -1,0 +1,38 @@
+"""A resolved cluster: its spec, its nodes, and the operator-side folder that holds its state."""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from . import local
+from .inventory import Node, default_cluster, load_nodes, select
+
+
+@dataclass(frozen=True)
+class Cluster:
+    spec: str
+    nodes: tuple[Node, ...]
+    state: Path
+
+    @property
+    def name(self) -> str:
+        return re.sub(r"[^A-Za-z0-9_.-]+", "-", self.spec).strip("-") or "cluster"
+
+    @property
+    def is_local(self) -> bool:
+        return self.spec.split(":", 1)[0] == "local"
+
+    def first(self, count: int | None) -> list[Node]:
+        return select(list(self.nodes), count, self.spec)
+
+
+def open_cluster(spec: str | None = None) -> Cluster:
+    spec = spec or default_cluster()
+    nodes = load_nodes(spec)
+    if spec.split(":", 1)[0] == "local":
+        state = local.state_dir(spec.partition(":")[2] or None)
+    else:
+        state = local.state_dir().parent / re.sub(r"[^A-Za-z0-9_.-]+", "-", spec)
+    state.mkdir(parents=True, exist_ok=True, mode=0o700)
+    return Cluster(spec=spec, nodes=tuple(nodes), state=state)

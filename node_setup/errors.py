@@ -1,0 +1,13 @@
+"""Errors the CLI shows as one line (value, rule, fix) and a non-zero exit."""
+
+
+class ClusterError(Exception):
+    """A problem the user can fix; the message says what and how."""
+
+
+class NodeFailure(ClusterError):
+    """A step failed on one or more named nodes."""
+
+    def __init__(self, message: str, nodes: list[str] | None = None):
+        super().__init__(message)
+        self.nodes = list(nodes or [])

@@ -1,0 +1,151 @@
+"""One Node model and one function that finds the nodes of a cluster.
+
+Sources: ``local`` (the local cluster of sshd processes on loopback), ``hosts:PATH``
+(a static hosts file for on-premise servers), ``aws`` and ``pulumi`` (registered by
+the infra side through :func:`register_source`).
+"""
+from __future__ import annotations
+
+import getpass
+import logging
+import os
+import shlex
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Callable
+
+from .errors import ClusterError
+
+log = logging.getLogger(__name__)
+
+# Where the project keeps its venv and code on a real node (same path on every node).
+REMOTE_HOME = ".xeon-cluster"
+REMOTE_PYTHON = "/opt/xeon-cluster/venv/bin/python"
+
+
+@dataclass(frozen=True)
+class Node:
+    """A machine of the cluster as the operator and the other nodes see it."""
+
+    name: str
+    host: str  # address the operator connects to
+    private_host: str  # address the other nodes use
+    user: str
+    port: int = 22
+    index: int = 0
+    # Per-node work root; None means ~/.xeon-cluster on the node itself.
+    home: str | None = None
+    python: str = REMOTE_PYTHON
+    labels: dict = field(default_factory=dict, compare=False, hash=False)
+
+    @property
+    def workdir(self) -> str:
+        return self.home or f"$HOME/{REMOTE_HOME}"
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+SourceFn = Callable[[str], list[Node]]
+_SOURCES: dict[str, SourceFn] = {}
+
+
+def register_source(kind: str, fn: SourceFn) -> None:
+    """Add an inventory source; ``fn(argument)`` returns nodes ordered by index."""
+    _SOURCES[kind] = fn
+
+
+def default_cluster() -> str:
+    return os.environ.get("XC_CLUSTER") or "local"
+
+
+def load_nodes(cluster: str | None = None) -> list[Node]:
+    """Return the nodes of ``cluster`` ('local', 'hosts:PATH', 'aws[:NAME]', 'pulumi[:STACK]')."""
+    spec = cluster or default_cluster()
+    kind, _, arg = spec.partition(":")
+    _ensure_builtin_sources()
+    fn = _SOURCES.get(kind)
+    if fn is None:
+        known = ", ".join(sorted(_SOURCES))
+        raise ClusterError(f"--cluster {spec!r} is not a known source; use one of: {known} (hosts takes hosts:PATH)")
+    nodes = fn(arg)
+    if not nodes:
+        raise ClusterError(f"cluster {spec!r} has no nodes; start it first (local: 'fab local-up --nodes 2')")
+    return nodes
+
+
+def select(nodes: list[Node], count: int | None, cluster: str = "") -> list[Node]:
+    """The first ``count`` nodes, with the errors a user needs when ``count`` does not fit."""
+    if count is None:
+        return list(nodes)
+    if count < 1:
+        raise ClusterError(f"--nodes {count} is below 1; ask for at least one node")
+    if count > len(nodes):
+        where = f" {cluster!r}" if cluster else ""
+        fix = ("run 'fab local-up --nodes %d' or lower --nodes" % count) if cluster in ("", "local") else \
+            ("run 'pulumi up' with nodeCount=%d or lower --nodes" % count)
+        raise ClusterError(f"--nodes {count} but the cluster{where} has {len(nodes)} nodes; {fix}")
+    return list(nodes[:count])
+
+
+def parse_hosts_file(path: str | Path) -> list[Node]:
+    """Parse a static hosts file.
+
+    One node per line, first line = node 0::
+
+        # name  address  [private=ADDR] [user=NAME] [port=N] [python=PATH]
+        node0   203.0.113.10  private=10.0.0.10  user=ubuntu
+    """
+    p = Path(path).expanduser()
+    if not p.is_file():
+        raise ClusterError(f"hosts file {str(p)!r} does not exist; create it (one 'name address [private=..] [user=..] [port=..]' per line)")
+    nodes: list[Node] = []
+    for lineno, raw in enumerate(p.read_text().splitlines(), 1):
+        line = raw.split("#", 1)[0].strip()
+        if not line:
+            continue
+        parts = shlex.split(line)
+        if len(parts) < 2:
+            raise ClusterError(f"{p}:{lineno}: expected 'name address [key=value...]', got {raw.strip()!r}")
+        name, host, *rest = parts
+        opts = {}
+        for item in rest:
+            key, sep, value = item.partition("=")
+            if not sep or key not in {"private", "user", "port", "python"}:
+                raise ClusterError(f"{p}:{lineno}: unknown field {item!r}; allowed: private=, user=, port=, python=")
+            opts[key] = value
+        try:
+            port = int(opts.get("port", 22))
+        except ValueError:
+            raise ClusterError(f"{p}:{lineno}: port={opts['port']!r} is not a number") from None
+        nodes.append(Node(
+            name=name, host=host, private_host=opts.get("private", host),
+            user=opts.get("user", getpass.getuser()), port=port, index=len(nodes),
+            python=opts.get("python", REMOTE_PYTHON),
+        ))
+    names = [n.name for n in nodes]
+    dupes = sorted({n for n in names if names.count(n) > 1})
+    if dupes:
+        raise ClusterError(f"{p}: node names must be unique; repeated: {', '.join(dupes)}")
+    return nodes
+
+
+def _hosts_source(arg: str) -> list[Node]:
+    if not arg:
+        raise ClusterError("--cluster hosts needs a file: use --cluster hosts:PATH")
+    return parse_hosts_file(arg)
+
+
+def _local_source(arg: str) -> list[Node]:
+    from . import local
+
+    return local.nodes(local.state_dir(arg or None))
+
+
+def _ensure_builtin_sources() -> None:
+    _SOURCES.setdefault("local", _local_source)
+    _SOURCES.setdefault("hosts", _hosts_source)
+    try:  # the cloud sources live with the infra code and need boto3
+        from infra import discovery  # noqa: F401  (registers 'aws' and 'pulumi')
+    except ImportError as exc:
+        log.debug("cloud inventory sources unavailable: %s", exc)

@@ -1,0 +1,249 @@
+"""The local cluster: N sshd processes on 127.0.0.2, 127.0.0.3, ... reached over real SSH.
+
+Every node has its own host key, sshd config, authorized_keys and work root, all under one
+project-local folder. Each sshd is pinned to its share of the CPUs so that a node's
+topology (as seen by the jobs) is its own.
+"""
+from __future__ import annotations
+
+import getpass
+import ipaddress
+import json
+import logging
+import os
+import shutil
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+from .errors import ClusterError
+from .inventory import Node
+from .render import render
+
+log = logging.getLogger(__name__)
+
+PROJECT_ROOT = Path(__file__).resolve().parent.parent
+DEFAULT_PORT = 2222
+FIRST_ADDRESS = "127.0.0.2"
+MAX_NODES = 64
+
+
+def state_dir(name: str | None = None) -> Path:
+    """The folder that holds all of a local cluster's state (XC_STATE_DIR overrides)."""
+    base = Path(os.environ.get("XC_STATE_DIR") or PROJECT_ROOT / ".cluster")
+    return base / (name or "local")
+
+
+def sshd_binary() -> str:
+    for cand in (shutil.which("sshd"), "/usr/sbin/sshd"):
+        if cand and os.access(cand, os.X_OK):
+            return cand
+    fix = "apt-get install openssh-server" if os.geteuid() == 0 else "sudo apt-get install openssh-server"
+    raise ClusterError(f"sshd is not installed; install it with '{fix}'")
+
+
+def operator_key(state: Path) -> Path:
+    return state / "operator_ed25519"
+
+
+def known_hosts(state: Path) -> Path:
+    return state / "known_hosts"
+
+
+def _keygen(path: Path, comment: str) -> None:
+    if path.exists():
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", comment, "-f", str(path)],
+                   check=True, stdout=subprocess.DEVNULL)
+    path.chmod(0o600)
+
+
+def _cpu_share(index: int, count: int) -> set[int]:
+    cpus = sorted(os.sched_getaffinity(0))
+    per = max(1, len(cpus) // count)
+    start = (index * per) % len(cpus)
+    return set(cpus[start:start + per]) or {cpus[index % len(cpus)]}
+
+
+def _alive(pid: int, marker: str) -> bool:
+    try:
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+    except OSError:
+        return False
+    return marker in cmdline
+
+
+def _read_state(state: Path) -> dict | None:
+    f = state / "state.json"
+    if not f.is_file():
+        return None
+    return json.loads(f.read_text())
+
+
+def nodes(state: Path | None = None) -> list[Node]:
+    state = state or state_dir()
+    data = _read_state(state)
+    if not data:
+        raise ClusterError("no local cluster is running; start one with 'fab local-up --nodes 2'")
+    down = [n["name"] for n in data["nodes"] if not _alive(n["pid"], n["config"])]
+    if down:
+        raise ClusterError(f"local node(s) {', '.join(down)} are not running; restart with 'fab local-down' then 'fab local-up --nodes {len(data['nodes'])}'")
+    return [Node(**n["node"]) for n in data["nodes"]]
+
+
+def up(count: int, port: int = DEFAULT_PORT, first_address: str = FIRST_ADDRESS,
+       state: Path | None = None, python: str | None = None) -> list[Node]:
+    """Start ``count`` sshd nodes; returns them. Refuses if a cluster of another size is up."""
+    state = state or state_dir()
+    if not 1 <= count <= MAX_NODES:
+        raise ClusterError(f"--nodes {count} is out of range; a local cluster has 1..{MAX_NODES} nodes")
+    if not 1 <= port <= 65535:
+        raise ClusterError(f"--port {port} is not a TCP port; use 1024..65535")
+    existing = _read_state(state)
+    if existing:
+        try:
+            current = nodes(state)
+        except ClusterError:
+            down(state)
+        else:
+            if len(current) == count:
+                log.info("local cluster already up with %d nodes", count)
+                return current
+            raise ClusterError(f"a local cluster with {len(current)} nodes is already up; run 'fab local-down' first or use --nodes {len(current)}")
+    sshd = sshd_binary()
+    base = ipaddress.IPv4Address(first_address)
+    if not base.is_loopback or not (base + count - 1).is_loopback:
+        raise ClusterError(f"local nodes must live on 127.0.0.0/8; {first_address} + {count} leaves it")
+    user = getpass.getuser()
+    state.mkdir(parents=True, exist_ok=True)
+    state.chmod(0o700)
+    _keygen(operator_key(state), "xeon-cluster local operator")
+    op_pub = operator_key(state).with_suffix(".pub").read_text()
+    if os.geteuid() == 0:
+        Path("/run/sshd").mkdir(mode=0o755, exist_ok=True)  # privilege separation dir
+    started: list[dict] = []
+    host_lines = []
+    try:
+        for i in range(count):
+            name = f"node{i}"
+            address = str(base + i)
+            node_dir = state / "nodes" / name
+            (node_dir / "home").mkdir(parents=True, exist_ok=True)
+            node_dir.chmod(0o700)
+            _keygen(node_dir / "ssh_host_ed25519_key", f"{name}@xeon-cluster-local")
+            auth = node_dir / "authorized_keys"
+            lines = auth.read_text().splitlines(keepends=True) if auth.exists() else []
+            if op_pub not in lines:
+                auth.write_text("".join(lines) + op_pub)
+            auth.chmod(0o600)
+            config = node_dir / "sshd_config"
+            config.write_text(render("sshd_config.j2", name=name, address=address, port=port,
+                                     node_dir=node_dir, user=user))
+            log_file = node_dir / "sshd.log"
+            cpus = _cpu_share(i, count)
+            proc = subprocess.Popen(
+                [sshd, "-D", "-f", str(config), "-E", str(log_file)],
+                stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                start_new_session=True, preexec_fn=lambda c=cpus: os.sched_setaffinity(0, c),
+            )
+            node = Node(name=name, host=address, private_host=address, user=user, port=port, index=i,
+                        home=str(node_dir / "home"), python=python or _default_python(),
+                        labels={"local": True, "cpus": sorted(cpus), "identity": str(operator_key(state)),
+                                "known_hosts": str(known_hosts(state))})
+            started.append({"name": name, "pid": proc.pid, "config": str(config), "node": node.to_dict()})
+            host_pub = (node_dir / "ssh_host_ed25519_key.pub").read_text().split()
+            host_lines.append(f"[{address}]:{port} {host_pub[0]} {host_pub[1]}\n")
+            _wait_listening(proc, address, port, log_file, name)
+            log.info("%s up on %s:%d (pid %d, cpus %s)", name, address, port, proc.pid,
+                     ",".join(map(str, sorted(cpus))))
+    except BaseException:
+        _stop([s["pid"] for s in started], [s["config"] for s in started])
+        raise
+    known_hosts(state).write_text("".join(host_lines))
+    (state / "state.json").write_text(json.dumps({"port": port, "nodes": started}, indent=2))
+    return [Node(**s["node"]) for s in started]
+
+
+def _default_python() -> str:
+    import sys
+
+    return sys.executable
+
+
+def _wait_listening(proc: subprocess.Popen, address: str, port: int, log_file: Path, name: str) -> None:
+    import socket
+
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            err = (proc.stderr.read() or b"").decode().strip()
+            tail = err or (log_file.read_text().strip().splitlines() or [""])[-1]
+            if "Address already in use" in tail or "Address already in use" in log_file.read_text():
+                raise ClusterError(f"{name}: port {address}:{port} is in use; pick another with --port")
+            raise ClusterError(f"{name}: sshd exited at start-up: {tail}")
+        with socket.socket() as s:
+            s.settimeout(0.2)
+            if s.connect_ex((address, port)) == 0:
+                return
+        time.sleep(0.05)
+    raise ClusterError(f"{name}: sshd did not listen on {address}:{port} within 10 s; see {log_file}")
+
+
+def _children(pid: int) -> list[int]:
+    kids = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            kids.append(int(stat.parent.name))
+    return kids
+
+
+def _stop(pids: list[int], markers: list[str]) -> list[int]:
+    """SIGTERM our sshd listeners and their session processes; returns the pids stopped."""
+    victims = []
+    for pid, marker in zip(pids, markers):
+        if _alive(pid, marker):
+            victims.append(pid)
+            victims.extend(_children(pid))
+    for pid in victims:
+        try:
+            os.kill(pid, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline and any(_exists(p) for p in victims):
+        time.sleep(0.05)
+    for pid in victims:
+        if _exists(pid):
+            os.kill(pid, signal.SIGKILL)
+    return victims
+
+
+def _exists(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    stat = Path(f"/proc/{pid}/stat")
+    try:
+        return stat.read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def down(state: Path | None = None) -> int:
+    """Stop exactly this cluster's sshd processes; returns how many nodes were stopped."""
+    state = state or state_dir()
+    data = _read_state(state)
+    if not data:
+        return 0
+    _stop([n["pid"] for n in data["nodes"]], [n["config"] for n in data["nodes"]])
+    (state / "state.json").unlink()
+    return len(data["nodes"])

@@ -1,0 +1,104 @@
+"""Fabric connections with verified host keys, and parallel fan-out over nodes."""
+from __future__ import annotations
+
+import logging
+import os
+import socket
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Callable, TypeVar
+
+import paramiko
+from fabric import Connection
+
+from .errors import ClusterError, NodeFailure
+from .inventory import Node
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+# Work root on a node: local nodes get theirs from sshd (SetEnv), real nodes use ~/.xeon-cluster.
+HOME_EXPR = '"${XC_HOME:-$HOME/.xeon-cluster}"'
+
+
+def known_hosts_files(node: Node) -> list[Path]:
+    files = [Path(node.labels["known_hosts"])] if node.labels.get("known_hosts") else []
+    if os.environ.get("XC_KNOWN_HOSTS"):
+        files.append(Path(os.environ["XC_KNOWN_HOSTS"]).expanduser())
+    if not node.labels.get("local"):
+        files.append(Path("~/.ssh/known_hosts").expanduser())
+    return [f for f in files if f.is_file()]
+
+
+def connect(node: Node, timeout: float = 10.0) -> Connection:
+    """An open Connection; unknown or changed host keys are refused, never added."""
+    kwargs: dict = {"timeout": timeout, "banner_timeout": timeout, "auth_timeout": timeout}
+    identity = node.labels.get("identity") or os.environ.get("XC_SSH_KEY")
+    if identity:
+        kwargs["key_filename"] = str(Path(identity).expanduser())
+        kwargs["look_for_keys"] = False
+        kwargs["allow_agent"] = False
+    conn = Connection(node.host, user=node.user, port=node.port, connect_kwargs=kwargs,
+                      inline_ssh_env=True)
+    conn.client.set_missing_host_key_policy(paramiko.RejectPolicy())
+    for f in known_hosts_files(node):
+        conn.client.load_host_keys(str(f))
+    where = f"{node.name} ({node.host}:{node.port})"
+    try:
+        conn.open()
+    except paramiko.BadHostKeyException:
+        raise ClusterError(f"{where}: host key CHANGED since it was recorded; if the node was replaced, remove its "
+                           f"old entry with 'ssh-keygen -R [{node.host}]:{node.port}' and verify the new key") from None
+    except paramiko.AuthenticationException:
+        raise ClusterError(f"{where}: SSH login as {node.user!r} refused; check the key (XC_SSH_KEY) "
+                           "and that it is in the node's authorized_keys") from None
+    except paramiko.SSHException as exc:
+        if "not found in known_hosts" in str(exc):
+            raise ClusterError(f"{where}: host key unknown; verify it and add it to ~/.ssh/known_hosts "
+                               f"(e.g. 'ssh -p {node.port} {node.user}@{node.host}' once) or set XC_KNOWN_HOSTS") from None
+        raise ClusterError(f"{where}: SSH failed: {exc}") from None
+    except (OSError, socket.timeout) as exc:
+        reason = getattr(exc, "strerror", None) or str(exc) or type(exc).__name__
+        raise ClusterError(f"{where} is unreachable ({reason}); check that the node is up "
+                           "('fab local-up' or 'pulumi up') and that SSH is allowed from this machine") from None
+    return conn
+
+
+def run(conn: Connection, command: str, **kw):
+    """conn.run without echo, never raising on exit status (callers check .ok)."""
+    kw.setdefault("hide", True)
+    kw.setdefault("warn", True)
+    kw.setdefault("in_stream", False)
+    return conn.run(command, **kw)
+
+
+def remote_home(conn: Connection) -> str:
+    res = run(conn, f"mkdir -p {HOME_EXPR} && cd {HOME_EXPR} && pwd")
+    if not res.ok:
+        raise ClusterError(f"{conn.host}: cannot create the work folder: {res.stderr.strip()}")
+    return res.stdout.strip()
+
+
+def fan_out(nodes: list[Node], fn: Callable[[Node], T], what: str, max_workers: int = 32) -> list[T]:
+    """Run fn(node) on every node in parallel; collect all failures into one NodeFailure."""
+    results: dict[str, T] = {}
+    errors: dict[str, str] = {}
+
+    def call(node):
+        try:
+            results[node.name] = fn(node)
+        except ClusterError as exc:
+            errors[node.name] = str(exc)
+        except Exception as exc:  # a node's failure is reported, not a traceback
+            log.debug("%s on %s failed", what, node.name, exc_info=True)
+            errors[node.name] = f"{node.name}: {type(exc).__name__}: {exc}"
+
+    with ThreadPoolExecutor(max_workers=min(max_workers, max(1, len(nodes)))) as pool:
+        list(pool.map(call, nodes))
+    if errors:
+        names = [n.name for n in nodes if n.name in errors]
+        if len(names) == 1:
+            raise NodeFailure(f"{what} failed: {errors[names[0]]}", names)
+        detail = "; ".join(errors[n] for n in names)
+        raise NodeFailure(f"{what} failed on {len(names)} nodes: {detail}", names)
+    return [results[n.name] for n in nodes]

@@ -1,0 +1,133 @@
+"""Fabric tasks: thin wrappers that parse options and call the library.
+
+Job flags go after `--`:  fab train --nodes 4 --job glue -- --num_train_epochs 3
+"""
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import sys
+
+from fabric import task
+from invoke import Collection
+from fabric.executor import Executor
+from invoke.exceptions import Exit
+
+from . import keys as keys_lib
+from . import local as local_lib
+from . import train as train_lib
+from .cluster import open_cluster
+from .errors import ClusterError
+
+
+class JobArgsExecutor(Executor):
+    """Leaves the text after `--` to the task (Fabric would run it as a shell command on hosts)."""
+
+    def expand_calls(self, calls, apply_hosts=True):
+        remainder, self.core.remainder = self.core.remainder, ""
+        try:
+            return super().expand_calls(calls, apply_hosts)
+        finally:
+            self.core.remainder = remainder
+
+
+def job_args() -> list[str]:
+    """The argv after the first `--`, quoting intact."""
+    argv = sys.argv
+    return list(argv[argv.index("--") + 1:]) if "--" in argv else []
+
+
+def cli(fn):
+    """One line and a non-zero exit for errors the user can fix; no traceback."""
+    @functools.wraps(fn)
+    def wrapper(c, *args, **kwargs):
+        logging.basicConfig(level=logging.DEBUG if os.environ.get("XC_DEBUG") else logging.INFO,
+                            format="%(message)s", stream=sys.stderr)
+        for noisy in ("paramiko", "invoke", "fabric"):
+            logging.getLogger(noisy).setLevel(logging.WARNING)
+        try:
+            return fn(c, *args, **kwargs)
+        except ClusterError as exc:
+            raise Exit(f"error: {exc}", code=1) from None
+    return wrapper
+
+
+def _cluster(c, cluster):
+    """--cluster flag < XC_CLUSTER < fabric.yaml's xc.cluster < 'local'."""
+    return cluster or os.environ.get("XC_CLUSTER") or c.config.get("xc", {}).get("cluster") or None
+
+
+@task(help={"nodes": "number of nodes (default 2)", "port": "sshd port on every node (default 2222)"})
+@cli
+def local_up(c, nodes=2, port=local_lib.DEFAULT_PORT):
+    """Start a local cluster: N sshd nodes on 127.0.0.2, 127.0.0.3, ... (the active cluster)."""
+    started = local_lib.up(int(nodes), port=int(port))
+    print(f"local cluster up: {len(started)} node(s) on port {port}: "
+          + ", ".join(f"{n.name}={n.host}" for n in started))
+
+
+@task
+@cli
+def local_down(c):
+    """Stop the local cluster's sshd processes (and nothing else)."""
+    n = local_lib.down()
+    print(f"local cluster down: {n} node(s) stopped" if n else "no local cluster was running")
+
+
+@task(help={"cluster": "local | hosts:PATH | aws[:NAME] | pulumi[:STACK] (default: local)"})
+@cli
+def keys(c, cluster=None):
+    """Per-cluster SSH key on every node; known_hosts and ssh config on node 0 (idempotent)."""
+    cl = open_cluster(_cluster(c, cluster))
+    res = keys_lib.setup_keys(cl)
+    problems = keys_lib.verify_mesh(cl)
+    if problems:
+        raise ClusterError("node 0 cannot reach " + "; ".join(f"{k}: {v}" for k, v in problems.items()))
+    print(f"keys: {len(cl.nodes)} node(s) authorized ({len(res.authorized)} new); "
+          f"node 0 reaches every node with verified host keys ({res.ssh_dir}/config)")
+
+
+@task(
+    iterable=["env"],
+    help={
+        "nodes": "use the first N nodes (default: all)",
+        "job": "bundled job: glue (default)",
+        "script": "run your own training script instead (its flags after --)",
+        "ppn": "processes per node (default auto: one per socket)",
+        "threads": "OpenMP threads per process (default auto: the process's cores)",
+        "backend": "auto | ccl | gloo",
+        "precision": "auto | bf16 | fp32",
+        "env": "extra or overriding variable for every rank, KEY=VALUE (repeatable)",
+        "cluster": "local | hosts:PATH | aws[:NAME] | pulumi[:STACK]",
+        "master-port": "rendezvous port on node 0 (default 29500)",
+        "no-pin": "do not pin ranks to cores",
+        "timeout": "seconds a collective may wait before the job fails (default 300)",
+    },
+)
+@cli
+def train(c, nodes=None, job="glue", script=None, ppn="auto", threads="auto", backend="auto", precision="auto",
+          env=None, cluster=None, master_port=None, no_pin=False, timeout=300):
+    """Run a training job across the cluster with mpirun; results land in runs/<run-id>/."""
+    extra = {}
+    for item in env or []:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise ClusterError(f"--env {item!r} is not KEY=VALUE")
+        extra[key] = value
+    req = train_lib.TrainRequest(
+        nodes=int(nodes) if nodes is not None else None, job=job, script=script, args=job_args(), ppn=str(ppn),
+        threads=str(threads), backend=backend, precision=precision, env=extra,
+        master_port=int(master_port) if master_port else None, pin=not no_pin, timeout_s=int(timeout))
+    result = train_lib.train(open_cluster(_cluster(c, cluster)), req)
+    print(train_lib.result_line(result))
+
+
+@task(help={"nodes": "local nodes to start (default 2)"})
+@cli
+def demo(c, nodes=2):
+    """Start a local cluster, fine-tune MiniLM on the bundled paraphrase set, print the result, stop it."""
+    train_lib.demo(int(nodes))
+
+
+ns = Collection(local_up, local_down, keys, train, demo)

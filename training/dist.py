@@ -1,0 +1,127 @@
+"""MPI rank variables -> torch.distributed, with the backend and precision the node really has.
+
+Intel MPI's hydra sets PMI_RANK / PMI_SIZE / MPI_LOCALRANKID; Open MPI sets OMPI_COMM_WORLD_*;
+torchrun sets RANK / WORLD_SIZE / LOCAL_RANK. The launcher passes MASTER_ADDR / MASTER_PORT and
+XC_BACKEND / XC_PRECISION (auto | ccl | gloo, auto | bf16 | fp32).
+"""
+from __future__ import annotations
+
+import datetime
+import importlib
+import importlib.util
+import logging
+import os
+import socket
+from dataclasses import dataclass
+
+log = logging.getLogger(__name__)
+
+_RANK_VARS = {
+    "rank": ("RANK", "PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK"),
+    "world": ("WORLD_SIZE", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE"),
+    "local": ("LOCAL_RANK", "MPI_LOCALRANKID", "OMPI_COMM_WORLD_LOCAL_RANK"),
+}
+
+
+def _first(env, names, default):
+    for n in names:
+        if env.get(n, "") != "":
+            return int(env[n])
+    return default
+
+
+@dataclass
+class DistInfo:
+    rank: int
+    world_size: int
+    local_rank: int
+    backend: str  # what torch.distributed reports, or "none" for a single process
+    precision: str  # "bf16" or "fp32"
+    ipex: bool
+    host: str
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    def summary(self) -> str:
+        threads = os.environ.get("OMP_NUM_THREADS", "?")
+        try:
+            cpus = sorted(os.sched_getaffinity(0))
+            cpus_s = f"{cpus[0]}-{cpus[-1]}" if cpus == list(range(cpus[0], cpus[-1] + 1)) else ",".join(map(str, cpus))
+        except (AttributeError, OSError):
+            cpus_s = "?"
+        return (f"rank {self.rank}/{self.world_size} local {self.local_rank} on {self.host}: backend={self.backend} "
+                f"precision={self.precision} ipex={'yes' if self.ipex else 'no'} threads={threads} cpus={cpus_s}")
+
+
+def rank_env(env=None) -> tuple[int, int, int]:
+    env = os.environ if env is None else env
+    return (_first(env, _RANK_VARS["rank"], 0), _first(env, _RANK_VARS["world"], 1),
+            _first(env, _RANK_VARS["local"], 0))
+
+
+def cpu_has_bf16() -> bool:
+    try:
+        flags = next(line for line in open("/proc/cpuinfo") if line.startswith("flags")).split()
+    except (OSError, StopIteration):
+        return False
+    return "amx_bf16" in flags or "avx512_bf16" in flags
+
+
+def resolve_precision(requested: str | None = None) -> str:
+    requested = (requested or os.environ.get("XC_PRECISION") or "auto").lower()
+    if requested not in ("auto", "bf16", "fp32"):
+        raise ValueError(f"precision {requested!r} is not one of auto, bf16, fp32")
+    if requested == "auto":
+        return "bf16" if cpu_has_bf16() else "fp32"
+    return requested
+
+
+def have(module: str) -> bool:
+    return importlib.util.find_spec(module) is not None
+
+
+def setup(backend: str | None = None, precision: str | None = None, timeout_s: int | None = None) -> DistInfo:
+    """Export the torch.distributed variables from the MPI ones and init the process group."""
+    import torch.distributed as dist
+
+    rank, world, local = rank_env()
+    if world > 1:  # with a world of one, leave no hint that would make accelerate wrap DDP
+        os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(local))
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29500")
+    want = (backend or os.environ.get("XC_BACKEND") or "auto").lower()
+    if want not in ("auto", "ccl", "gloo"):
+        raise ValueError(f"backend {want!r} is not one of auto, ccl, gloo")
+    if want in ("auto", "ccl"):
+        if have("oneccl_bindings_for_pytorch"):
+            importlib.import_module("oneccl_bindings_for_pytorch")  # registers the "ccl" backend
+            want = "ccl"
+        elif want == "ccl":
+            raise RuntimeError("backend ccl requested but oneccl_bindings_for_pytorch is not installed; "
+                               "use the 'oneccl' profile ('fab setup --profile oneccl') or --backend gloo")
+        else:
+            want = "gloo"
+    got = "none"
+    if world > 1 and not dist.is_initialized():
+        timeout = datetime.timedelta(seconds=timeout_s or int(os.environ.get("XC_DIST_TIMEOUT", "300")))
+        dist.init_process_group(backend=want, rank=rank, world_size=world, timeout=timeout)
+    if dist.is_initialized():
+        got = dist.get_backend()
+    info = DistInfo(rank=rank, world_size=world, local_rank=local, backend=got,
+                    precision=resolve_precision(precision), ipex=have("intel_extension_for_pytorch"),
+                    host=os.environ.get("XC_NODE") or socket.gethostname())
+    print(info.summary(), flush=True)  # every rank: one start-up line for the operator
+    return info
+
+
+def optimize_with_ipex(model, optimizer, info: DistInfo):
+    """ipex.optimize when IPEX is installed (transformers no longer wires it)."""
+    if not info.ipex:
+        return model, optimizer
+    import torch
+    import intel_extension_for_pytorch as ipex
+
+    dtype = torch.bfloat16 if info.precision == "bf16" else torch.float32
+    return ipex.optimize(model, optimizer=optimizer, dtype=dtype)

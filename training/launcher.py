@@ -1,0 +1,101 @@
+"""The mpirun command line and environments for a run (pure: builds, never executes).
+
+Layout per node comes from node_setup.topology.derive_layout; what reaches the ranks is
+- global variables through `-genv` (mpirun runs with -genvnone so nothing else leaks in),
+- per-node variables (CPU lists, CCL worker affinity, malloc preload) in node_env.sh,
+- pinning by rank.sh with taskset, because nodes may differ in their CPU sets.
+"""
+from __future__ import annotations
+
+import shlex
+from dataclasses import dataclass, field
+
+JOBS = {
+    "glue": ("-m", "training.glue"),
+}
+
+
+@dataclass(frozen=True)
+class NodePlan:
+    name: str
+    layout: object  # node_setup.topology.Layout
+    malloc: str | None = None
+
+
+@dataclass(frozen=True)
+class LaunchPlan:
+    run_id: str
+    nodes: tuple[NodePlan, ...]
+    master_addr: str
+    master_port: int
+    backend: str  # resolved: "ccl" or "gloo"
+    precision: str  # resolved: "bf16" or "fp32"
+    entry: tuple[str, ...]  # ("-m", "training.glue") or ("script.py",)
+    args: tuple[str, ...] = ()
+    env_overrides: dict = field(default_factory=dict)
+    pin: bool = True
+    timeout_s: int = 300
+
+    @property
+    def ppn(self) -> int:
+        return self.nodes[0].layout.ppn
+
+    @property
+    def world_size(self) -> int:
+        return self.ppn * len(self.nodes)
+
+    def rank_host(self, rank: int) -> str:
+        return self.nodes[rank // self.ppn].name
+
+
+def global_env(plan: LaunchPlan) -> dict[str, str]:
+    layout = plan.nodes[0].layout
+    env = {
+        "MASTER_ADDR": plan.master_addr,
+        "MASTER_PORT": str(plan.master_port),
+        "XC_RUN_ID": plan.run_id,
+        "XC_BACKEND": plan.backend,
+        "XC_PRECISION": plan.precision,
+        "XC_DIST_TIMEOUT": str(plan.timeout_s),
+        "OMP_NUM_THREADS": str(layout.omp_threads),
+        "TOKENIZERS_PARALLELISM": "false",
+        # Intel OpenMP (when preloaded): spin briefly, one thread per physical core.
+        "KMP_BLOCKTIME": "1",
+        "KMP_HW_SUBSET": "1T",
+        # Ranks are pinned by rank.sh (per-node CPU sets); keep Intel MPI from re-pinning.
+        "I_MPI_PIN": "0" if plan.pin else "1",
+    }
+    if plan.backend == "ccl":
+        env.update(CCL_WORKER_COUNT=str(layout.ccl_workers), CCL_ATL_TRANSPORT="ofi", CCL_PROCESS_LAUNCHER="none",
+                   CCL_LOCAL_SIZE=str(plan.ppn))
+    env.update({k: str(v) for k, v in plan.env_overrides.items()})
+    return env
+
+
+def node_env(plan: LaunchPlan, node: NodePlan) -> dict[str, str]:
+    env = {}
+    if plan.backend == "ccl" and node.layout.ccl_cpus:
+        env["CCL_WORKER_AFFINITY"] = ",".join(map(str, node.layout.ccl_cpus))
+    if node.malloc:
+        env["LD_PRELOAD"] = node.malloc
+    return {k: v for k, v in env.items() if k not in plan.env_overrides}
+
+
+def rank_cpus(node: NodePlan) -> list[tuple[int, str]]:
+    """Local rank -> its CPUs (compute threads and its CCL workers share the rank's cores)."""
+    return [(lr, ",".join(map(str, cpus))) for lr, cpus in enumerate(node.layout.rank_cpus)]
+
+
+def mpirun_argv(plan: LaunchPlan, ssh_config: str, mpirun: str = "mpirun") -> list[str]:
+    """Intel MPI: hostfile order = node order, block placement, output lines prefixed by rank."""
+    argv = [mpirun, "-f", "hostfile", "-n", str(plan.world_size), "-ppn", str(plan.ppn), "-l",
+            "-bootstrap", "ssh", "-bootstrap-exec-args", f"-F {ssh_config}", "-genvnone"]
+    for key, value in global_env(plan).items():
+        argv += ["-genv", key, value]
+    rank_sh = f'exec "${{XC_HOME:-$HOME/.xeon-cluster}}/runs/{plan.run_id}/rank.sh" "$@"'
+    argv += ["bash", "-c", rank_sh, "rank.sh", *plan.args]
+    return argv
+
+
+def shell_join(argv: list[str]) -> str:
+    return " ".join(shlex.quote(a) for a in argv)
