@@ -1,0 +1,101 @@
+"""The AMI every node boots, in one of three modes:
+
+- ``bake``: EC2 Image Builder runs the node setup script (the one ``fab setup`` runs) on Ubuntu
+  and snapshots the result, so nodes boot ready to train;
+- ``base``: stock Ubuntu from Canonical's public SSM parameter, set up later by ``fab setup``;
+- ``ami-...``: an AMI the operator already has.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+
+import pulumi
+import pulumi_aws as aws
+
+from node_setup import profiles
+from node_setup.errors import ClusterError
+from node_setup.render import render
+
+from . import TAG_PREFIX
+from .settings import MIN_ROOT_GIB, ClusterSettings
+
+SCRIPT_PATH = "/opt/xeon-cluster/setup.sh"
+MAX_COMPONENT_CHARS = 16000  # Image Builder's limit for an inline component document
+BUILD_POLICIES = ("AmazonSSMManagedInstanceCore", "EC2InstanceProfileForImageBuilder")
+UBUNTU_ROOT_DEVICE = "/dev/sda1"
+
+
+def component_document(profile: str) -> str:
+    """The Image Builder component that installs ``profile``, embedding its setup script verbatim."""
+    spec = profiles.load_profile(profile)
+    script = profiles.render_setup_script(spec)
+    if "{{" in script:  # AWSTOE would read it as a chaining expression and change the script
+        raise ClusterError(f"the setup script of profile {profile!r} contains '{{{{', which Image Builder expands; "
+                           "remove it from templates/node_setup.sh.j2")
+    document = render("imagebuilder-component.yaml.j2", profile=profile, script_json=json.dumps(script),
+                      script_path=SCRIPT_PATH, venv=profiles.venv_shell_word(spec.venv), marker=profiles.MARKER_NAME,
+                      hash=spec.hash, has_torch=spec.version_of("torch") is not None)
+    if len(document) > MAX_COMPONENT_CHARS:
+        raise ClusterError(f"the setup script of profile {profile!r} makes a {len(document)}-character Image Builder "
+                           f"component, over its {MAX_COMPONENT_CHARS} limit; shorten the script or use image=base")
+    return document
+
+
+class Image(pulumi.ComponentResource):
+    ami_id: pulumi.Output[str]
+
+    def __init__(self, name: str, settings: ClusterSettings, network, opts: pulumi.ResourceOptions | None = None):
+        super().__init__("xeon-cluster:infra:Image", name, None, opts)
+        if settings.image == "bake":
+            self.ami_id = self._bake(name, settings, network)
+        elif settings.image == "base":
+            self.ami_id = aws.ssm.get_parameter_output(
+                name=settings.ubuntu_ami_parameter, opts=pulumi.InvokeOutputOptions(parent=self)).value
+        else:
+            self.ami_id = pulumi.Output.from_input(settings.image)
+        self.register_outputs({"ami_id": self.ami_id})
+
+    def _bake(self, name: str, settings: ClusterSettings, network) -> pulumi.Output[str]:
+        child = pulumi.ResourceOptions(parent=self)
+        tags = settings.tags
+        document = component_document(settings.profile)
+        parent_image = f"ssm:{settings.ubuntu_ami_parameter}"  # resolved by Image Builder at build time
+        # Component and recipe versions are immutable in Image Builder: a content hash in their names
+        # lets Pulumi create the new one before it deletes the old one when the setup script changes.
+        digest = hashlib.sha256(f"{document}\n{parent_image}".encode()).hexdigest()[:10]
+        component = aws.imagebuilder.Component(
+            f"{name}-setup", name=f"{settings.cluster_name}-{settings.profile}-{digest}", version="1.0.0",
+            platform="Linux", data=document, description=f"xeon-cluster setup, profile {settings.profile}",
+            tags=tags, opts=child)
+        recipe = aws.imagebuilder.ImageRecipe(
+            f"{name}-recipe", name=f"{settings.cluster_name}-{digest}", version="1.0.0", parent_image=parent_image,
+            components=[{"component_arn": component.arn}],
+            block_device_mappings=[{"device_name": UBUNTU_ROOT_DEVICE, "ebs": {
+                "volume_size": MIN_ROOT_GIB, "volume_type": "gp3", "encrypted": "true",
+                "delete_on_termination": "true"}}],
+            ami_tags={**tags, "Name": f"{settings.cluster_name}-{settings.profile}"}, tags=tags, opts=child)
+
+        # The build instance may use SSM (how Image Builder drives it) and Image Builder's own
+        # artefacts; nothing else.
+        role = aws.iam.Role(f"{name}-build", tags=tags, opts=child, assume_role_policy=json.dumps({
+            "Version": "2012-10-17",
+            "Statement": [{"Effect": "Allow", "Principal": {"Service": "ec2.amazonaws.com"},
+                           "Action": "sts:AssumeRole"}]}))
+        attachments = [aws.iam.RolePolicyAttachment(f"{name}-build-{policy}", role=role.name, opts=child,
+                                                    policy_arn=f"arn:aws:iam::aws:policy/{policy}")
+                       for policy in BUILD_POLICIES]
+        instance_profile = aws.iam.InstanceProfile(f"{name}-build", role=role.name, tags=tags, opts=child)
+        infrastructure = aws.imagebuilder.InfrastructureConfiguration(
+            f"{name}-build", instance_profile_name=instance_profile.name,
+            instance_types=[settings.build_instance_type], subnet_id=network.subnet.id,
+            security_group_ids=[network.security_group.id], terminate_instance_on_failure=True,
+            instance_metadata_options={"http_tokens": "required", "http_put_response_hop_limit": 1},
+            # not the cluster tag: discovery must never take the build instance for a node
+            resource_tags={f"{TAG_PREFIX}image-build": settings.cluster_name}, tags=tags,
+            opts=pulumi.ResourceOptions(parent=self, depends_on=attachments))  # no build before the policies
+        image = aws.imagebuilder.Image(
+            f"{name}-image", image_recipe_arn=recipe.arn, infrastructure_configuration_arn=infrastructure.arn,
+            image_tests_configuration={"image_tests_enabled": True, "timeout_minutes": 60}, tags=tags,
+            opts=pulumi.ResourceOptions(parent=self, custom_timeouts=pulumi.CustomTimeouts(create="120m")))
+        return image.output_resources.apply(lambda resources: resources[0].amis[0].image)

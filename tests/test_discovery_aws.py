@@ -1,0 +1,210 @@
+"""The AWS side of the inventory and the cost estimate, against a real moto EC2 server process on
+127.0.0.1 (boto3 over HTTP, no in-process patching); the 'pulumi' source against a fake CLI.
+"""
+from __future__ import annotations
+
+import json
+import os
+import stat
+import subprocess
+import sys
+import textwrap
+
+import moto_fixture
+import pytest
+
+from infra import TAG_CLUSTER, TAG_INDEX, TAG_ROLE, TAG_SSH_USER, catalog, cost, discovery, ec2_client
+from node_setup.errors import ClusterError
+from node_setup.inventory import REMOTE_PYTHON, load_nodes, select
+
+AMI = "ami-0123456789abcdef0"
+REGION = moto_fixture.REGION
+isolate_aws = moto_fixture.isolate_aws
+moto_server, aws_env = moto_fixture.moto_server, moto_fixture.aws_env  # fixtures, shared with other modules
+
+
+def ec2():
+    return ec2_client(REGION)  # honours XC_AWS_ENDPOINT_URL: the moto server
+
+
+def launch(cluster: str, index: int | None, *, user: str | None = None) -> str:
+    tags = {"Name": f"{cluster}-{index}", TAG_CLUSTER: cluster}
+    if index is not None:
+        tags.update({TAG_INDEX: str(index), TAG_ROLE: "master" if index == 0 else "worker"})
+    if user:
+        tags[TAG_SSH_USER] = user
+    reply = ec2().run_instances(ImageId=AMI, MinCount=1, MaxCount=1, InstanceType="c6i.16xlarge",
+                                TagSpecifications=[{"ResourceType": "instance",
+                                                    "Tags": [{"Key": k, "Value": v} for k, v in tags.items()]}])
+    return reply["Instances"][0]["InstanceId"]
+
+
+def test_aws_source_lists_running_nodes_of_the_cluster_in_index_order(aws_env):
+    ids = {i: launch("bert", i, user="ubuntu") for i in (2, 0, 3, 1)}  # launched out of order
+    launch("other", 0)
+    launch("bert", None)  # tagged with the cluster but no index: not a node
+    ec2().stop_instances(InstanceIds=[ids[3]])
+
+    nodes = load_nodes("aws:bert")  # through node_setup.inventory, as 'fab --cluster aws:bert' does
+
+    assert [n.name for n in nodes] == ["bert-0", "bert-1", "bert-2"]
+    assert [n.index for n in nodes] == [0, 1, 2]
+    assert [n.labels["instance_id"] for n in nodes] == [ids[0], ids[1], ids[2]]
+    described = {i["InstanceId"]: i for r in ec2().describe_instances(InstanceIds=list(ids.values()))["Reservations"]
+                 for i in r["Instances"]}
+    for node in nodes:
+        inst = described[node.labels["instance_id"]]
+        assert node.host == inst["PublicIpAddress"] and node.private_host == inst["PrivateIpAddress"]
+        assert (node.user, node.port, node.python) == ("ubuntu", 22, REMOTE_PYTHON)
+    assert nodes[0].labels["role"] == "master"
+    with pytest.raises(ClusterError, match=r"--nodes 4 but the cluster 'aws:bert' has 3 nodes; run 'pulumi up'"):
+        select(nodes, 4, "aws:bert")
+
+
+def test_cluster_name_comes_from_env_or_from_the_only_running_cluster(aws_env, monkeypatch):
+    launch("solo", 0, user="ec2-user")
+    assert [n.user for n in load_nodes("aws")] == ["ec2-user"]  # the only cluster; user from its tag
+    launch("bert", 0)
+    with pytest.raises(ClusterError, match=r"2 clusters are running \(bert, solo\); pick one with --cluster aws:NAME"):
+        load_nodes("aws")
+    monkeypatch.setenv("XC_AWS_CLUSTER", "bert")
+    (node,) = load_nodes("aws")
+    assert node.name == "bert-0" and node.user == "ubuntu"  # no ssh-user tag: Ubuntu's default
+
+
+def test_no_running_nodes_is_a_clear_error(aws_env):
+    with pytest.raises(ClusterError, match=r"no running instances of cluster 'bert' in us-east-1; run 'pulumi up'"):
+        load_nodes("aws:bert")
+    with pytest.raises(ClusterError, match=r"no running xeon-cluster instances in us-east-1"):
+        load_nodes("aws")
+
+
+def test_a_cluster_without_its_master_is_refused(aws_env):
+    master = launch("bert", 0)
+    launch("bert", 1)
+    ec2().terminate_instances(InstanceIds=[master])
+    with pytest.raises(ClusterError, match=r"node 0 \(the master\) of cluster 'bert' is not running"):
+        load_nodes("aws:bert")
+
+
+def test_two_instances_claiming_one_index_are_refused(aws_env):
+    launch("bert", 0)
+    launch("bert", 0)
+    with pytest.raises(ClusterError, match="both claim index 0 of cluster 'bert'; give each stack its own clusterName"):
+        load_nodes("aws:bert")
+
+
+def test_missing_credentials_is_a_clear_error(moto_server, monkeypatch, tmp_path):
+    isolate_aws(monkeypatch, tmp_path)
+    monkeypatch.setenv("XC_AWS_ENDPOINT_URL", moto_server)  # even if signing passed, nothing leaves 127.0.0.1
+    with pytest.raises(ClusterError, match=r"no AWS credentials for --cluster aws; run 'aws configure'"):
+        load_nodes("aws:bert")
+
+
+def test_importing_discovery_needs_neither_boto3_nor_pulumi():
+    code = textwrap.dedent("""
+        import sys
+        sys.modules["boto3"] = sys.modules["botocore"] = sys.modules["pulumi"] = None  # import would fail
+        import infra.discovery, infra.catalog, infra.cost
+        from node_setup import inventory
+        print(inventory._SOURCES["aws"].__name__, inventory._SOURCES["pulumi"].__name__)
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         cwd=os.path.dirname(os.path.dirname(__file__)))
+    assert out.stdout.split() == ["aws_nodes", "pulumi_nodes"]
+
+
+# -- cost -------------------------------------------------------------------------------------
+def test_cost_uses_the_live_spot_price(aws_env):
+    price = cost.spot_price("r7iz.16xlarge", "us-east-1a")
+    assert price is not None and 0 < price < catalog.lookup("r7iz.16xlarge").on_demand_usd_h
+    est = cost.estimate("r7iz.16xlarge", 4, availability_zone="us-east-1a", root_volume_gib=100)
+    assert est.node_usd_h == price and est.source == "spot price in us-east-1a"
+    assert est.total_usd_h == pytest.approx(4 * (price + 100 * 0.08 / 730 + 0.005), abs=1e-4)
+
+
+def test_cost_falls_back_to_the_catalog_where_aws_lists_no_spot_price(aws_env):
+    # moto's offerings mirror AWS: us-east-1e has no r7iz
+    assert cost.spot_price("r7iz.16xlarge", "us-east-1e") is None
+    est = cost.estimate("r7iz.16xlarge", 2, availability_zone="us-east-1e", root_volume_gib=50)
+    assert est.node_usd_h == catalog.lookup("r7iz.16xlarge").on_demand_usd_h
+    assert "spot price unavailable" in est.source
+
+
+def test_cost_caps_at_max_price_and_on_demand_ignores_spot(aws_env):
+    capped = cost.estimate("r7iz.16xlarge", 1, availability_zone="us-east-1e", max_spot_price=2.0)
+    assert (capped.node_usd_h, capped.source) == (2.0, "maxSpotPrice cap")
+    on_demand = cost.estimate("c6i.32xlarge", 3, availability_zone="us-east-1a", spot=False, root_volume_gib=100)
+    assert on_demand.market == "on-demand" and on_demand.node_usd_h == 5.44
+    assert "3 x c6i.32xlarge on-demand at $5.4400/h" in on_demand.summary()
+
+
+def test_cost_without_credentials_still_estimates(moto_server, monkeypatch, tmp_path):
+    isolate_aws(monkeypatch, tmp_path)
+    monkeypatch.setenv("XC_AWS_ENDPOINT_URL", moto_server)
+    est = cost.estimate("c6i.16xlarge", 2, availability_zone="us-east-1a")
+    assert est.node_usd_h == 2.72 and "spot price unavailable" in est.source
+
+
+def test_catalog_matches_the_instance_specs_aws_publishes(aws_env):
+    # moto serves AWS's recorded DescribeInstanceTypes data: vCPUs, cores, memory, network, EFA
+    types = ec2().describe_instance_types(InstanceTypes=list(catalog.CATALOG))["InstanceTypes"]
+    assert len(types) == len(catalog.CATALOG)
+    for t in types:
+        entry = catalog.lookup(t["InstanceType"])
+        assert t["VCpuInfo"]["DefaultVCpus"] == entry.vcpus, entry.name
+        assert t["VCpuInfo"]["DefaultCores"] == entry.cores, entry.name
+        assert t["MemoryInfo"]["SizeInMiB"] == entry.memory_gib * 1024, entry.name
+        assert t["NetworkInfo"]["NetworkPerformance"].startswith(
+            ("Up to " if entry.burst_network else "") + f"{entry.network_gbit:g} Gigabit"), entry.name
+        assert t["NetworkInfo"]["EfaSupported"] == entry.efa, entry.name
+        assert t["BareMetal"] == entry.metal, entry.name
+
+
+# -- pulumi (fake CLI) ------------------------------------------------------------------------
+STACK_OUTPUT = {
+    "clusterName": "bert", "sshUser": "ubuntu", "masterPrivateIp": "10.42.0.11",
+    "nodes": [{"name": "bert-1", "index": 1, "role": "worker", "publicIp": "198.51.100.12", "privateIp": "10.42.0.12"},
+              {"name": "bert-0", "index": 0, "role": "master", "publicIp": "198.51.100.11",
+               "privateIp": "10.42.0.11"}],
+}
+
+
+def fake_pulumi(tmp_path, monkeypatch, script: str):
+    """A `pulumi` executable on PATH that records its argv and answers like the real CLI would."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    exe = bin_dir / "pulumi"
+    exe.write_text(f"#!{sys.executable}\nimport json, sys\n"
+                   f"open({str(tmp_path / 'argv.json')!r}, 'w').write(json.dumps(sys.argv[1:]))\n" + script)
+    exe.chmod(exe.stat().st_mode | stat.S_IXUSR)
+    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    return tmp_path / "argv.json"
+
+
+def test_pulumi_source_reads_the_stack_outputs_with_a_fake_cli(tmp_path, monkeypatch):
+    argv = fake_pulumi(tmp_path, monkeypatch, f"print(json.dumps({STACK_OUTPUT!r}))\n")
+    nodes = load_nodes("pulumi:prod")
+    assert json.loads(argv.read_text()) == ["stack", "output", "--json", "--cwd", str(discovery.PROJECT_DIR),
+                                            "--stack", "prod"]
+    assert [(n.name, n.index, n.host, n.private_host, n.user) for n in nodes] == [
+        ("bert-0", 0, "198.51.100.11", "10.42.0.11", "ubuntu"),
+        ("bert-1", 1, "198.51.100.12", "10.42.0.12", "ubuntu")]
+
+
+def test_pulumi_source_errors_name_the_stack_and_the_fix(tmp_path, monkeypatch):
+    fake_pulumi(tmp_path, monkeypatch, "sys.stderr.write(\"error: no stack named 'prod' found\\n\"); sys.exit(255)\n")
+    with pytest.raises(ClusterError, match=r"Pulumi stack prod not found .*pulumi stack ls"):
+        load_nodes("pulumi:prod")
+
+
+def test_pulumi_source_without_nodes_output_says_run_pulumi_up(tmp_path, monkeypatch):
+    fake_pulumi(tmp_path, monkeypatch, "print('{}')\n")
+    with pytest.raises(ClusterError, match=r"stack 'dev' has no 'nodes' output; run 'pulumi up' first"):
+        load_nodes("pulumi:dev")
+
+
+def test_pulumi_source_without_the_cli_points_to_aws(tmp_path, monkeypatch):
+    monkeypatch.setenv("PATH", str(tmp_path))  # no pulumi here
+    with pytest.raises(ClusterError, match=r"needs the Pulumi CLI.*--cluster aws:NAME"):
+        load_nodes("pulumi")
