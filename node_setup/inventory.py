@@ -10,9 +10,9 @@ import getpass
 import logging
 import os
 import shlex
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Callable
 
 from .errors import ClusterError
 
@@ -82,8 +82,8 @@ def select(nodes: list[Node], count: int | None, cluster: str = "") -> list[Node
         raise ClusterError(f"--nodes {count} is below 1; ask for at least one node")
     if count > len(nodes):
         where = f" {cluster!r}" if cluster else ""
-        fix = ("run 'fab local-up --nodes %d' or lower --nodes" % count) if cluster in ("", "local") else \
-            ("run 'pulumi up' with nodeCount=%d or lower --nodes" % count)
+        fix = (f"run 'fab local-up --nodes {count}' or lower --nodes" if cluster in ("", "local")
+               else f"run 'pulumi up' with nodeCount={count} or lower --nodes")
         raise ClusterError(f"--nodes {count} but the cluster{where} has {len(nodes)} nodes; {fix}")
     return list(nodes[:count])
 

@@ -146,7 +146,8 @@ def up(count: int, port: int = DEFAULT_PORT, first_address: str = FIRST_ADDRESS,
             proc = subprocess.Popen(
                 [sshd, "-D", "-f", str(config), "-E", str(log_file)],
                 stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                start_new_session=True, preexec_fn=lambda c=cpus: os.sched_setaffinity(0, c),
+                start_new_session=True,
+                preexec_fn=lambda c=cpus: os.sched_setaffinity(0, c),  # noqa: PLW1509 (no threads here yet)
             )
             node = Node(name=name, host=address, private_host=address, user=user, port=port, index=i,
                         home=str(node_dir / "home"), python=python or _default_python(),

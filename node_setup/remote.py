@@ -3,10 +3,10 @@ from __future__ import annotations
 
 import logging
 import os
-import socket
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Callable, TypeVar
+from typing import TypeVar
 
 import paramiko
 from fabric import Connection
@@ -57,7 +57,7 @@ def connect(node: Node, timeout: float = 10.0) -> Connection:
             raise ClusterError(f"{where}: host key unknown; verify it and add it to ~/.ssh/known_hosts "
                                f"(e.g. 'ssh -p {node.port} {node.user}@{node.host}' once) or set XC_KNOWN_HOSTS") from None
         raise ClusterError(f"{where}: SSH failed: {exc}") from None
-    except (OSError, socket.timeout) as exc:
+    except (TimeoutError, OSError) as exc:
         reason = getattr(exc, "strerror", None) or str(exc) or type(exc).__name__
         raise ClusterError(f"{where} is unreachable ({reason}); check that the node is up "
                            "('fab local-up' or 'pulumi up') and that SSH is allowed from this machine") from None

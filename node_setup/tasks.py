@@ -10,8 +10,8 @@ import os
 import sys
 
 from fabric import task
-from invoke import Collection
 from fabric.executor import Executor
+from invoke import Collection
 from invoke.exceptions import Exit
 
 from . import keys as keys_lib

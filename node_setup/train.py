@@ -6,6 +6,7 @@ from __future__ import annotations
 import io
 import json
 import logging
+import os
 import random
 import re
 import shlex
@@ -23,13 +24,13 @@ from . import keys, shipping, topology
 from .cluster import Cluster
 from .errors import ClusterError, NodeFailure
 from .inventory import Node
-from .remote import HOME_EXPR, connect, fan_out, remote_home, run
+from .remote import connect, fan_out, remote_home, run
 from .render import render
 
 log = logging.getLogger(__name__)
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
-RUNS = PROJECT_ROOT / "runs"
+RUNS = Path(os.environ.get("XC_RUNS_DIR") or PROJECT_ROOT / "runs")
 # Flags of the bundled jobs whose values are files on the operator's machine: shipped to the nodes.
 FILE_FLAGS = ("--train_file", "--validation_file", "--test_file")
 BACKENDS = ("auto", "ccl", "gloo")

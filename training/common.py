@@ -18,8 +18,8 @@ PROGRESS_TAG = "[progress]"
 def setup_logging(is_main: bool) -> None:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s", force=True)
     logging.getLogger("training").setLevel(logging.INFO if is_main else logging.WARNING)
-    import transformers
     import datasets
+    import transformers
 
     transformers.utils.logging.set_verbosity_warning()
     datasets.utils.logging.set_verbosity_warning()
@@ -46,11 +46,11 @@ def progress_callback(every: int | None = None):
 
     class Progress(TrainerCallback):
         def __init__(self):
-            self.started = time.monotonic()
+            self.started = self.last = time.monotonic()
             self.loss = None
 
         def on_train_begin(self, args, state, control, **kw):
-            self.started = time.monotonic()
+            self.started = self.last = time.monotonic()
 
         def on_log(self, args, state, control, logs=None, **kw):
             if logs and "loss" in logs:
@@ -59,8 +59,12 @@ def progress_callback(every: int | None = None):
         def on_step_end(self, args, state, control, **kw):
             total = state.max_steps or 1
             step_every = every or max(1, total // 20)
-            if state.is_world_process_zero and (state.global_step % step_every == 0 or state.global_step == total):
-                print(progress_line(state.global_step, total, self.started, self.loss, state.epoch), flush=True)
+            step = state.global_step
+            # the first step, every ~5%, the last, and at least every 30 s on long runs
+            due = step == 1 or step % step_every == 0 or step == total or time.monotonic() - self.last > 30
+            if state.is_world_process_zero and due:
+                self.last = time.monotonic()
+                print(progress_line(step, total, self.started, self.loss, state.epoch), flush=True)
 
     return Progress()
 

@@ -63,7 +63,8 @@ def rank_env(env=None) -> tuple[int, int, int]:
 
 def cpu_has_bf16() -> bool:
     try:
-        flags = next(line for line in open("/proc/cpuinfo") if line.startswith("flags")).split()
+        with open("/proc/cpuinfo") as f:
+            flags = next(line for line in f if line.startswith("flags")).split()
     except (OSError, StopIteration):
         return False
     return "amx_bf16" in flags or "avx512_bf16" in flags
@@ -120,8 +121,8 @@ def optimize_with_ipex(model, optimizer, info: DistInfo):
     """ipex.optimize when IPEX is installed (transformers no longer wires it)."""
     if not info.ipex:
         return model, optimizer
-    import torch
     import intel_extension_for_pytorch as ipex
+    import torch
 
     dtype = torch.bfloat16 if info.precision == "bf16" else torch.float32
     return ipex.optimize(model, optimizer=optimizer, dtype=dtype)

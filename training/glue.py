@@ -8,7 +8,6 @@ results.json written by rank 0. Without data flags it trains on the bundled para
 from __future__ import annotations
 
 import logging
-import os
 import sys
 import time
 from dataclasses import dataclass, field
@@ -120,9 +119,17 @@ def main(argv: list[str] | None = None) -> int:
     started = time.monotonic()
 
     import torch
-    from transformers import (AutoConfig, AutoModelForSequenceClassification, AutoTokenizer,
-                              DataCollatorWithPadding, HfArgumentParser, Trainer, TrainingArguments,
-                              default_data_collator, set_seed)
+    from transformers import (
+        AutoConfig,
+        AutoModelForSequenceClassification,
+        AutoTokenizer,
+        DataCollatorWithPadding,
+        HfArgumentParser,
+        Trainer,
+        TrainingArguments,
+        default_data_collator,
+        set_seed,
+    )
 
     if info.precision == "bf16" and not any(a.startswith("--bf16") for a in argv):
         argv += ["--bf16", "True"]

@@ -1,0 +1,86 @@
+"""Shared fixtures: a real local cluster (sshd on loopback) in a private state folder."""
+from __future__ import annotations
+
+import os
+import random
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+FAB = [sys.executable, "-m", "fabric"]
+
+
+def _port_free(port: int, hosts) -> bool:
+    for host in hosts:
+        with socket.socket() as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                return False
+    return True
+
+
+def free_cluster_port(nodes: int, first: int = 2) -> int:
+    hosts = [f"127.0.0.{first + i}" for i in range(nodes)]
+    for _ in range(50):
+        port = random.randint(20000, 40000)
+        if _port_free(port, hosts):
+            return port
+    raise RuntimeError("no free port for the local cluster")
+
+
+def fab(*args: str, env: dict | None = None, timeout: float = 900, check: bool = False) -> subprocess.CompletedProcess:
+    """Run the real `fab` CLI from the project root."""
+    res = subprocess.run([*FAB, *args], cwd=ROOT, env={**os.environ, **(env or {})}, capture_output=True,
+                         text=True, timeout=timeout, stdin=subprocess.DEVNULL, check=False)
+    if check and res.returncode != 0:
+        raise AssertionError(f"fab {' '.join(args)} failed ({res.returncode}):\n{res.stdout}\n{res.stderr}")
+    return res
+
+
+class LocalCluster:
+    def __init__(self, state_root: Path, runs: Path, nodes: int, port: int):
+        self.state_root, self.runs, self.count, self.port = state_root, runs, nodes, port
+        self.env = {"XC_STATE_DIR": str(state_root), "XC_RUNS_DIR": str(runs), "XC_CLUSTER": "local"}
+
+    @property
+    def state(self) -> Path:
+        return self.state_root / "local"
+
+    def fab(self, *args, **kw):
+        return fab(*args, env={**self.env, **kw.pop("env", {})}, **kw)
+
+    def run_dirs(self) -> set[str]:
+        return {p.name for p in self.runs.iterdir()} if self.runs.exists() else set()
+
+
+def start_cluster(tmp: Path, nodes: int) -> LocalCluster:
+    lc = LocalCluster(tmp / "state", tmp / "runs", nodes, free_cluster_port(nodes))
+    fab("local-up", "--nodes", str(nodes), "--port", str(lc.port), env=lc.env, check=True, timeout=60)
+    return lc
+
+
+@pytest.fixture(scope="session")
+def cluster2(tmp_path_factory):
+    lc = start_cluster(tmp_path_factory.mktemp("cluster2"), 2)
+    yield lc
+    fab("local-down", env=lc.env, timeout=60)
+
+
+def processes_with_env(needle: str) -> list[int]:
+    """PIDs whose environment holds the entry `needle` ('XC_RUN_ID=abc'), or any entry of that
+    name when `needle` ends with '=' ('XC_RUN_ID=')."""
+    found = []
+    for env in Path("/proc").glob("[0-9]*/environ"):
+        try:
+            entries = env.read_bytes().split(b"\0")
+        except OSError:
+            continue
+        key = needle.encode()
+        if any(e.startswith(key) for e in entries) if needle.endswith("=") else key in entries:
+            found.append(int(env.parent.name))
+    return found

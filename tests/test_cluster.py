@@ -1,0 +1,234 @@
+"""Integration on a real local cluster: sshd nodes on loopback, real SSH, real Intel MPI, real training."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from conftest import FAB, ROOT, processes_with_env, start_cluster
+
+pytestmark = pytest.mark.cluster
+
+# Small but real: the test asserts the model learned something, so it needs a few hundred steps.
+LEARN_ARGS = ["--num_train_epochs", "2", "--per_device_train_batch_size", "8", "--learning_rate", "1e-4",
+              "--max_train_samples", "800", "--seed", "42"]
+TINY_ARGS = ["--num_train_epochs", "1", "--per_device_train_batch_size", "8", "--max_train_samples", "32",
+             "--max_eval_samples", "32"]
+
+
+def node_home(lc, name):
+    return lc.state / "nodes" / name / "home"
+
+
+def test_keys_give_node0_verified_ssh_to_every_node(cluster2):
+    first = cluster2.fab("keys", check=True)
+    assert "2 node(s) authorized" in first.stdout
+    again = cluster2.fab("keys", check=True)
+    assert "(0 new)" in again.stdout  # idempotent
+    ssh_dir = node_home(cluster2, "node0") / "ssh"
+    assert (ssh_dir / "id_ed25519").stat().st_mode & 0o777 == 0o600
+    known = (ssh_dir / "known_hosts").read_text().splitlines()
+    for i, line in enumerate(known):  # each entry is the node's real host key
+        host_pub = (cluster2.state / "nodes" / f"node{i}" / "ssh_host_ed25519_key.pub").read_text().split()
+        assert line.split()[1:] == host_pub[:2]
+        assert line.startswith(f"[127.0.0.{2 + i}]:{cluster2.port} ")
+    cfg = (ssh_dir / "config").read_text()
+    assert "StrictHostKeyChecking yes" in cfg
+    # node 0's config reaches node1 ...
+    ok = subprocess.run(["ssh", "-F", str(ssh_dir / "config"), "node1", "echo $XC_NODE"],
+                        capture_output=True, text=True, timeout=30, check=False)
+    assert ok.returncode == 0 and ok.stdout.strip() == "node1"
+    # ... and refuses a node whose host key does not match (checking is really on)
+    bad_known = ssh_dir.parent / "bad_known_hosts"
+    other = (cluster2.state / "nodes" / "node0" / "ssh_host_ed25519_key.pub").read_text().split()
+    bad_known.write_text(f"[127.0.0.3]:{cluster2.port} {other[0]} {other[1]}\n")
+    bad = subprocess.run(["ssh", "-F", str(ssh_dir / "config"), "-o", f"UserKnownHostsFile={bad_known}",
+                          "node1", "true"], capture_output=True, text=True, timeout=30, check=False)
+    assert bad.returncode != 0 and "host key" in bad.stderr.lower()
+    # the private key never reaches the terminal
+    assert "PRIVATE KEY" not in first.stdout + first.stderr
+
+
+@pytest.mark.slow
+def test_two_node_glue_run_learns_and_records_everything(cluster2):
+    res = cluster2.fab("train", "--nodes", "2", "--job", "glue", "--", *LEARN_ARGS, timeout=900)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    out = res.stdout
+    # every rank's start-up line, prefixed with rank and host, streamed through
+    assert "[0 node0] rank 0/2" in out and "[1 node1] rank 1/2" in out
+    assert "backend=gloo" in out
+    assert "[0 node0] [progress] step" in out
+    run_dir = next(cluster2.runs.iterdir())
+    results = json.loads((run_dir / "results.json").read_text())
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert results["world_size"] == 2 and results["backend"] == "gloo"
+    ev = results["eval"]
+    assert ev["eval_accuracy"] > ev["eval_majority_rate"] + 0.05, ev
+    assert results["train"]["train_samples_per_second"] > 0
+    assert summary["status"] == "ok" and summary["wall_s"] > 0
+    assert summary["env"]["OMP_NUM_THREADS"] == "1"  # each local node owns one core of this machine
+    assert set(summary["topology"]) == {"node0", "node1"}
+    assert summary["command"][0].endswith("mpirun")
+    assert (run_dir / "log.txt").read_text().count("[progress]") >= 5
+    assert "mpirun" in (run_dir / "command.sh").read_text()
+
+
+def test_user_script_runs_unchanged_with_rank_variables(cluster2, tmp_path):
+    script = tmp_path / "allreduce.py"
+    script.write_text(
+        "import os, sys, torch, torch.distributed as dist\n"
+        "dist.init_process_group('gloo')\n"
+        "t = torch.tensor([float(dist.get_rank() + 1)])\n"
+        "dist.all_reduce(t)\n"
+        "print(f'rank {dist.get_rank()} of {dist.get_world_size()} on {os.environ[\"XC_NODE\"]} sum {t.item():.0f} '\n"
+        "      f'threads {os.environ[\"OMP_NUM_THREADS\"]} args {sys.argv[1:]}')\n"
+        "dist.destroy_process_group()\n")
+    res = cluster2.fab("train", "--nodes", "2", "--script", str(script), "--", "--flag", "a b", timeout=300)
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
+    assert "[0 node0] rank 0 of 2 on node0 sum 3 threads 1 args ['--flag', 'a b']" in res.stdout
+    assert "[1 node1] rank 1 of 2 on node1 sum 3" in res.stdout
+
+
+class OutputReader:
+    """Collects a process's output on a thread, so the test can wait for a line without blocking."""
+
+    def __init__(self, proc):
+        self.lines: list[str] = []
+        self.thread = threading.Thread(target=lambda: self.lines.extend(iter(proc.stdout.readline, "")),
+                                       daemon=True)
+        self.thread.start()
+
+    def wait_for(self, pattern: str, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if any(pattern in line for line in list(self.lines)):
+                return
+            if not self.thread.is_alive():
+                break
+            time.sleep(0.2)
+        raise AssertionError(f"{pattern!r} not seen in {timeout}s:\n" + "".join(self.lines)[-3000:])
+
+    def text(self, timeout: float) -> str:
+        self.thread.join(timeout)
+        return "".join(self.lines)
+
+
+def test_killed_rank_fails_the_whole_job_quickly_and_leaves_nothing(cluster2):
+    before = cluster2.run_dirs()
+    proc = subprocess.Popen([*FAB, "train", "--nodes", "2", "--", "--num_train_epochs", "50",
+                             "--per_device_train_batch_size", "8"], cwd=ROOT, text=True,
+                            env={**os.environ, **cluster2.env}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            stdin=subprocess.DEVNULL)
+    reader = OutputReader(proc)
+    try:
+        reader.wait_for("[progress] step", 240)
+        run_id = (cluster2.run_dirs() - before).pop()
+        victims = [p for p in processes_with_env(f"XC_RUN_ID={run_id}")
+                   if p in processes_with_env("PMI_RANK=1")
+                   and b"python" in Path(f"/proc/{p}/cmdline").read_bytes()]
+        assert victims, "rank 1's python process not found"
+        killed_at = time.monotonic()
+        os.kill(victims[0], signal.SIGKILL)
+        proc.wait(timeout=90)
+        elapsed = time.monotonic() - killed_at
+        out = reader.text(10)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode != 0
+    assert elapsed < 60, f"job took {elapsed:.0f}s to fail"
+    last = out.strip().splitlines()[-1]
+    assert last.startswith("error: run") and "node1" in last, last
+    assert processes_with_env(f"XC_RUN_ID={run_id}") == []
+    summary = json.loads((cluster2.runs / run_id / "summary.json").read_text())
+    assert summary["status"] == "failed" and summary["failed_node"] == "node1"
+    assert not (cluster2.runs / run_id / "results.json").exists()  # no partial result presented
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--nodes", "3"], "--nodes 3 but the cluster 'local' has 2 nodes; run 'fab local-up --nodes 3' or lower --nodes"),
+    (["--nodes", "0"], "--nodes 0 is below 1"),
+    (["--job", "nope"], "--job 'nope' is not a bundled job"),
+    (["--backend", "nccl"], "--backend 'nccl' is not one of"),
+    (["--", "--train_file", "/nonexistent/train.csv"], "--train_file /nonexistent/train.csv does not exist"),
+    (["--script", "/nonexistent.py"], "--script /nonexistent.py does not exist"),
+    (["--backend", "ccl"], "--backend ccl but oneccl_bindings_for_pytorch is missing on node0, node1"),
+])
+def test_bad_input_is_one_line_and_starts_nothing(cluster2, args, message):
+    before = cluster2.run_dirs()
+    res = cluster2.fab("train", *args, timeout=120)
+    assert res.returncode != 0
+    lines = res.stderr.strip().splitlines()
+    assert lines and lines[-1].startswith("error: ") and message in lines[-1], res.stderr
+    assert "Traceback" not in res.stderr
+    assert cluster2.run_dirs() == before
+    assert processes_with_env("XC_RUN_ID=") == []  # no rank of any run is alive
+
+
+def test_unreachable_node_is_named(tmp_path):
+    from conftest import fab
+
+    hosts = tmp_path / "hosts"
+    # 127.0.0.1:9 (discard) has no sshd: the connection is refused at once
+    hosts.write_text("node0 127.0.0.1 port=9\n")
+    res = fab("train", "--cluster", f"hosts:{hosts}", "--nodes", "1", env={"XC_RUNS_DIR": str(tmp_path / "runs")},
+              timeout=60)
+    assert res.returncode != 0
+    last = res.stderr.strip().splitlines()[-1]
+    assert "node0 (127.0.0.1:9) is unreachable" in last and "fab local-up" in last
+    assert not (tmp_path / "runs").exists()
+
+
+def test_no_local_cluster_names_the_fix(tmp_path):
+    from conftest import fab
+
+    res = fab("train", env={"XC_STATE_DIR": str(tmp_path), "XC_CLUSTER": "local"}, timeout=60)
+    assert res.returncode != 0
+    assert res.stderr.strip().splitlines()[-1] == \
+        "error: no local cluster is running; start one with 'fab local-up --nodes 2'"
+
+
+def test_missing_sshd_is_reported_with_the_install_command(monkeypatch):
+    from node_setup import local
+    from node_setup.errors import ClusterError
+
+    monkeypatch.setattr(local.shutil, "which", lambda name: None)
+    monkeypatch.setattr(local.os, "access", lambda path, mode: False)
+    with pytest.raises(ClusterError, match="apt-get install openssh-server"):
+        local.sshd_binary()
+
+
+def test_local_down_stops_exactly_its_own_processes(tmp_path):
+    lc = start_cluster(tmp_path, 2)
+    pids = [n["pid"] for n in json.loads((lc.state / "state.json").read_text())["nodes"]]
+    bystander = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        assert all(os.path.exists(f"/proc/{p}") for p in pids)
+        res = lc.fab("local-down", check=True)
+        assert "2 node(s) stopped" in res.stdout
+        for p in pids:
+            stat = f"/proc/{p}/stat"
+            assert not os.path.exists(stat) or Path(stat).read_text().split(")")[1].split()[0] == "Z"
+        assert bystander.poll() is None  # an unrelated process is untouched
+    finally:
+        bystander.kill()
+    assert "no local cluster" in lc.fab("local-down", check=True).stdout
+
+
+def test_four_node_run(tmp_path):
+    lc = start_cluster(tmp_path, 4)
+    try:
+        res = lc.fab("train", "--nodes", "4", "--", *TINY_ARGS, timeout=600)
+        assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+        for i in range(4):
+            assert f"[{i} node{i}] rank {i}/4" in res.stdout
+        results = json.loads(next(lc.runs.iterdir()).joinpath("results.json").read_text())
+        assert results["world_size"] == 4
+    finally:
+        lc.fab("local-down")

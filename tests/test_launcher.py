@@ -1,0 +1,118 @@
+"""The mpirun argv / environment builder and the templates it renders (pure; nothing runs)."""
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from node_setup import topology
+from node_setup.render import render
+from training import launcher
+
+DATA = Path(__file__).parent / "data"
+
+
+def plan(backend="gloo", nodes=2, ppn=None, overrides=None, pin=True):
+    topo = topology.parse((DATA / "r7iz.metal-32xl.probe").read_text())
+    layout = topology.derive_layout(topo, ppn=ppn, backend=backend)
+    node_plans = tuple(launcher.NodePlan(f"node{i}", layout, topo.malloc) for i in range(nodes))
+    return launcher.LaunchPlan(run_id="r1", nodes=node_plans, master_addr="10.0.0.10", master_port=29500,
+                               backend=backend, precision="bf16", entry=("-m", "training.glue"),
+                               args=("--learning_rate", "2e-5", "--output_dir", "out dir"),
+                               env_overrides=overrides or {}, pin=pin)
+
+
+def test_world_size_and_rank_to_host_follow_block_placement():
+    p = plan(nodes=4)
+    assert p.ppn == 2 and p.world_size == 8
+    assert [p.rank_host(r) for r in range(8)] == ["node0", "node0", "node1", "node1", "node2", "node2",
+                                                   "node3", "node3"]
+
+
+def test_mpirun_argv_shape():
+    argv = launcher.mpirun_argv(plan(), ssh_config="/home/u/.xeon-cluster/ssh/config", mpirun="/opt/v/bin/mpirun")
+    assert argv[:7] == ["/opt/v/bin/mpirun", "-f", "hostfile", "-n", "4", "-ppn", "2"]
+    assert "-l" in argv  # rank prefixes on every line
+    i = argv.index("-bootstrap-exec-args")
+    assert argv[i + 1] == "-F /home/u/.xeon-cluster/ssh/config"
+    assert "-genvnone" in argv  # nothing from node 0's shell leaks into the ranks
+    assert argv[-4:] == ["--learning_rate", "2e-5", "--output_dir", "out dir"]  # job args untouched
+    assert "runs/r1/rank.sh" in argv[argv.index("-c") + 1]
+
+
+def genv(argv):
+    out = {}
+    for i, a in enumerate(argv):
+        if a == "-genv":
+            out[argv[i + 1]] = argv[i + 2]
+    return out
+
+
+def test_gloo_env():
+    env = genv(launcher.mpirun_argv(plan(), ssh_config="c"))
+    assert env["OMP_NUM_THREADS"] == "32"
+    assert env["MASTER_ADDR"] == "10.0.0.10" and env["MASTER_PORT"] == "29500"
+    assert env["XC_BACKEND"] == "gloo" and env["XC_PRECISION"] == "bf16"
+    assert env["I_MPI_PIN"] == "0"  # rank.sh pins per node
+    assert not any(k.startswith("CCL_") for k in env)
+
+
+def test_ccl_env_and_worker_affinity():
+    p = plan(backend="ccl", ppn=2)
+    env = genv(launcher.mpirun_argv(p, ssh_config="c"))
+    assert env["CCL_WORKER_COUNT"] == "2"
+    assert env["OMP_NUM_THREADS"] == "30"
+    assert env["CCL_ATL_TRANSPORT"] == "ofi"
+    node_env = launcher.node_env(p, p.nodes[0])
+    assert node_env["CCL_WORKER_AFFINITY"] == "30,31,62,63"
+    assert node_env["LD_PRELOAD"].endswith("libtcmalloc.so.4")
+
+
+def test_overrides_win_over_derived_values():
+    p = plan(overrides={"OMP_NUM_THREADS": "7", "LD_PRELOAD": ""})
+    env = genv(launcher.mpirun_argv(p, ssh_config="c"))
+    assert env["OMP_NUM_THREADS"] == "7"
+    assert "LD_PRELOAD" not in launcher.node_env(p, p.nodes[0])
+
+
+def test_rendered_node_env_and_rank_script_are_valid_bash(tmp_path):
+    p = plan(backend="ccl", ppn=2)
+    env_sh = render("node_env.sh.j2", run_id="r1", node="node0", python="/opt/x/bin/python",
+                    code_dir="/home/u/.xeon-cluster/code/abc", rank_cpus=launcher.rank_cpus(p.nodes[0]),
+                    env=sorted(launcher.node_env(p, p.nodes[0]).items()))
+    assert "export XC_CPUS_0=" + ",".join(map(str, range(32))) in env_sh
+    assert "export CCL_WORKER_AFFINITY=30,31,62,63" in env_sh
+    rank_sh = render("rank.sh.j2", run_id="r1", pin="yes", entry=launcher.shell_join(list(p.entry)))
+    assert "{{" not in env_sh + rank_sh
+    for name, text in (("env.sh", env_sh), ("rank.sh", rank_sh)):
+        f = tmp_path / name
+        f.write_text(text)
+        subprocess.run(["bash", "-n", str(f)], check=True)
+    # the environment file really exports what it says
+    out = subprocess.run(["bash", "-c", f"source {tmp_path / 'env.sh'}; echo $XC_CPUS_1; echo $XC_PYTHON"],
+                         capture_output=True, text=True, check=True).stdout.split()
+    assert out == [",".join(map(str, range(32, 64))), "/opt/x/bin/python"]
+
+
+def test_hostfile_and_ssh_config_templates():
+    from node_setup.inventory import Node
+
+    nodes = [Node(f"node{i}", f"203.0.113.{i}", f"10.0.0.{i}", "ubuntu", 22, i) for i in range(3)]
+    assert render("hostfile.j2", nodes=nodes).split() == ["node0", "node1", "node2"]
+    cfg = render("ssh_config.j2", cluster="c", nodes=nodes, ssh_dir="/h/ssh")
+    assert "StrictHostKeyChecking yes" in cfg
+    assert "StrictHostKeyChecking no" not in cfg
+    assert "HostName 10.0.0.2" in cfg  # private addresses inside the cluster
+    assert "UserKnownHostsFile /h/ssh/known_hosts" in cfg
+
+
+def test_shell_join_quotes():
+    assert launcher.shell_join(["a b", "c"]) == "'a b' c"
+
+
+@pytest.mark.parametrize("job", list(launcher.JOBS))
+def test_every_bundled_job_is_an_importable_module(job):
+    import importlib
+
+    kind, module = launcher.JOBS[job]
+    assert kind == "-m"
+    assert hasattr(importlib.import_module(module), "main")
