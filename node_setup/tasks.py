@@ -53,6 +53,13 @@ def cli(fn):
     return wrapper
 
 
+def _int(value, flag: str) -> int:
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        raise ClusterError(f"{flag} {value!r} is not a whole number") from None
+
+
 def _cluster(c, cluster):
     """--cluster flag < XC_CLUSTER < fabric.yaml's xc.cluster < 'local'."""
     return cluster or os.environ.get("XC_CLUSTER") or c.config.get("xc", {}).get("cluster") or None
@@ -62,7 +69,7 @@ def _cluster(c, cluster):
 @cli
 def local_up(c, nodes=2, port=local_lib.DEFAULT_PORT):
     """Start a local cluster: N sshd nodes on 127.0.0.2, 127.0.0.3, ... (the active cluster)."""
-    started = local_lib.up(int(nodes), port=int(port))
+    started = local_lib.up(_int(nodes, "--nodes"), port=_int(port, "--port"))
     print(f"local cluster up: {len(started)} node(s) on port {port}: "
           + ", ".join(f"{n.name}={n.host}" for n in started))
 
@@ -116,18 +123,19 @@ def train(c, nodes=None, job="glue", script=None, ppn="auto", threads="auto", ba
             raise ClusterError(f"--env {item!r} is not KEY=VALUE")
         extra[key] = value
     req = train_lib.TrainRequest(
-        nodes=int(nodes) if nodes is not None else None, job=job, script=script, args=job_args(), ppn=str(ppn),
+        nodes=_int(nodes, "--nodes") if nodes is not None else None, job=job, script=script, args=job_args(), ppn=str(ppn),
         threads=str(threads), backend=backend, precision=precision, env=extra,
-        master_port=int(master_port) if master_port else None, pin=not no_pin, timeout_s=int(timeout))
+        master_port=_int(master_port, "--master-port") if master_port else None, pin=not no_pin,
+        timeout_s=_int(timeout, "--timeout"))
     result = train_lib.train(open_cluster(_cluster(c, cluster)), req)
     print(train_lib.result_line(result))
 
 
-@task(help={"nodes": "local nodes to start (default 2)"})
+@task(help={"nodes": "local nodes to start (default 2)", "port": "sshd port (default 2222)"})
 @cli
-def demo(c, nodes=2):
+def demo(c, nodes=2, port=local_lib.DEFAULT_PORT):
     """Start a local cluster, fine-tune MiniLM on the bundled paraphrase set, print the result, stop it."""
-    train_lib.demo(int(nodes))
+    train_lib.demo(_int(nodes, "--nodes"), port=_int(port, "--port"))
 
 
 ns = Collection(local_up, local_down, keys, train, demo)

@@ -493,17 +493,17 @@ def result_line(result: RunResult) -> str:
 
 
 # The demo's job flags: small enough for a 2-core machine, long enough to learn the task.
-DEMO_ARGS = ["--num_train_epochs", "2", "--per_device_train_batch_size", "16", "--learning_rate", "1e-4",
+DEMO_ARGS = ["--num_train_epochs", "2", "--per_device_train_batch_size", "8", "--learning_rate", "1e-4",
              "--max_train_samples", "800", "--seed", "42"]
 
 
-def demo(nodes: int = 2, out: TextIO = sys.stdout) -> RunResult:
+def demo(nodes: int = 2, port: int | None = None, out: TextIO = sys.stdout) -> RunResult:
     """Local cluster up, fine-tune on the bundled paraphrase set, cluster down (even on failure)."""
     from . import local
     from .cluster import open_cluster
 
     already = (local.state_dir() / "state.json").exists()
-    local.up(nodes)
+    local.up(nodes, **({"port": port} if port else {}))
     try:
         result = train(open_cluster("local"), TrainRequest(nodes=nodes, job="glue", args=list(DEMO_ARGS)), out)
         out.write(result_line(result) + "\n")

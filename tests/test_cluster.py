@@ -13,11 +13,12 @@ from pathlib import Path
 import pytest
 from conftest import FAB, ROOT, processes_with_env, start_cluster
 
+from node_setup.train import DEMO_ARGS
+
 pytestmark = pytest.mark.cluster
 
-# Small but real: the test asserts the model learned something, so it needs a few hundred steps.
-LEARN_ARGS = ["--num_train_epochs", "2", "--per_device_train_batch_size", "8", "--learning_rate", "1e-4",
-              "--max_train_samples", "800", "--seed", "42"]
+# The demo's own flags: the test asserts the model learned something, which takes ~100 steps.
+LEARN_ARGS = DEMO_ARGS
 TINY_ARGS = ["--num_train_epochs", "1", "--per_device_train_batch_size", "8", "--max_train_samples", "32",
              "--max_eval_samples", "32"]
 
