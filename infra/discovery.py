@@ -1,6 +1,7 @@
 """Inventory sources for Fabric: ``aws[:NAME]`` asks EC2 for the cluster's tagged, running
-instances (needs only AWS credentials); ``pulumi[:STACK]`` reads the stack's ``nodes`` output
-through the Pulumi CLI. Importing this module registers both with node_setup.inventory.
+instances (needs only AWS credentials) and records their host keys from their console output
+(infra.hostkeys); ``pulumi[:STACK]`` reads the stack's ``nodes`` output through the Pulumi CLI.
+Importing this module registers both with node_setup.inventory.
 """
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from pathlib import Path
 from node_setup.errors import ClusterError
 from node_setup.inventory import REMOTE_PYTHON, Node, register_source
 
-from . import TAG_CLUSTER, TAG_INDEX, TAG_ROLE, TAG_SSH_USER, ec2_client
+from . import TAG_CLUSTER, TAG_INDEX, TAG_ROLE, TAG_SSH_USER, ec2_client, hostkeys
 
 log = logging.getLogger(__name__)
 
@@ -54,7 +55,14 @@ def aws_nodes(cluster: str = "", region: str | None = None, client=None) -> list
     if missing:
         log.warning("cluster %s: nodes %s are not running (spot interruption?); 'pulumi up' replaces them",
                     name, ", ".join(map(str, missing)))
-    return [_aws_node(by_index[i], position, name) for position, i in enumerate(sorted(by_index))]
+    nodes = [_aws_node(by_index[i], position, name) for position, i in enumerate(sorted(by_index))]
+    with _aws_errors():
+        try:
+            hostkeys.record_host_keys(nodes, client, hostkeys.known_hosts_path(name))
+        except hostkeys.HostKeysPending as exc:
+            # not fatal here: a task may use only the nodes that are ready; connect() refuses the others
+            log.warning("%s", exc)
+    return nodes
 
 
 def _aws_node(inst: dict, position: int, cluster: str) -> Node:
@@ -111,7 +119,7 @@ def _aws_errors():
     except err.ClientError as exc:
         error = exc.response.get("Error", {})
         raise ClusterError(f"AWS refused {exc.operation_name} ({error.get('Code')}: {error.get('Message')}); check that "
-                           "the credentials are valid and allow ec2:DescribeInstances") from None
+                           f"the credentials are valid and allow ec2:{exc.operation_name}") from None
 
 
 # -- pulumi -----------------------------------------------------------------------------------

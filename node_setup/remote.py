@@ -54,8 +54,11 @@ def connect(node: Node, timeout: float = 10.0) -> Connection:
                            "and that it is in the node's authorized_keys") from None
     except paramiko.SSHException as exc:
         if "not found in known_hosts" in str(exc):
-            raise ClusterError(f"{where}: host key unknown; verify it and add it to ~/.ssh/known_hosts "
-                               f"(e.g. 'ssh -p {node.port} {node.user}@{node.host}' once) or set XC_KNOWN_HOSTS") from None
+            if node.labels.get("instance_id"):
+                raise ClusterError(f"{where}: host key not yet known; its keys are read from the instance's console "
+                                   "output once it has booted: retry in a minute") from None
+            raise ClusterError(f"{where}: host key unknown; compare its fingerprint with one from a trusted "
+                               "channel and add it to ~/.ssh/known_hosts, or set XC_KNOWN_HOSTS") from None
         raise ClusterError(f"{where}: SSH failed: {exc}") from None
     except (TimeoutError, OSError) as exc:
         reason = getattr(exc, "strerror", None) or str(exc) or type(exc).__name__
