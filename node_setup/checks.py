@@ -105,3 +105,23 @@ def clock_skew_check(offsets_s: dict[str, float], max_skew_s: float = MAX_CLOCK_
     worst = max(offsets_s, key=lambda node: abs(offsets_s[node] - median))
     return CheckResult(name, False, f"{detail}; {worst} is {offsets_s[worst] - median:+.3f} s off the median",
                        f"enable time sync (chrony with the Amazon Time Sync Service, 169.254.169.123) on {worst}")
+
+
+# Xeon Scalable names carry the generation in the second digit: Platinum 8375C is 3rd gen (Ice Lake),
+# Gold 6455B / Platinum 8488C 4th (Sapphire Rapids, the first with AMX), 85xx 5th (Emerald Rapids).
+_XEON_SCALABLE = re.compile(r"Xeon(?:\(R\))?\s+(?:Platinum|Gold|Silver|Bronze)\s+\d(\d)\d\d")
+# Xeon 6: P-core parts (Granite Rapids, e.g. 6975P-C) have AMX, E-core parts (Sierra Forest) do not.
+_XEON_6 = re.compile(r"Xeon(?:\(R\))?\s+6\d{3}([PE])")
+
+
+def model_has_amx(model: str) -> bool | None:
+    """Whether a CPU of this lscpu 'Model name' has AMX; None when the name does not tell."""
+    m = _XEON_SCALABLE.search(model)
+    if m:
+        return int(m.group(1)) >= 4
+    m = _XEON_6.search(model)
+    if m:
+        return m.group(1) == "P"
+    if re.search(r"\bAMD\b|EPYC|Graviton|Neoverse", model):
+        return False
+    return None

@@ -27,12 +27,14 @@ class Cluster:
         return select(list(self.nodes), count, self.spec)
 
 
-def open_cluster(spec: str | None = None) -> Cluster:
+def open_cluster(spec: str | None = None, require_running: bool = True) -> Cluster:
+    """``require_running=False`` keeps stopped local nodes in the list (doctor reports them as down)."""
     spec = spec or default_cluster()
-    nodes = load_nodes(spec)
     if spec.split(":", 1)[0] == "local":
         state = local.state_dir(spec.partition(":")[2] or None)
+        nodes = load_nodes(spec) if require_running else local.nodes(state, require_running=False)
     else:
+        nodes = load_nodes(spec)
         state = local.state_dir().parent / re.sub(r"[^A-Za-z0-9_.-]+", "-", spec)
     state.mkdir(parents=True, exist_ok=True, mode=0o700)
     return Cluster(spec=spec, nodes=tuple(nodes), state=state)

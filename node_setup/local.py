@@ -82,13 +82,14 @@ def _read_state(state: Path) -> dict | None:
     return json.loads(f.read_text())
 
 
-def nodes(state: Path | None = None) -> list[Node]:
+def nodes(state: Path | None = None, require_running: bool = True) -> list[Node]:
+    """The cluster's nodes; ``require_running=False`` lists stopped ones too (for `fab doctor` to report)."""
     state = state or state_dir()
     data = _read_state(state)
     if not data:
         raise ClusterError("no local cluster is running; start one with 'fab local-up --nodes 2'")
     down = [n["name"] for n in data["nodes"] if not _alive(n["pid"], n["config"])]
-    if down:
+    if down and require_running:
         raise ClusterError(f"local node(s) {', '.join(down)} are not running; restart with 'fab local-down' then 'fab local-up --nodes {len(data['nodes'])}'")
     return [Node(**n["node"]) for n in data["nodes"]]
 

@@ -32,6 +32,7 @@ TEMPLATES_DIR = Path(__file__).resolve().parent.parent / "templates"
 SETUP_TEMPLATE = "node_setup.sh.j2"
 MARKER_NAME = ".xeon-cluster-profile"
 DEFAULT_VENV = "/opt/xeon-cluster/venv"
+WORK_ROOT_PREFIX = "$XC_HOME/"
 PYPI = "pypi"
 BACKENDS = ("ccl", "gloo")
 PRECISIONS = ("ipex-bf16", "autocast-bf16", "fp32")
@@ -212,9 +213,11 @@ def pip_requirements(profile: str | Profile) -> list[str]:
 
 
 def venv_shell_word(venv: str) -> str:
-    """The venv path as one bash word: '~/x' becomes "$HOME"/x so it expands on the node itself."""
-    in_home = venv.startswith("~/")
-    rest = venv.removeprefix("~/")
+    """The venv path as one bash word: '~/x' becomes "$HOME"/x and '$XC_HOME/x' the node's own work root
+    (local-cluster nodes share one filesystem and each has its own $XC_HOME), both expanded on the node."""
+    in_work_root = venv.startswith(WORK_ROOT_PREFIX)
+    in_home = in_work_root or venv.startswith("~/")
+    rest = venv.removeprefix(WORK_ROOT_PREFIX) if in_work_root else venv.removeprefix("~/")
     parts = PurePosixPath(rest).parts
     # The script empties this directory (venv --clear): refuse '/', '/opt', relative and '..' paths.
     dedicated = in_home or venv.startswith("/")
@@ -222,6 +225,8 @@ def venv_shell_word(venv: str) -> str:
     if not dedicated or any(ord(c) < 32 for c in venv):
         raise ClusterError(f"venv path {venv!r} is not a dedicated directory; use an absolute path at least two "
                            "levels deep (or ~/something), e.g. /opt/xeon-cluster/venv")
+    if in_work_root:
+        return '"${XC_HOME:?is not set: this venv path is for local-cluster nodes}"/' + shlex.quote(rest)
     if in_home:
         return '"$HOME"/' + shlex.quote(rest)
     return shlex.quote(venv)

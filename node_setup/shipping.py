@@ -57,3 +57,39 @@ def ensure_code(conn, home: str, digest: str, tarball: bytes) -> str:
     if not res.ok:
         raise ClusterError(f"{conn.host}: could not unpack the code: {res.stderr.strip()[-300:]}")
     return dest
+
+
+# code_hash on the node, over an installed copy (python3 only: it runs before any venv exists).
+# Sorting by path parts is what sorted(Path.rglob()) does on every python 3, so the digests agree.
+REMOTE_HASH_PY = r"""
+import hashlib, sys
+from pathlib import Path
+root = Path(sys.argv[1]); tops = sys.argv[2:]
+files = [p for t in tops for p in (root / t).rglob("*")
+         if p.is_file() and "__pycache__" not in p.relative_to(root).parts and p.suffix not in (".pyc", ".tmp")]
+h = hashlib.sha256()
+for p in sorted(files, key=lambda p: p.relative_to(root).parts):
+    h.update(str(p.relative_to(root)).encode() + b"\0" + p.read_bytes() + b"\0")
+print(h.hexdigest()[:16])
+"""
+
+
+def installed_code_hash(conn, code_dir: str) -> str | None:
+    """The digest of the code installed in ``code_dir`` on the node; None if it is not there (complete)."""
+    q = shlex.quote(code_dir)
+    res = run(conn, f"test -f {q}/.complete && python3 -c {shlex.quote(REMOTE_HASH_PY)} {q} "
+                    + " ".join(map(shlex.quote, SHIPPED)))
+    return res.stdout.strip() if res.ok else None
+
+
+def ensure_verified_code(conn, home: str, digest: str, tarball: bytes) -> str:
+    """ensure_code, re-shipping a copy whose content no longer hashes to its digest (edited on the node)."""
+    dest = ensure_code(conn, home, digest, tarball)
+    if installed_code_hash(conn, dest) != digest:
+        run(conn, f"rm -f {shlex.quote(dest)}/.complete")
+        dest = ensure_code(conn, home, digest, tarball)
+        found = installed_code_hash(conn, dest)
+        if found != digest:
+            raise ClusterError(f"{conn.host}: code in {dest} hashes to {found} after shipping, not {digest}; "
+                               "check the node's disk and that python3 runs there")
+    return dest

@@ -1,8 +1,12 @@
 """`fab doctor` rules on recorded lscpu / uname / version / clock output."""
 from __future__ import annotations
 
+import re
+from pathlib import Path
+
 import pytest
 
+from node_setup import checks as C
 from node_setup.checks import (
     KERNEL_FIX,
     amx_check,
@@ -12,6 +16,8 @@ from node_setup.checks import (
     versions_identical,
 )
 from node_setup.errors import ClusterError
+
+DATA = Path(__file__).resolve().parent / "data"
 
 # lscpu on an r7iz (Sapphire Rapids, Xeon Gold 6455B) with Ubuntu 24.04's 6.8 AWS kernel.
 SPR_LSCPU_68 = (
@@ -132,3 +138,71 @@ def test_clock_skew():
     assert not bad.ok and "node-3" in bad.detail and "node-3" in bad.fix and "chrony" in bad.fix
     assert clock_skew_check({"a": 0.0, "b": 0.3}, max_skew_s=0.1).ok is False
     assert clock_skew_check({}).ok is False
+
+
+@pytest.mark.parametrize("model, expected", [
+    ("Intel(R) Xeon(R) Platinum 8375C CPU @ 2.90GHz", False),  # Ice Lake (c6i)
+    ("Intel(R) Xeon(R) Gold 6455B", True),  # Sapphire Rapids (r7iz), recorded in tests/data
+    ("Intel(R) Xeon(R) Platinum 8488C", True),  # Sapphire Rapids (c7i)
+    ("Intel(R) Xeon(R) Platinum 8592+", True),  # Emerald Rapids
+    ("Intel(R) Xeon(R) Platinum 8259CL CPU @ 2.50GHz", False),  # Cascade Lake
+    ("Intel(R) Xeon(R) 6975P-C", True),  # Granite Rapids (P-cores)
+    ("Intel(R) Xeon(R) 6780E", False),  # Sierra Forest (E-cores)
+    ("AMD EPYC 9R14", False),
+    ("Intel(R) Xeon(R) Processor", None),  # a hypervisor's generic name: unknown
+])
+def test_model_has_amx(model, expected):
+    assert C.model_has_amx(model) is expected
+
+
+def test_recorded_probes_agree_with_the_model_rule():
+    from node_setup import topology
+
+    for name, expected in [("c6i.16xlarge", False), ("r7iz.metal-16xl", True)]:
+        topo = topology.parse((DATA / f"{name}.probe").read_text())
+        assert C.model_has_amx(topo.model) is expected
+        assert topo.amx is expected  # the recorded flags say the same
+
+
+def test_doctor_report_names_failures_with_fixes_and_does_not_count_skips():
+    from node_setup.doctor import CLUSTER, Report, Row
+    from node_setup.errors import NodeFailure
+
+    healthy = Report(["node0", "node1"], [Row("node0", "CPU", True, "x"), Row(CLUSTER, "clock skew", True, "y"),
+                                          Row("node1", "AMX", True, "unknown CPU", skipped=True)])
+    assert healthy.ok and healthy.verdict() == "verdict: healthy: 2 checks passed on 2 node(s) (1 skipped)"
+    healthy.raise_if_failed()  # nothing to raise
+    bad = Report(["node0", "node1"], [
+        Row("node0", "CPU", True, "x"),
+        Row("node1", "reachable", False, "node1 is unreachable", "start it"),
+        Row(CLUSTER, "all-reduce", False, "not run: node1 unreachable", "fix the rows", skipped=True),
+    ])
+    assert not bad.ok and [r.check for r in bad.failures] == ["reachable"]
+    text = bad.render()
+    assert text.index("node0:") < text.index("node1:") < text.index("across the nodes:")
+    assert re.search(r"^  reachable +FAIL  node1 is unreachable\n +fix: start it$", text, re.MULTILINE), text
+    assert "fix: fix the rows" not in text  # a skipped row has nothing of its own to fix
+    assert text.splitlines()[-1].startswith("verdict: 1 problem(s): node1 reachable")
+    with pytest.raises(NodeFailure) as err:
+        bad.raise_if_failed("preflight")
+    assert err.value.nodes == ["node1"] and "\n" not in str(err.value)
+    assert str(err.value) == "preflight found 1 problem(s): node1 reachable: node1 is unreachable (fix: start it)"
+
+
+def test_amx_expectation_prefers_the_instance_type_then_the_model_then_the_flags():
+    from node_setup import topology
+    from node_setup.doctor import amx_expectation
+    from node_setup.inventory import Node
+
+    icx = topology.parse((DATA / "c6i.16xlarge.probe").read_text())
+    spr = topology.parse((DATA / "r7iz.metal-16xl.probe").read_text())
+    node = Node("n", "h", "h", "u")
+    assert amx_expectation(node, icx)[0] is False and amx_expectation(node, spr)[0] is True
+    # A c7i (Sapphire Rapids) whose kernel hides AMX: the instance type says AMX is expected.
+    c7i = Node("n", "h", "h", "u", labels={"instance_type": "c7i.16xlarge"})
+    expect, why = amx_expectation(c7i, icx)
+    assert expect is True and "c7i.16xlarge" in why
+    generic = icx.__class__(**{**icx.__dict__, "model": "Intel(R) Xeon(R) Processor"})
+    assert amx_expectation(node, generic)[0] is None  # unknown: the doctor skips with a note
+    with_flags = generic.__class__(**{**generic.__dict__, "flags": spr.flags})
+    assert amx_expectation(node, with_flags) == (True, "the CPU's own amx flags")

@@ -267,3 +267,33 @@ def test_matched_set_problems():
     # torch moved under IPEX and the bindings: both named as built for 2.7.
     assert sum("needs torch 2.7.* but torch 2.8.0+cpu" in s for s in problems) == 2
     assert all("fab setup --profile oneccl" in s for s in problems)
+
+
+def test_fab_setup_runs_the_image_builder_text_on_real_nodes(profiles):
+    from node_setup.inventory import Node
+    from node_setup.setup import default_venv
+
+    real = [Node("n0", "203.0.113.10", "10.0.0.10", "ubuntu"), Node("n1", "203.0.113.11", "10.0.0.11", "ubuntu")]
+    local = [Node("node0", "127.0.0.2", "127.0.0.2", "me", home="/s/nodes/node0/home", labels={"local": True})]
+    for name, p in profiles.items():
+        # infra/image.py bakes render_setup_script(name): fab setup on real nodes runs the same text.
+        assert P.render_setup_script(p, venv=default_venv(p, real)) == P.render_setup_script(name)
+    # Local nodes share one filesystem: only a per-user venv moves, under each node's own work root.
+    assert default_venv(profiles["test"], local) == "$XC_HOME/venv-test"
+    assert default_venv(profiles["oneccl"], local) == "/opt/xeon-cluster/venv"
+
+
+def test_work_root_venv_expands_on_the_node_and_needs_xc_home(profiles, tmp_path):
+    empty = dataclasses.replace(profiles["test"], packages=())
+    script = P.render_setup_script(empty, venv="$XC_HOME/venv-test")
+    node_home = tmp_path / "node3-home"
+    res = run_script(script, tmp_path, XC_HOME=str(node_home))
+    assert res.returncode == 0, res.stderr
+    assert (node_home / "venv-test" / P.MARKER_NAME).read_text().strip() == empty.hash
+    env = {k: v for k, v in os.environ.items() if k != "XC_HOME"}
+    path = tmp_path / "setup.sh"
+    unset = subprocess.run(["bash", str(path)], check=False, capture_output=True, text=True,
+                           env={**env, "HOME": str(tmp_path / "home")}, timeout=60)
+    assert unset.returncode != 0 and "XC_HOME: is not set" in unset.stderr
+    with pytest.raises(ClusterError, match="venv path"):
+        P.render_setup_script("test", venv="$XC_HOME/../elsewhere")
