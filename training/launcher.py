@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 
 JOBS = {
     "glue": ("-m", "training.glue"),
+    "qa": ("-m", "training.qa"),
+    "clm": ("-m", "training.clm"),
 }
 
 
