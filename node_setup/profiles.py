@@ -13,12 +13,10 @@ import logging
 import re
 import shlex
 from dataclasses import dataclass
-from functools import lru_cache
 from pathlib import Path, PurePosixPath
 
-import jinja2
-
 from .errors import ClusterError
+from .render import render
 
 try:
     import tomllib
@@ -28,7 +26,6 @@ except ModuleNotFoundError:  # Python 3.10: the same parser, from PyPI
 log = logging.getLogger(__name__)
 
 PROFILES_FILE = Path(__file__).with_name("profiles.toml")
-TEMPLATES_DIR = Path(__file__).resolve().parent.parent / "templates"
 SETUP_TEMPLATE = "node_setup.sh.j2"
 MARKER_NAME = ".xeon-cluster-profile"
 DEFAULT_VENV = "/opt/xeon-cluster/venv"
@@ -232,24 +229,11 @@ def venv_shell_word(venv: str) -> str:
     return shlex.quote(venv)
 
 
-@lru_cache(maxsize=1)
-def _environment() -> jinja2.Environment:
-    env = jinja2.Environment(
-        loader=jinja2.FileSystemLoader(str(TEMPLATES_DIR)),
-        undefined=jinja2.StrictUndefined,
-        keep_trailing_newline=True,
-        trim_blocks=True,
-        lstrip_blocks=True,
-    )
-    env.filters["q"] = shlex.quote
-    return env
-
-
 def render_setup_script(profile: str | Profile, venv: str | None = None) -> str:
     """The node setup script for ``profile``; ``venv`` overrides the profile's venv path."""
     p = _resolve(profile)
     venv = venv or p.venv
-    script = _environment().get_template(SETUP_TEMPLATE).render(
+    script = render(SETUP_TEMPLATE,
         profile=p.name,
         hash=p.hash,
         venv=venv_shell_word(venv),

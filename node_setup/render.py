@@ -20,7 +20,7 @@ def environment() -> jinja2.Environment:
         lstrip_blocks=True,
         autoescape=False,
     )
-    env.filters["shquote"] = lambda v: shlex.quote(str(v))
+    env.filters["shquote"] = env.filters["q"] = lambda v: shlex.quote(str(v))
     return env
 
 

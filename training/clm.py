@@ -368,21 +368,16 @@ def main(argv: list[str] | None = None) -> int:
         AutoModelForCausalLM,
         AutoTokenizer,
         GPT2Config,
-        HfArgumentParser,
         Trainer,
-        TrainingArguments,
         default_data_collator,
-        set_seed,
     )
 
     argv = common.job_argv(argv, info.precision)
-    parser = HfArgumentParser((ModelArguments, DataArguments, TrainingArguments))
     # A tiny model from scratch wants a far larger step than fine-tuning a pretrained one.
     lr = 5e-5 if common.has_flag(argv, "--model_name_or_path") else 1e-3
-    parser.set_defaults(**common.trainer_defaults(info, TrainingArguments, group_by_length=False,
-                                                  eval_strategy="steps", learning_rate=lr))
-    model_args, data_args, args = parser.parse_args_into_dataclasses(args=argv)
-    set_seed(args.seed)
+    model_args, data_args, args = common.parse_job_args(argv, info, ModelArguments, DataArguments,
+                                                        group_by_length=False, eval_strategy="steps",
+                                                        learning_rate=lr)
 
     folder = prepared_folder(data_args, model_args, info)
     meta = json.loads((folder / "meta.json").read_text())

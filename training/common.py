@@ -231,6 +231,20 @@ def trainer_defaults(info, training_args_cls, group_by_length: bool = True, **ex
             **length_grouping_default(training_args_cls, group_by_length), **extra}
 
 
+def parse_job_args(argv: list[str], info, model_cls, data_cls, group_by_length: bool = True, **defaults):
+    """(model_args, data_args, training_args) of a bundled job: its own dataclasses plus
+    TrainingArguments with trainer_defaults; seeded. --pad_to_max_length turns length grouping off."""
+    from transformers import HfArgumentParser, TrainingArguments, set_seed
+
+    parser = HfArgumentParser((model_cls, data_cls, TrainingArguments))
+    parser.set_defaults(**trainer_defaults(info, TrainingArguments, group_by_length, **defaults))
+    model_args, data_args, args = parser.parse_args_into_dataclasses(args=argv)
+    if getattr(data_args, "pad_to_max_length", False):
+        set_length_grouping(args, False)
+    set_seed(args.seed)
+    return model_args, data_args, args
+
+
 def ipex_optimizers(model, args, info):
     """(model, (optimizer, None)) with ipex.optimize applied when IPEX is installed; IPEX wants the
     optimizer before training starts, so it is built here instead of by the Trainer."""

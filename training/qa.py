@@ -228,21 +228,13 @@ def main(argv: list[str] | None = None) -> int:
         AutoModelForQuestionAnswering,
         AutoTokenizer,
         DataCollatorWithPadding,
-        HfArgumentParser,
         PreTrainedTokenizerFast,
         Trainer,
-        TrainingArguments,
         default_data_collator,
-        set_seed,
     )
 
     argv = common.job_argv(argv, info.precision)
-    parser = HfArgumentParser((ModelArguments, DataArguments, TrainingArguments))
-    parser.set_defaults(**common.trainer_defaults(info, TrainingArguments))
-    model_args, data_args, args = parser.parse_args_into_dataclasses(args=argv)
-    if data_args.pad_to_max_length:
-        common.set_length_grouping(args, False)
-    set_seed(args.seed)
+    model_args, data_args, args = common.parse_job_args(argv, info, ModelArguments, DataArguments)
 
     raw = load_raw(data_args, model_args)
     if args.do_train and "train" not in raw:
