@@ -1,10 +1,10 @@
 """Single-node samples/s of the glue job's default path against the seeds' recipe.
 
 Same model (MiniLM-L6), same data (the bundled paraphrase set), same machine, run side by side:
-  seeds     pad every example to 128 tokens, fp32, torch's default threads
-  exact     per-batch padding to the exact longest example, length grouping, fp32
-  dynamic   per-batch padding rounded up to a multiple of 16, length grouping, fp32
-  default   per-batch padding with length grouping, precision auto (bf16 where AMX/AVX512-BF16)
+  seeds       pad every example to 128 tokens, fp32, torch's default threads
+  dynamic     per-batch padding to the longest example, length grouping, fp32
+  default     the job's default: dynamic padding, precision auto (bf16 where AMX/AVX512-BF16)
+  default-16  the default with lengths rounded up to a multiple of 16
 Prints samples/s, the ratios to the seeds' recipe, and the bound on what padding alone can
 give: padded tokens / real tokens. Writes bench/results/glue_single_node.json.
 
@@ -25,9 +25,9 @@ sys.path.insert(0, str(ROOT))
 
 CONFIGS = {
     "seeds": (["--pad_to_max_length", "True"], "fp32"),
-    "exact": (["--pad_to_multiple_of", "1"], "fp32"),
     "dynamic": ([], "fp32"),
     "default": ([], "auto"),
+    "default-16": (["--pad_to_multiple_of", "16"], "auto"),
 }
 
 
@@ -65,6 +65,7 @@ def main() -> None:
     p.add_argument("--samples", type=int, default=320)
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--configs", default=",".join(CONFIGS), help="comma-separated subset; 'seeds' is always run")
     a = p.parse_args()
     real, padded = padding_bound(a.samples)
     rows: dict[str, dict] = {}
@@ -72,6 +73,8 @@ def main() -> None:
         # Interleaved rounds, best of each: drift in the machine's load hits every config alike.
         for round_ in range(a.rounds):
             for name, (extra, precision) in CONFIGS.items():
+                if name != "seeds" and name not in a.configs.split(","):
+                    continue
                 print(f"round {round_ + 1}/{a.rounds}: {name} ...", flush=True)
                 r = run(name, extra, precision, a.samples, a.batch, Path(tmp))
                 best = rows.get(name)
@@ -83,11 +86,11 @@ def main() -> None:
     base = rows["seeds"]["samples_per_second"]
     print(f"\nglue job, MiniLM-L6, {a.samples} paraphrase pairs, batch {a.batch}, one process, "
           f"{rows['seeds']['threads']} threads")
-    print(f"{'config':<10}{'padding':<12}{'precision':<11}{'samples/s (best)':>17}{'vs seeds':>10}   all rounds")
+    print(f"{'config':<12}{'padding':<12}{'precision':<11}{'samples/s (best)':>17}{'vs seeds':>10}   all rounds")
     for name, r in rows.items():
         r["ratio_vs_seeds"] = r["samples_per_second"] / base
         rounds = " ".join(f"{x:.2f}" for x in r["all_samples_per_second"])
-        print(f"{name:<10}{r['padding']:<12}{r['precision']:<11}{r['samples_per_second']:>17.2f}"
+        print(f"{name:<12}{r['padding']:<12}{r['precision']:<11}{r['samples_per_second']:>17.2f}"
               f"{r['ratio_vs_seeds']:>9.2f}x   {rounds}")
     print(f"padding bound (padded tokens / real tokens): {padded}/{real} = {padded / real:.2f}x")
     result = {"samples": a.samples, "batch": a.batch, "real_tokens": real, "padded_tokens": padded,

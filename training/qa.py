@@ -43,7 +43,7 @@ class DataArguments:
     doc_stride: int = field(default=128, metadata={"help": "Tokens of overlap between windows of a long context"})
     pad_to_max_length: bool = field(default=False, metadata={
         "help": "Pad every window to max_seq_length (run_qa's default) instead of per batch"})
-    pad_to_multiple_of: int = field(default=16, metadata={"help": "Per-batch padding rounds lengths up to this"})
+    pad_to_multiple_of: int = field(default=1, metadata={"help": "Per-batch padding rounds lengths up to this (1 = exact)"})
     max_train_samples: int | None = field(default=None, metadata={"help": "Use the first N training examples"})
     max_eval_samples: int | None = field(default=None, metadata={"help": "Use the first N validation examples"})
     n_best_size: int = field(default=20, metadata={"help": "Start/end candidates per window when decoding"})
@@ -109,18 +109,24 @@ def load_raw(data: DataArguments, model: ModelArguments):
     return DatasetDict(splits)
 
 
+def _windows(tokenizer, examples, data: DataArguments, max_len: int, padding):
+    """(question, context) tokenized into overlapping windows of the context, with offsets."""
+    questions = [q.lstrip() for q in examples["question"]]
+    pad_on_right = tokenizer.padding_side == "right"
+    return tokenizer(questions if pad_on_right else examples["context"],
+                     examples["context"] if pad_on_right else questions,
+                     truncation="only_second" if pad_on_right else "only_first", max_length=max_len,
+                     stride=data.doc_stride, return_overflowing_tokens=True, return_offsets_mapping=True,
+                     padding=padding)
+
+
 def train_features(tokenizer, data: DataArguments, max_len: int, padding):
     """Windows of (question, context) with the answer's token span; a window without the answer
     points at the CLS token (SQuAD v2's 'no answer')."""
     pad_on_right = tokenizer.padding_side == "right"
 
     def prepare(examples):
-        questions = [q.lstrip() for q in examples["question"]]
-        enc = tokenizer(questions if pad_on_right else examples["context"],
-                        examples["context"] if pad_on_right else questions,
-                        truncation="only_second" if pad_on_right else "only_first", max_length=max_len,
-                        stride=data.doc_stride, return_overflowing_tokens=True, return_offsets_mapping=True,
-                        padding=padding)
+        enc = _windows(tokenizer, examples, data, max_len, padding)
         sample_map = enc.pop("overflow_to_sample_mapping")
         offsets_all = enc.pop("offset_mapping")
         enc["start_positions"], enc["end_positions"], enc["length"] = [], [], []
@@ -160,12 +166,7 @@ def eval_features(tokenizer, data: DataArguments, max_len: int, padding):
     pad_on_right = tokenizer.padding_side == "right"
 
     def prepare(examples):
-        questions = [q.lstrip() for q in examples["question"]]
-        enc = tokenizer(questions if pad_on_right else examples["context"],
-                        examples["context"] if pad_on_right else questions,
-                        truncation="only_second" if pad_on_right else "only_first", max_length=max_len,
-                        stride=data.doc_stride, return_overflowing_tokens=True, return_offsets_mapping=True,
-                        padding=padding)
+        enc = _windows(tokenizer, examples, data, max_len, padding)
         sample_map = enc.pop("overflow_to_sample_mapping")
         context_id = 1 if pad_on_right else 0
         enc["example_id"] = []
