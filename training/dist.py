@@ -48,7 +48,8 @@ class DistInfo:
         threads = os.environ.get("OMP_NUM_THREADS", "?")
         try:
             cpus = sorted(os.sched_getaffinity(0))
-            cpus_s = f"{cpus[0]}-{cpus[-1]}" if cpus == list(range(cpus[0], cpus[-1] + 1)) else ",".join(map(str, cpus))
+            contiguous = len(cpus) > 1 and cpus == list(range(cpus[0], cpus[-1] + 1))
+            cpus_s = f"{cpus[0]}-{cpus[-1]}" if contiguous else ",".join(map(str, cpus))
         except (AttributeError, OSError):
             cpus_s = "?"
         return (f"rank {self.rank}/{self.world_size} local {self.local_rank} on {self.host}: backend={self.backend} "
