@@ -231,6 +231,13 @@ def trainer_defaults(info, training_args_cls, group_by_length: bool = True, **ex
             **length_grouping_default(training_args_cls, group_by_length), **extra}
 
 
+def take(dataset, limit: int | None):
+    """The first ``limit`` rows (--max_train_samples / --max_eval_samples); all when None."""
+    if dataset is None or not limit:
+        return dataset
+    return dataset.select(range(min(len(dataset), limit)))
+
+
 def parse_job_args(argv: list[str], info, model_cls, data_cls, group_by_length: bool = True, **defaults):
     """(model_args, data_args, training_args) of a bundled job: its own dataclasses plus
     TrainingArguments with trainer_defaults; seeded. --pad_to_max_length turns length grouping off."""

@@ -160,10 +160,8 @@ def main(argv: list[str] | None = None) -> int:
         data = raw.map(preprocess, batched=True, desc="tokenizing")
     train_ds = data["train"] if args.do_train else None
     eval_ds = data["validation_matched" if data_args.task_name == "mnli" else "validation"] if args.do_eval else None
-    if train_ds is not None and data_args.max_train_samples:
-        train_ds = train_ds.select(range(min(len(train_ds), data_args.max_train_samples)))
-    if eval_ds is not None and data_args.max_eval_samples:
-        eval_ds = eval_ds.select(range(min(len(eval_ds), data_args.max_eval_samples)))
+    train_ds = common.take(train_ds, data_args.max_train_samples)
+    eval_ds = common.take(eval_ds, data_args.max_eval_samples)
 
     model, optimizers = common.ipex_optimizers(model, args, info)
 

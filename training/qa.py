@@ -254,17 +254,13 @@ def main(argv: list[str] | None = None) -> int:
 
     train_ds = eval_examples = eval_ds = None
     if args.do_train:
-        train_examples = raw["train"]
-        if data_args.max_train_samples:
-            train_examples = train_examples.select(range(min(len(train_examples), data_args.max_train_samples)))
+        train_examples = common.take(raw["train"], data_args.max_train_samples)
         with args.main_process_first(desc="train windows"):
             train_ds = train_examples.map(train_features(tokenizer, data_args, max_len, padding), batched=True,
                                           remove_columns=train_examples.column_names, desc="train windows",
                                           num_proc=data_args.preprocessing_num_workers)
     if args.do_eval:
-        eval_examples = raw["validation"]
-        if data_args.max_eval_samples:
-            eval_examples = eval_examples.select(range(min(len(eval_examples), data_args.max_eval_samples)))
+        eval_examples = common.take(raw["validation"], data_args.max_eval_samples)
         with args.main_process_first(desc="eval windows"):
             eval_ds = eval_examples.map(eval_features(tokenizer, data_args, max_len, padding), batched=True,
                                         remove_columns=eval_examples.column_names, desc="eval windows",
