@@ -462,14 +462,16 @@ def rendezvous_rows(nodes: list[Node], port: int) -> list[Row]:
     return rows
 
 
-ALLREDUCE_PY = r'''"""fab doctor's all-reduce: every rank adds rank+1; the sum proves every rank took part."""
-import datetime, os, signal, sys, time
+ALLREDUCE_PY = r'''"""fab doctor's all-reduce: every rank adds rank+1; the sum proves every rank took part.
+The process group comes from the bundled jobs' own dist.setup(): the backend and CCL set-up fab train uses."""
+import signal, sys, time
 # A watchdog before anything can block: a rank that hangs dies, and mpirun then ends the job.
 signal.alarm(int(sys.argv[1]))
 import torch
 import torch.distributed as dist
+from training import dist as xdist
 t0 = time.monotonic()
-dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=int(sys.argv[2])))
+info = xdist.setup(precision="fp32", timeout_s=int(sys.argv[2]))
 rank, world = dist.get_rank(), dist.get_world_size()
 x = torch.full((1 << 20,), float(rank + 1))
 dist.all_reduce(x)  # the first one also sets up the connections
@@ -478,15 +480,43 @@ t1 = time.monotonic()
 dist.all_reduce(x)
 t2 = time.monotonic()
 ok = x.min().item() == x.max().item() == world * (world + 1) / 2
-print(f"allreduce rank={rank} world={world} ok={int(ok)} init_s={t1 - t0:.3f} allreduce_s={t2 - t1:.4f}", flush=True)
+print(f"allreduce rank={rank} world={world} ok={int(ok)} init_s={t1 - t0:.3f} allreduce_s={t2 - t1:.4f} "
+      f"backend={dist.get_backend()}", flush=True)
 dist.destroy_process_group()
+if ok:
+    from training.common import FINISHED_TAG
+    print(FINISHED_TAG, "rank", rank, flush=True)
 sys.exit(0 if ok else 1)
 '''
-_ALLREDUCE_LINE = re.compile(r"allreduce rank=(\d+) world=(\d+) ok=(\d) init_s=([\d.]+) allreduce_s=([\d.]+)")
+_ALLREDUCE_LINE = re.compile(r"allreduce rank=(\d+) world=(\d+) ok=(\d) init_s=([\d.]+) allreduce_s=([\d.]+) "
+                             r"backend=(\w+)")
+# What a failed collective set-up names: oneCCL reports a bad variable from a function named
+# after it (env.cpp: env_2_worker_affinity), the loader a missing library.
+_CAUSES = (
+    (re.compile(r"env_2_(\w+): EXCEPTION: ([^\n]+)"), lambda m: f"CCL_{m.group(1).upper()}: {m.group(2).strip()}"),
+    (re.compile(r"(lib[\w.+-]+\.so[\w.]*): cannot open shared object file"),
+     lambda m: f"library {m.group(1)} not found"),
+    (re.compile(r"No module named '([\w.]+)'"), lambda m: f"python module {m.group(1)} missing"),
+    (re.compile(r"\b(CCL_[A-Z_]+)\b[^\n]*"), lambda m: f"{m.group(1)}: {m.group(0).strip()[:160]}"),
+    (re.compile(r"EXCEPTION: ([^\n]+)"), lambda m: f"oneCCL: {m.group(1).strip()}"),
+)
 
 
-def allreduce_row(cluster: Cluster, nodes: list[Node], port: int) -> Row:
-    """A 4 MB gloo all-reduce across the nodes through the real launcher (fab train --script)."""
+def collective_cause(output: str) -> str | None:
+    """The variable or library a failed all-reduce names, from the ranks' output; None if none is named."""
+    error_lines = "\n".join(line for line in output.splitlines()
+                            if re.search(r"EXCEPTION|[Ee]rror|cannot open|No module", line))
+    for pattern, name in _CAUSES:
+        m = pattern.search(error_lines)
+        if m:
+            return name(m)
+    return None
+
+
+def allreduce_row(cluster: Cluster, nodes: list[Node], port: int, backend: str = "auto",
+                  env: dict[str, str] | None = None) -> Row:
+    """A 4 MB all-reduce across the nodes through the real launcher (fab train --script), with the
+    backend and variables fab train would use."""
     from . import train as train_lib  # train imports this module for its preflight
 
     check = "all-reduce"
@@ -494,9 +524,9 @@ def allreduce_row(cluster: Cluster, nodes: list[Node], port: int) -> Row:
     folder.mkdir(parents=True, exist_ok=True)
     script = folder / "allreduce.py"
     script.write_text(ALLREDUCE_PY)
-    req = train_lib.TrainRequest(nodes=len(nodes), job=None, script=str(script), backend="gloo", precision="fp32",
+    req = train_lib.TrainRequest(nodes=len(nodes), job=None, script=str(script), backend=backend, precision="fp32",
                                  master_port=port, timeout_s=COLLECTIVE_TIMEOUT_S, runs_dir=folder / "runs",
-                                 args=[str(COLLECTIVE_TIMEOUT_S * 2), str(COLLECTIVE_TIMEOUT_S)])
+                                 env=dict(env or {}), args=[str(COLLECTIVE_TIMEOUT_S * 2), str(COLLECTIVE_TIMEOUT_S)])
     buf = io.StringIO()
     outcome: dict = {}
 
@@ -519,25 +549,38 @@ def allreduce_row(cluster: Cluster, nodes: list[Node], port: int) -> Row:
         return Row(CLUSTER, check, False, f"no result within {ALLREDUCE_DEADLINE_S:.0f} s: the job hangs (ranks "
                    "killed)", f"check the rendezvous port and the 'ssh from' rows; the log is under {folder}/runs")
     wall = time.monotonic() - started
-    lines = _ALLREDUCE_LINE.findall(buf.getvalue())
+    output = buf.getvalue()
+    lines = _ALLREDUCE_LINE.findall(output)
+    chosen = re.search(r"^backend: (\w+)", output, re.MULTILINE)
+    used = chosen.group(1) if chosen else backend
     if "error" in outcome:
+        cause = collective_cause(output)
+        if cause:
+            return Row(CLUSTER, check, False, f"the {used} job failed after {wall:.0f} s: {cause}",
+                       f"fix {cause.split(':')[0]} on the nodes (or compare with --backend gloo); the log is under "
+                       f"{folder}/runs")
         what = split_fix(str(outcome["error"]))[0]
-        return Row(CLUSTER, check, False, f"the job failed after {wall:.0f} s: {what}",
+        return Row(CLUSTER, check, False, f"the {used} job failed after {wall:.0f} s: {what}",
                    f"see the rows above and the log under {folder}/runs")
     world = int(lines[0][1]) if lines else 0
     slowest = max((float(x[4]) for x in lines), default=0.0)
     if not lines or len(lines) != world or not all(x[2] == "1" for x in lines):
         return Row(CLUSTER, check, False, f"{len(lines)} of {world} rank(s) reported a correct sum",
                    f"see the log under {folder}/runs")
+    ran = sorted({x[5] for x in lines})
+    if ran != [used]:
+        return Row(CLUSTER, check, False, f"fab train chose backend {used} but the ranks ran {', '.join(ran)}",
+                   "check that oneccl_bindings_for_pytorch imports on every node")
     if slowest > ALLREDUCE_LIMIT_S:
-        return Row(CLUSTER, check, False, f"a 4 MB all-reduce across {world} rank(s) took {slowest:.2f} s (limit "
-                   f"{ALLREDUCE_LIMIT_S:g} s)", "check the network between the nodes (placement group, MTU)")
-    return Row(CLUSTER, check, True, f"4 MB gloo all-reduce across {world} rank(s) on {len(nodes)} node(s) in "
+        return Row(CLUSTER, check, False, f"a 4 MB {used} all-reduce across {world} rank(s) took {slowest:.2f} s "
+                   f"(limit {ALLREDUCE_LIMIT_S:g} s)", "check the network between the nodes (placement group, MTU)")
+    return Row(CLUSTER, check, True, f"4 MB {used} all-reduce across {world} rank(s) on {len(nodes)} node(s) in "
                f"{slowest:.3f} s through mpirun (job {wall:.1f} s)")
 
 
 def doctor(cluster: Cluster, nodes: list[Node], profile: str | profiles.Profile | None = None, full: bool = True,
-           port: int = DEFAULT_MASTER_PORT, out: TextIO | None = None) -> Report:
+           port: int = DEFAULT_MASTER_PORT, out: TextIO | None = None, backend: str = "auto",
+           env: dict[str, str] | None = None) -> Report:
     """Every check; ``full=False`` leaves out the rendezvous listener and the all-reduce."""
     out = out or io.StringIO()
 
@@ -577,6 +620,6 @@ def doctor(cluster: Cluster, nodes: list[Node], profile: str | profiles.Profile 
                                + ", ".join(f"{r.node} {r.check}" for r in blocking), "fix those rows", skipped=True))
         return report
     say(f"doctor: all-reduce across {len(nodes)} node(s) through mpirun")
-    report.rows.append(allreduce_row(cluster, nodes, port))
+    report.rows.append(allreduce_row(cluster, nodes, port, backend=backend, env=env))
     return report
 

@@ -65,6 +65,16 @@ def _int(value, flag: str) -> int:
         raise ClusterError(f"{flag} {value!r} is not a whole number") from None
 
 
+def _env(items) -> dict[str, str]:
+    out = {}
+    for item in items or []:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise ClusterError(f"--env {item!r} is not KEY=VALUE; pass it as --env NAME=VALUE")
+        out[key] = value
+    return out
+
+
 def _cluster(c, cluster):
     """--cluster flag < XC_CLUSTER < fabric.yaml's xc.cluster < 'local'."""
     return cluster or os.environ.get("XC_CLUSTER") or c.config.get("xc", {}).get("cluster") or None
@@ -121,15 +131,9 @@ def keys(c, cluster=None):
 def train(c, nodes=None, job="glue", script=None, ppn="auto", threads="auto", backend="auto", precision="auto",
           env=None, cluster=None, master_port=None, no_pin=False, timeout=300):
     """Run a training job across the cluster with mpirun; results land in runs/<run-id>/."""
-    extra = {}
-    for item in env or []:
-        key, sep, value = item.partition("=")
-        if not sep or not key:
-            raise ClusterError(f"--env {item!r} is not KEY=VALUE")
-        extra[key] = value
     req = train_lib.TrainRequest(
         nodes=_int(nodes, "--nodes") if nodes is not None else None, job=job, script=script, args=job_args(), ppn=str(ppn),
-        threads=str(threads), backend=backend, precision=precision, env=extra,
+        threads=str(threads), backend=backend, precision=precision, env=_env(env),
         master_port=_int(master_port, "--master-port") if master_port else None, pin=not no_pin,
         timeout_s=_int(timeout, "--timeout"))
     result = train_lib.train(open_cluster(_cluster(c, cluster)), req)
@@ -154,18 +158,26 @@ def setup(c, profile=None, nodes=None, cluster=None):
     setup_lib.setup_nodes(cl, chosen, profile or ("test" if cl.is_local else "upstream"), out=sys.stdout)
 
 
-@task(help={"profile": "also check the versions pinned by this profile", "nodes": "check the first N nodes",
+@task(iterable=["env"],
+      help={"profile": "also check the versions pinned by this profile", "nodes": "check the first N nodes",
             "cluster": "local | hosts:PATH | aws[:NAME] | pulumi[:STACK]", "quick": "skip the port and all-reduce",
-            "full": "every check, the all-reduce too (default)", "master-port": "rendezvous port (default 29500)"})
+            "full": "every check, the all-reduce too (default)", "master-port": "rendezvous port (default 29500)",
+            "backend": "all-reduce backend: auto (what fab train picks: ccl where the bindings are on every node) "
+                       "| ccl | gloo",
+            "env": "variable for the all-reduce's ranks, KEY=VALUE (repeatable), as fab train --env"})
 @cli
-def doctor(c, profile=None, nodes=None, cluster=None, quick=False, full=False, master_port=None):
+def doctor(c, profile=None, nodes=None, cluster=None, quick=False, full=False, master_port=None, backend="auto",
+           env=None):
     """Check the nodes: CPU, AMX, memory, disk, versions, SSH, port, clock, all-reduce; red rows say the fix."""
     if quick and full:
         raise ClusterError("--quick and --full exclude each other; pass one of them")
     cl = open_cluster(_cluster(c, cluster), require_running=False)  # a stopped node is a row, not an abort
     chosen = cl.first(_int(nodes, "--nodes") if nodes is not None else None)
     port = _int(master_port, "--master-port") if master_port else doctor_lib.DEFAULT_MASTER_PORT
-    report = doctor_lib.doctor(cl, chosen, profile=profile, full=not quick, port=port, out=sys.stdout)
+    if backend not in train_lib.BACKENDS:
+        raise ClusterError(f"--backend {backend!r} is not one of {', '.join(train_lib.BACKENDS)}")
+    report = doctor_lib.doctor(cl, chosen, profile=profile, full=not quick, port=port, out=sys.stdout,
+                               backend=backend, env=_env(env))
     print(report.render())
     report.raise_if_failed("doctor")
 

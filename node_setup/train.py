@@ -19,8 +19,10 @@ from pathlib import Path
 from typing import TextIO
 
 from training import launcher
+from training.common import FINISHED_TAG
 
 from . import doctor, keys, shipping, topology
+from .cleanup import Sweep, sweep
 from .cluster import Cluster
 from .errors import ClusterError, NodeFailure
 from .inventory import Node
@@ -200,6 +202,7 @@ class OutputRouter(io.TextIOBase):
         self.tty = hasattr(out, "isatty") and out.isatty()
         self.progress_shown = False
         self.lines: list[str] = []
+        self.finished: set[int] = set()  # ranks that printed FINISHED_TAG: their work is done
 
     def write(self, text: str) -> int:
         with self.lock:
@@ -227,6 +230,8 @@ class OutputRouter(io.TextIOBase):
             rank = int(m.group(1))
             host = self.plan.rank_host(rank) if rank < self.plan.world_size else "?"
             text = m.group(2)
+            if text.startswith(FINISHED_TAG):
+                self.finished.add(rank)
             shown = f"[{rank} {host}] {text}"
             if self.tty and text.startswith("[progress]"):
                 self.out.write("\r\x1b[K" + shown)
@@ -263,27 +268,12 @@ def failed_rank(lines: list[str], plan: launcher.LaunchPlan) -> tuple[str | None
     return None, "mpirun failed"
 
 
-CLEANUP = (
-    "me=$$; for e in /proc/[0-9]*/environ; do p=${e#/proc/}; p=${p%/environ}; [ \"$p\" = \"$me\" ] && continue; "
-    "if tr '\\0' '\\n' < \"$e\" 2>/dev/null | grep -qx 'XC_RUN_ID={run_id}'; then kill -9 \"$p\" 2>/dev/null && echo \"$p\"; fi; "
-    "done; true"
-)
-
-
-def cleanup(nodes: list[Node], run_id: str) -> dict[str, int]:
-    """Kill every process of this run on every node (found by XC_RUN_ID in its environment)."""
-    killed: dict[str, int] = {}
-
-    def one(node):
-        with connect(node) as conn:
-            res = run(conn, CLEANUP.format(run_id=run_id), timeout=60)
-            killed[node.name] = len(res.stdout.split())
-
-    try:
-        fan_out(nodes, one, "cleanup")
-    except NodeFailure as exc:
-        log.error("%s", exc)
-    return killed
+def cleanup(nodes: list[Node], run_id: str) -> Sweep:
+    """Kill every process of this run on every node and check that none is left."""
+    result = sweep(nodes, run_id)
+    if not result.clean:
+        log.error("run %s: %s", run_id, result.claim())
+    return result
 
 
 def plan_run(cluster: Cluster, req: TrainRequest, say) -> tuple[launcher.LaunchPlan, list[NodeFacts], list[str], dict]:
@@ -427,22 +417,34 @@ def train(cluster: Cluster, req: TrainRequest, out: TextIO = sys.stdout) -> RunR
         except KeyboardInterrupt:
             router.flush_rest()
             say("interrupted: stopping every rank")
-            cleanup(nodes, plan.run_id)
-            _finish(run_dir, record, "interrupted", 130, time.monotonic() - started, None)
+            swept = cleanup(nodes, plan.run_id)
+            say(f"run {plan.run_id} interrupted: {swept.claim()}")
+            _finish(run_dir, record, "interrupted", 130, time.monotonic() - started, None, cleanup=swept.to_dict())
             raise
         finally:
             router.flush_rest()
     wall = time.monotonic() - started
+    extra: dict = {}
     if exit_code != 0:
-        killed = cleanup(nodes, plan.run_id)
+        swept = cleanup(nodes, plan.run_id)
         node, reason = failed_rank(router.lines, plan)
-        _finish(run_dir, record, "failed", exit_code, wall, None, failed_node=node, reason=reason, killed=killed)
-        raise NodeFailure(f"run {plan.run_id} failed after {wall:.0f}s: {reason}; nothing is left running "
-                          f"(log: {run_dir / 'log.txt'})", [node] if node else [])
-    results = None
-    if req.script is None:
+        # oneCCL may abort a rank during interpreter shutdown: once every rank has finished its work
+        # and rank 0's results are written, the run counts, and the record says what happened after.
+        done = len(router.finished) == plan.world_size
+        results = _fetch_results(master, plan, args) if done and req.script is None else None
+        if not done or (req.script is None and results is None):
+            _finish(run_dir, record, "failed", exit_code, wall, None, failed_node=node, reason=reason,
+                    cleanup=swept.to_dict())
+            raise NodeFailure(f"run {plan.run_id} failed after {wall:.0f}s: {reason}; {swept.claim()} "
+                              f"(log: {run_dir / 'log.txt'})", [node] if node else [])
+        say(f"note: {reason} after every rank had finished its work; the results are kept ({swept.claim()})")
+        extra = {"crashed_after_finish": {"node": node, "reason": reason, "exit_code": exit_code},
+                 "cleanup": swept.to_dict()}
+    elif req.script is None:
         results = _fetch_results(master, plan, args)
-    _finish(run_dir, record, "ok", 0, wall, results)
+    else:
+        results = None
+    _finish(run_dir, record, "ok", 0, wall, results, **extra)
     return RunResult(run_id=plan.run_id, run_dir=run_dir, exit_code=0, wall_s=wall, results=results)
 
 

@@ -116,3 +116,37 @@ def test_every_bundled_job_is_an_importable_module(job):
     kind, module = launcher.JOBS[job]
     assert kind == "-m"
     assert hasattr(importlib.import_module(module), "main")
+
+
+def _run_rank_sh(tmp_path, env: dict) -> dict:
+    """Execute the real rank.sh as mpirun would start it, with a python entry that prints its environment."""
+    import json as _json
+    import sys as _sys
+
+    run_dir = tmp_path / "home" / "runs" / "r1"
+    run_dir.mkdir(parents=True)
+    (run_dir / "node_env.sh").write_text(render("node_env.sh.j2", run_id="r1", node="node0", python=_sys.executable,
+                                                code_dir=str(tmp_path), rank_cpus=[], env=[]))
+    entry = launcher.shell_join(["-c", "import json, os; print(json.dumps(dict(os.environ)))"])
+    (run_dir / "rank.sh").write_text(render("rank.sh.j2", run_id="r1", pin="no", entry=entry))
+    out = subprocess.run(["bash", str(run_dir / "rank.sh")], capture_output=True, text=True, check=True,
+                         env={"PATH": "/usr/bin:/bin", "XC_HOME": str(tmp_path / "home"), **env}).stdout
+    return _json.loads(out)
+
+
+def test_rank_script_completes_oneccls_local_pair(tmp_path):
+    # oneCCL with CCL_PROCESS_LAUNCHER=none reads a rank's place on its node only from BOTH variables
+    env = _run_rank_sh(tmp_path, {"PMI_RANK": "3", "PMI_SIZE": "4", "MPI_LOCALRANKID": "1", "CCL_LOCAL_SIZE": "2"})
+    assert (env["CCL_LOCAL_RANK"], env["CCL_LOCAL_SIZE"]) == ("1", "2")
+    assert (env["RANK"], env["WORLD_SIZE"], env["LOCAL_RANK"]) == ("3", "4", "1")
+
+
+def test_rank_script_sets_no_ccl_variables_for_gloo(tmp_path):
+    env = _run_rank_sh(tmp_path, {"PMI_RANK": "1", "PMI_SIZE": "2", "MPI_LOCALRANKID": "0"})
+    assert not any(k.startswith("CCL_") for k in env)
+
+
+def test_ccl_plan_sends_the_local_size_for_rank_sh_to_pair():
+    p = plan(backend="ccl", ppn=2)
+    env = genv(launcher.mpirun_argv(p, ssh_config="c"))
+    assert env["CCL_PROCESS_LAUNCHER"] == "none" and env["CCL_LOCAL_SIZE"] == "2"

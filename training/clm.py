@@ -375,7 +375,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = common.job_argv(argv, info.precision)
     # A tiny model from scratch wants a far larger step than fine-tuning a pretrained one.
     lr = 5e-5 if common.has_flag(argv, "--model_name_or_path") else 1e-3
-    model_args, data_args, args = common.parse_job_args(argv, info, ModelArguments, DataArguments,
+    model_args, data_args, args = common.parse_job_args(argv, ModelArguments, DataArguments,
                                                         group_by_length=False, eval_strategy="steps",
                                                         learning_rate=lr)
 

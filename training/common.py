@@ -14,6 +14,8 @@ import numpy as np
 log = logging.getLogger("training")
 
 PROGRESS_TAG = "[progress]"
+# Every rank prints this as its last act: a crash after it (oneCCL's teardown at exit) loses nothing.
+FINISHED_TAG = "[finished]"
 
 
 def setup_logging(is_main: bool) -> None:
@@ -222,12 +224,13 @@ def job_argv(argv: list[str], precision: str, do_eval: bool = True) -> list[str]
     return argv
 
 
-def trainer_defaults(info, training_args_cls, group_by_length: bool = True, **extra) -> dict:
-    """TrainingArguments defaults of every bundled job: CPU, no reports, rank 0's progress lines,
-    the backend dist.setup() really initialised."""
+def trainer_defaults(training_args_cls, group_by_length: bool = True, **extra) -> dict:
+    """TrainingArguments defaults of every bundled job: CPU, no reports, rank 0's progress lines.
+    ddp_backend stays None: dist.setup() has already made the process group and accelerate adopts it,
+    while naming "ccl" makes accelerate refuse it on CPU (it maps every backend but mpi to gloo)."""
     return {"output_dir": "output", "use_cpu": True, "report_to": "none", "save_strategy": "no",
             "length_column_name": "length", "logging_steps": 10, "disable_tqdm": True,
-            "ddp_find_unused_parameters": False, "ddp_backend": None if info.backend == "none" else info.backend,
+            "ddp_find_unused_parameters": False, "ddp_backend": None,
             **length_grouping_default(training_args_cls, group_by_length), **extra}
 
 
@@ -238,13 +241,13 @@ def take(dataset, limit: int | None):
     return dataset.select(range(min(len(dataset), limit)))
 
 
-def parse_job_args(argv: list[str], info, model_cls, data_cls, group_by_length: bool = True, **defaults):
+def parse_job_args(argv: list[str], model_cls, data_cls, group_by_length: bool = True, **defaults):
     """(model_args, data_args, training_args) of a bundled job: its own dataclasses plus
     TrainingArguments with trainer_defaults; seeded. --pad_to_max_length turns length grouping off."""
     from transformers import HfArgumentParser, TrainingArguments, set_seed
 
     parser = HfArgumentParser((model_cls, data_cls, TrainingArguments))
-    parser.set_defaults(**trainer_defaults(info, TrainingArguments, group_by_length, **defaults))
+    parser.set_defaults(**trainer_defaults(TrainingArguments, group_by_length, **defaults))
     model_args, data_args, args = parser.parse_args_into_dataclasses(args=argv)
     if getattr(data_args, "pad_to_max_length", False):
         set_length_grouping(args, False)
@@ -314,6 +317,7 @@ def finish(info, args, results: dict, started: float, line: str | None = None) -
             print(f"[result] {line}", flush=True)
     if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
+    print(f"{FINISHED_TAG} rank {info.rank}", flush=True)
 
 
 def cli(main) -> None:

@@ -80,6 +80,17 @@ def resolve_precision(requested: str | None = None) -> str:
     return requested
 
 
+def ccl_local_pair(local: int, env) -> None:
+    """oneCCL without its own launcher reads a rank's place on its node only from the pair
+    CCL_LOCAL_RANK + CCL_LOCAL_SIZE; with one of them missing it counts ranks per hostname, which
+    breaks where nodes share a hostname (containers, the local cluster)."""
+    size = env.get("CCL_LOCAL_SIZE") or next(
+        (env[k] for k in ("MPI_LOCALNRANKS", "OMPI_COMM_WORLD_LOCAL_SIZE", "LOCAL_WORLD_SIZE") if env.get(k)), None)
+    if size is not None:
+        env.setdefault("CCL_LOCAL_SIZE", str(size))
+        env.setdefault("CCL_LOCAL_RANK", str(local))
+
+
 def have(module: str) -> bool:
     return importlib.util.find_spec(module) is not None
 
@@ -98,6 +109,7 @@ def setup(backend: str | None = None, precision: str | None = None, timeout_s: i
         raise ValueError(f"backend {want!r} is not one of auto, ccl, gloo")
     if want in ("auto", "ccl"):
         if have("oneccl_bindings_for_pytorch"):
+            ccl_local_pair(local, env=os.environ)
             importlib.import_module("oneccl_bindings_for_pytorch")  # registers the "ccl" backend
             want = "ccl"
         elif want == "ccl":

@@ -121,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
     )
 
     argv = common.job_argv(argv, info.precision)
-    model_args, data_args, args = common.parse_job_args(argv, info, ModelArguments, DataArguments)
+    model_args, data_args, args = common.parse_job_args(argv, ModelArguments, DataArguments)
 
     raw = load_raw(data_args, model_args)
     key1, key2 = text_keys(raw, data_args)
@@ -195,18 +195,11 @@ def main(argv: list[str] | None = None) -> int:
             top = max(set(labels), key=labels.count)
             metrics["eval_majority_rate"] = labels.count(top) / len(labels)
         results["eval"] = dict(metrics, samples=len(eval_ds))
-    results["wall_s"] = time.monotonic() - started
-    if info.is_main:
-        path = common.write_results(args.output_dir, results)
-        log.info("results written to %s", path)
-        ev = results.get("eval", {})
-        tr = results.get("train", {})
-        print(f"[result] eval accuracy {ev.get('eval_accuracy', float('nan')):.4f} "
-              f"(majority {ev.get('eval_majority_rate', float('nan')):.4f}) f1 {ev.get('eval_f1', float('nan')):.4f} "
-              f"train {tr.get('train_samples_per_second', float('nan')):.1f} samples/s "
-              f"in {tr.get('wall_s', 0):.1f}s", flush=True)
-    if torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()
+    ev, tr = results.get("eval", {}), results.get("train", {})
+    line = (f"eval accuracy {ev.get('eval_accuracy', float('nan')):.4f} "
+            f"(majority {ev.get('eval_majority_rate', float('nan')):.4f}) f1 {ev.get('eval_f1', float('nan')):.4f} "
+            f"train {tr.get('train_samples_per_second', float('nan')):.1f} samples/s in {tr.get('wall_s', 0):.1f}s")
+    common.finish(info, args, results, started, line)
     return 0
 
 

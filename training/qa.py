@@ -235,7 +235,7 @@ def main(argv: list[str] | None = None) -> int:
     )
 
     argv = common.job_argv(argv, info.precision)
-    model_args, data_args, args = common.parse_job_args(argv, info, ModelArguments, DataArguments)
+    model_args, data_args, args = common.parse_job_args(argv, ModelArguments, DataArguments)
 
     raw = load_raw(data_args, model_args)
     if args.do_train and "train" not in raw:

@@ -1,0 +1,91 @@
+"""Ending a run on every node: kill each process whose environment carries the run's XC_RUN_ID
+(ranks, their children, anything mpirun does not own), then look again and report what survived.
+"""
+from __future__ import annotations
+
+import logging
+import shlex
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+from .errors import ClusterError
+from .inventory import Node
+from .remote import connect, run
+
+log = logging.getLogger(__name__)
+
+
+def sweep_script(run_id: str) -> str:
+    """Shell text for one node; built by concatenation because the shell's ${x#y} looks like a format field."""
+    tag = shlex.quote(f"XC_RUN_ID={run_id}")
+    scan = ("scan() { for e in /proc/[0-9]*/environ; do p=${e#/proc/}; p=${p%/environ}; "
+            "[ \"$p\" = \"$$\" ] && continue; "
+            "tr '\\0' '\\n' < \"$e\" 2>/dev/null | grep -qxF " + tag + " && echo \"$p\"; done; true; }")
+    return (scan + "; "
+            "for p in $(scan); do kill -9 \"$p\" 2>/dev/null && echo \"killed $p\"; done; "
+            # a second look after the kernel has reaped them: what is still there survived
+            "sleep 0.5; for p in $(scan); do "
+            "echo \"left $p $(tr '\\0' ' ' < /proc/$p/cmdline 2>/dev/null | cut -c1-100)\"; done; true")
+
+
+@dataclass
+class Sweep:
+    """What a clean-up did on each node, and what it could not check."""
+
+    killed: dict[str, int] = field(default_factory=dict)
+    left: dict[str, list[str]] = field(default_factory=dict)  # node -> ["pid command", ...]
+    unchecked: dict[str, str] = field(default_factory=dict)  # node -> why
+
+    @property
+    def clean(self) -> bool:
+        return not self.left and not self.unchecked
+
+    def claim(self) -> str:
+        """One clause for the operator; 'nothing is left running' only when every node was checked."""
+        if self.clean:
+            return "nothing is left running (checked on every node)"
+        parts = [f"{node}: pid {', pid '.join(procs)}" for node, procs in self.left.items()]
+        parts += [f"{node} not checked ({why})" for node, why in self.unchecked.items()]
+        return "STILL RUNNING or unchecked: " + "; ".join(parts)
+
+    def to_dict(self) -> dict:
+        return {"killed": self.killed, "left": self.left, "unchecked": self.unchecked, "clean": self.clean}
+
+
+def parse(stdout: str) -> tuple[int, list[str]]:
+    killed, left = 0, []
+    for line in stdout.splitlines():
+        word, _, rest = line.partition(" ")
+        if word == "killed":
+            killed += 1
+        elif word == "left":
+            left.append(rest.strip())
+    return killed, left
+
+
+def sweep(nodes: list[Node], run_id: str, timeout: float = 60) -> Sweep:
+    """Kill every process of the run on every node, in parallel; never raises for a node."""
+    result = Sweep()
+    script = sweep_script(run_id)
+
+    def one(node: Node) -> None:
+        try:
+            with connect(node) as conn:
+                res = run(conn, script, timeout=timeout)
+        except ClusterError as exc:
+            result.unchecked[node.name] = str(exc).split(";")[0]
+            return
+        except Exception as exc:  # a dropped connection or a timeout: say so, never claim it is clean
+            log.debug("clean-up on %s", node.name, exc_info=True)
+            result.unchecked[node.name] = f"{type(exc).__name__}: {exc}"
+            return
+        killed, left = parse(res.stdout)
+        result.killed[node.name] = killed
+        if left:
+            result.left[node.name] = left
+        if not res.ok and not left:
+            result.unchecked[node.name] = f"clean-up exited {res.exited}: {res.stderr.strip()[-200:]}"
+
+    with ThreadPoolExecutor(max_workers=min(32, max(1, len(nodes)))) as pool:
+        list(pool.map(one, nodes))
+    return result
