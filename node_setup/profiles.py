@@ -39,7 +39,12 @@ TORCH_BOUND = ("intel-extension-for-pytorch", "oneccl-bind-pt")
 
 _PROFILE_KEYS = {"description", "backend", "precision", "python_min", "venv", "system_packages",
                  "extra_index_urls", "packages"}
-_PACKAGE_KEYS = {"version", "source", "eol"}
+_PACKAGE_KEYS = {"version", "source", "eol", "git", "commit", "module", "build_env"}
+GIT = "git"  # source of a package built on the node from a pinned commit, against the venv's torch
+# accelerate releases checked to adopt the process group dist.setup() made when ddp_backend is None
+# (1.10.1 by reading PartialState, 1.15.0 by running --backend ccl): ccl profiles pin one of these or newer.
+CCL_ACCELERATE_MIN = (1, 10)
+_BUILD_ENV_VALUE = re.compile(r"^[A-Za-z0-9_./:$-]*$")
 # An exact version: no specifier operators, wildcards or spaces.
 _EXACT_VERSION = re.compile(r"^[0-9][0-9A-Za-z.!+_-]*$")
 
@@ -65,8 +70,12 @@ def same_version(installed: str, pinned: str) -> bool:
 class Package:
     name: str
     version: str
-    source: str = PYPI  # "pypi" or the URL of the index that serves it
+    source: str = PYPI  # "pypi", the URL of the index that serves it, or "git" (built on the node)
     eol: str | None = None
+    git: str | None = None  # source "git": the repository, the full commit, the module to import after
+    commit: str | None = None
+    module: str | None = None
+    build_env: tuple[tuple[str, str], ...] = ()  # variables of the build; "$VENV" is the profile's venv
 
     @property
     def requirement(self) -> str:
@@ -93,7 +102,9 @@ class Profile:
             "python_min": self.python_min,
             "system_packages": sorted(self.system_packages),
             "extra_index_urls": sorted(self.extra_index_urls),
-            "packages": sorted([normalize(p.name), p.version, p.source] for p in self.packages),
+            "packages": sorted([normalize(p.name), p.version, p.source]
+                               + ([p.git, p.commit, sorted(p.build_env)] if p.source == GIT else [])
+                               for p in self.packages),
         }
         return hashlib.sha256(json.dumps(content, sort_keys=True).encode()).hexdigest()[:16]
 
@@ -104,17 +115,23 @@ class Profile:
         return None
 
     @property
+    def built_here(self) -> tuple[str, ...]:
+        return tuple(pkg.name for pkg in self.packages if pkg.source == GIT)
+
+    @property
     def eol_notes(self) -> list[str]:
         return [f"{p.name} {p.version}: {p.eol}" for p in self.packages if p.eol]
 
 
-def torch_bound_mismatches(versions: dict[str, str]) -> list[tuple[str, str, str]]:
-    """(package, its version, torch version) for each torch extension built for another torch major.minor."""
+def torch_bound_mismatches(versions: dict[str, str], built_here: tuple[str, ...] = ()) -> list[tuple[str, str, str]]:
+    """(package, its version, torch version) for each torch extension built for another torch major.minor.
+    Packages in ``built_here`` were compiled on the node against its torch: their version says nothing."""
     by_name = {normalize(k): (k, v) for k, v in versions.items()}
     if "torch" not in by_name:
         return []
     torch_version = by_name["torch"][1]
-    bound = [by_name[key] for key in TORCH_BOUND if key in by_name]
+    skip = {normalize(n) for n in built_here}
+    bound = [by_name[key] for key in TORCH_BOUND if key in by_name and key not in skip]
     return [(name, version, torch_version) for name, version in bound
             if major_minor(version) != major_minor(torch_version)]
 
@@ -133,7 +150,10 @@ def _parse(name: str, raw: dict, where: Path) -> Profile:
     for pkg, spec in raw["packages"].items():
         if set(spec) - _PACKAGE_KEYS or "version" not in spec:
             raise bad(f"package {pkg} has keys {sorted(spec)}", "give it version (and source, eol)")
-        packages.append(Package(pkg, str(spec["version"]), spec.get("source", PYPI), spec.get("eol")))
+        build_env = spec.get("build_env", {})
+        packages.append(Package(pkg, str(spec["version"]), spec.get("source", PYPI), spec.get("eol"),
+                                spec.get("git"), spec.get("commit"), spec.get("module"),
+                                tuple(sorted((str(k), str(v)) for k, v in build_env.items()))))
     profile = Profile(
         name=name,
         description=raw["description"],
@@ -161,10 +181,20 @@ def profile_problems(p: Profile) -> list[tuple[str, str]]:
     if not re.fullmatch(r"\d+\.\d+", p.python_min):
         problems.append((f"python_min {p.python_min!r} is not MAJOR.MINOR", "write it like \"3.11\""))
     for pkg in p.packages:
+        if pkg.source == GIT:
+            if not (pkg.git and pkg.git.startswith("https://") and re.fullmatch(r"[0-9a-f]{40}", pkg.commit or "")
+                    and pkg.module and pkg.module.isidentifier()):
+                problems.append(((f"{pkg.name} is built from git but lacks an https git URL, a full 40-hex commit "
+                                 "or the module to import"), "give git, commit and module"))
+            bad_env = [k for k, v in pkg.build_env if not (k.isidentifier() and _BUILD_ENV_VALUE.match(v))]
+            if bad_env:
+                problems.append((f"{pkg.name} build_env {bad_env} has names or values the script cannot quote",
+                                 "use NAME = \"letters, digits, _ . / : - and $VENV\""))
+            continue
         if not _EXACT_VERSION.match(pkg.version):
             problems.append((f"{pkg.name} version {pkg.version!r} is not an exact pin",
                              "pin one release; profiles are matched sets"))
-        if pkg.source != PYPI and pkg.source not in p.extra_index_urls:
+        if pkg.source not in (PYPI, GIT) and pkg.source not in p.extra_index_urls:
             problems.append((f"{pkg.name} comes from {pkg.source} which is not in extra_index_urls",
                              "add the URL to extra_index_urls"))
     unused = set(p.extra_index_urls) - {pkg.source for pkg in p.packages}
@@ -177,7 +207,14 @@ def profile_problems(p: Profile) -> list[tuple[str, str]]:
     if p.precision == "ipex-bf16" and "intel-extension-for-pytorch" not in names:
         problems.append(("precision 'ipex-bf16' without intel_extension_for_pytorch",
                          "add it or use precision 'autocast-bf16'"))
-    for name, version, torch_version in torch_bound_mismatches({pkg.name: pkg.version for pkg in p.packages}):
+    if p.backend == "ccl":
+        acc = p.version_of("accelerate")
+        if acc is None or tuple(int(x) for x in re.findall(r"\d+", acc)[:2]) < CCL_ACCELERATE_MIN:
+            problems.append(((f"backend 'ccl' with accelerate {acc or 'unpinned'}: the releases checked to adopt the "
+                             f"jobs' ccl process group are {'.'.join(map(str, CCL_ACCELERATE_MIN))} and newer"),
+                             "pin accelerate 1.10.1 or newer"))
+    for name, version, torch_version in torch_bound_mismatches({pkg.name: pkg.version for pkg in p.packages},
+                                                               p.built_here):
         what = f"{name} {version} is built for torch {major_minor(version)}.* but torch is pinned {torch_version}"
         problems.append((what, "pin both from the same release line"))
     return problems
@@ -206,7 +243,7 @@ def _resolve(profile: str | Profile) -> Profile:
 
 
 def pip_requirements(profile: str | Profile) -> list[str]:
-    return [p.requirement for p in _resolve(profile).packages]
+    return [p.requirement for p in _resolve(profile).packages if p.source != GIT]
 
 
 def venv_shell_word(venv: str) -> str:
@@ -243,6 +280,7 @@ def render_setup_script(profile: str | Profile, venv: str | None = None) -> str:
         system_packages=list(p.system_packages),
         extra_index_urls=list(p.extra_index_urls),
         requirements=pip_requirements(p),
+        source_builds=[pkg for pkg in p.packages if pkg.source == GIT],
         eol_notes=p.eol_notes,
     )
     log.debug("rendered setup script for profile %s (hash %s, venv %s)", p.name, p.hash, venv)
@@ -261,7 +299,7 @@ def matched_set_problems(profile: str | Profile, installed: dict[str, str]) -> l
             problems.append(f"{pkg.name} is not installed but profile {p.name} pins {pkg.version}; {fix}")
         elif not same_version(version, pkg.version):
             problems.append(f"{pkg.name} {version} is installed but profile {p.name} pins {pkg.version}; {fix}")
-    for name, version, torch_version in torch_bound_mismatches(installed):
+    for name, version, torch_version in torch_bound_mismatches(installed, p.built_here):
         problems.append(f"{name} {version} needs torch {major_minor(version)}.* but torch {torch_version} is "
                         f"installed, so it fails at import or hangs in collectives; {fix}")
     return problems

@@ -297,3 +297,62 @@ def test_work_root_venv_expands_on_the_node_and_needs_xc_home(profiles, tmp_path
     assert unset.returncode != 0 and "XC_HOME: is not set" in unset.stderr
     with pytest.raises(ClusterError, match="venv path"):
         P.render_setup_script("test", venv="$XC_HOME/../elsewhere")
+
+
+# ---- upstream-ccl: torch-ccl built on the node (rendered and checked here; the build needs GitHub) ----
+
+TORCH_CCL = "https://github.com/intel/torch-ccl"
+
+
+def test_upstream_ccl_builds_torch_ccl_at_a_pinned_commit_against_current_torch(profiles):
+    p = profiles["upstream-ccl"]
+    assert p.backend == "ccl" and p.version_of("torch") == profiles["upstream"].version_of("torch")
+    ccl = pkg(p, "oneccl_bind_pt")
+    assert (ccl.source, ccl.git, ccl.module) == ("git", TORCH_CCL, "oneccl_bindings_for_pytorch")
+    assert re.fullmatch(r"[0-9a-f]{40}", ccl.commit)
+    assert p.version_of("oneccl-cpu") == p.version_of("oneccl-cpu-devel") == "2021.16.2"
+    assert p.version_of("impi-devel") == p.version_of("impi-rt")  # headers of the MPI the ranks run
+    reqs = P.pip_requirements(p)
+    assert not any(r.startswith("oneccl_bind_pt") for r in reqs)  # not from an index
+    script = P.render_setup_script(p)
+    build = script.index(f"git -C \"$SRC\" checkout --quiet --detach {ccl.commit}")
+    assert script.index("pip install") < build < script.index("writing marker")  # after torch, before the marker
+    assert 'USE_SYSTEM_ONECCL="1"' in script and 'CCL_ROOT="$VENV"' in script
+    assert "import torch, oneccl_bindings_for_pytorch" in script
+    subprocess.run(["bash", "-n", "-c", script], check=True)
+
+
+def test_a_package_built_on_the_node_is_not_held_to_its_wheels_torch_label():
+    p = P.load_profile("upstream-ccl")
+    installed = {"torch": "2.13.0+cpu", "oneccl_bind_pt": "2.8.0+xpu"}
+    assert P.torch_bound_mismatches(installed) != []  # an index wheel 2.8 beside torch 2.13 is wrong...
+    assert P.torch_bound_mismatches(installed, p.built_here) == []  # ...one compiled against it is not
+    full = {pk.name: pk.version for pk in p.packages}
+    assert P.matched_set_problems(p, full) == []
+
+
+def test_the_build_changes_the_hash_and_other_profiles_keep_theirs(profiles):
+    p = profiles["upstream-ccl"]
+    ccl = pkg(p, "oneccl_bind_pt")
+    other = dataclasses.replace(ccl, commit="0" * 40)
+    changed = dataclasses.replace(p, packages=tuple(other if x is ccl else x for x in p.packages))
+    assert changed.hash != p.hash
+    # hashes nodes already carry: adding source builds must not make them reinstall
+    assert profiles["oneccl"].hash == "175372cb17332dde" and profiles["upstream"].hash == "20c1e956e7ebacbc"
+
+
+@pytest.mark.parametrize("extra, needle", [
+    ('oneccl_bind_pt = { version = "2.8.0+xpu", source = "git", git = "http://x/y", commit = "'
+     + "a" * 40 + '", module = "m" }\naccelerate = { version = "1.15.0" }', "https git URL"),
+    (('oneccl_bind_pt = { version = "2.8.0+xpu", source = "git", git = "https://x/y", commit = "abc", module = "m" }'
+     '\naccelerate = { version = "1.15.0" }'), "40-hex commit"),
+    ('oneccl_bind_pt = { version = "2.8.0+xpu", source = "git", git = "https://x/y", commit = "' + "a" * 40
+     + '", module = "m", build_env = { X = "a b" } }\naccelerate = { version = "1.15.0" }', "cannot quote"),
+    ('oneccl_bind_pt = { version = "2.7.0+cpu", source = "git", git = "https://x/y", commit = "' + "a" * 40
+     + '", module = "m" }\naccelerate = { version = "1.9.0" }', "accelerate 1.9.0"),
+])
+def test_source_builds_and_ccl_accelerate_are_checked(tmp_path, extra, needle):
+    path = write_profiles(tmp_path, BASE.format(backend="ccl", urls=f'["{TORCH_CPU_INDEX}"]', src=TORCH_CPU_INDEX,
+                                                extra=extra))
+    with pytest.raises(ClusterError, match=re.escape(needle)):
+        P.load_profiles(path)
