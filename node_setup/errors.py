@@ -11,3 +11,10 @@ class NodeFailure(ClusterError):
     def __init__(self, message: str, nodes: list[str] | None = None):
         super().__init__(message)
         self.nodes = list(nodes or [])
+
+
+class Preempted(ClusterError):
+    """A spot notice ended the run after a checkpoint came home: exit 75, one line saying how to resume."""
+
+    exit_code = 75
+    prefix = ""

@@ -20,6 +20,7 @@ from . import doctor as doctor_lib
 from . import keys as keys_lib
 from . import kube as kube_lib
 from . import local as local_lib
+from . import resume as resume_lib
 from . import setup as setup_lib
 from . import train as train_lib
 from .cluster import open_cluster
@@ -54,7 +55,7 @@ def cli(fn):
         try:
             return fn(c, *args, **kwargs)
         except ClusterError as exc:
-            raise Exit(f"error: {exc}", code=1) from None
+            raise Exit(f"{getattr(exc, 'prefix', 'error: ')}{exc}", code=getattr(exc, "exit_code", 1)) from None
     return wrapper
 
 
@@ -125,17 +126,39 @@ def keys(c, cluster=None):
         "master-port": "rendezvous port on node 0 (default 29500)",
         "no-pin": "do not pin ranks to cores",
         "timeout": "seconds a collective may wait before the job fails (default 300)",
+        "save-every": "checkpoint every DURATION of training (10m, 600s) or N steps (default 10m; 0: only on a "
+                      "spot notice)",
+        "no-fetch-model": "bring home metrics, logs and trainer state but not model or checkpoint weights",
+        "resume": "continue RUN_ID from its latest checkpoint at home: same job, flags and data",
     },
 )
 @cli
-def train(c, nodes=None, job="glue", script=None, ppn="auto", threads="auto", backend="auto", precision="auto",
-          env=None, cluster=None, master_port=None, no_pin=False, timeout=300):
+def train(c, nodes=None, job=None, script=None, ppn="auto", threads="auto", backend="auto", precision="auto",
+          env=None, cluster=None, master_port=None, no_pin=False, timeout=300, save_every=None, no_fetch_model=False,
+          resume=None):
     """Run a training job across the cluster with mpirun; results land in runs/<run-id>/."""
-    req = train_lib.TrainRequest(
-        nodes=_int(nodes, "--nodes") if nodes is not None else None, job=job, script=script, args=job_args(), ppn=str(ppn),
-        threads=str(threads), backend=backend, precision=precision, env=_env(env),
-        master_port=_int(master_port, "--master-port") if master_port else None, pin=not no_pin,
-        timeout_s=_int(timeout, "--timeout"))
+    n = _int(nodes, "--nodes") if nodes is not None else None
+    if resume:
+        if job or script or job_args():
+            raise ClusterError(f"--resume {resume} runs that run's own job and flags; drop --job/--script and the "
+                               "flags after --")
+        req = resume_lib.resume_request(resume, train_lib.RUNS, nodes=n, fetch_model=not no_fetch_model)
+    else:
+        req = train_lib.TrainRequest(nodes=n, job=job or "glue", script=script, args=job_args(), env=_env(env),
+                                     fetch_model=not no_fetch_model)
+        if save_every is not None:
+            req.save_every = str(save_every)
+    # on --resume the recorded choices stand unless a flag says otherwise
+    for name, value, default in (("ppn", str(ppn), "auto"), ("threads", str(threads), "auto"),
+                                 ("backend", backend, "auto"), ("precision", precision, "auto")):
+        if not resume or value != default:
+            setattr(req, name, value)
+    if resume:
+        req.env.update(_env(env))
+    req.master_port = _int(master_port, "--master-port") if master_port else None
+    req.pin = req.pin and not no_pin
+    if not resume or int(_int(timeout, "--timeout")) != 300:
+        req.timeout_s = _int(timeout, "--timeout")
     result = train_lib.train(open_cluster(_cluster(c, cluster)), req)
     print(train_lib.result_line(result))
 

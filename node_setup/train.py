@@ -18,13 +18,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TextIO
 
-from training import launcher
+from training import launcher, spot
 from training.common import FINISHED_TAG
 
-from . import doctor, keys, shipping, topology
+from . import doctor, keys, outputs, shipping, topology
 from .cleanup import Sweep, sweep
 from .cluster import Cluster
-from .errors import ClusterError, NodeFailure
+from .errors import ClusterError, NodeFailure, Preempted
 from .inventory import Node
 from .remote import connect, fan_out, remote_home, run
 from .render import render
@@ -54,6 +54,9 @@ class TrainRequest:
     pin: bool = True
     timeout_s: int = 300
     runs_dir: Path = RUNS
+    save_every: str = spot.DEFAULT_SAVE_EVERY
+    fetch_model: bool = True
+    resume: dict | None = None  # set by node_setup.resume: run_id, step, checkpoint (local folder)
 
 
 @dataclass
@@ -98,6 +101,10 @@ def validate(req: TrainRequest) -> None:
         raise ClusterError(f"--backend {req.backend!r} is not one of {', '.join(BACKENDS)}")
     if req.precision not in PRECISIONS:
         raise ClusterError(f"--precision {req.precision!r} is not one of {', '.join(PRECISIONS)}")
+    try:
+        spot.parse_save_every(req.save_every)
+    except ValueError as exc:
+        raise ClusterError(f"--save-every: {exc}; e.g. --save-every 10m or --save-every 200") from None
     _parse_auto_int(req.ppn, "--ppn")
     _parse_auto_int(req.threads, "--threads")
     for flag, path in local_files(req.args):
@@ -297,6 +304,13 @@ def plan_run(cluster: Cluster, req: TrainRequest, say) -> tuple[launcher.LaunchP
         node_plans = [launcher.NodePlan(p.name, topology.derive_layout(f.topo, ppn, omp, backend), p.malloc)
                       for p, f in zip(node_plans, facts)]
     args, ship = rewrite_files(req.args)
+    if req.resume:
+        from .resume import same_global_batch
+
+        world = ppn * len(node_plans)
+        args, note = same_global_batch(args, int(req.resume["world_size"]), world)
+        if note:
+            say(note)
     if req.script:
         entry = (f"script/{Path(req.script).name}",)
         label = "script"
@@ -308,8 +322,16 @@ def plan_run(cluster: Cluster, req: TrainRequest, say) -> tuple[launcher.LaunchP
     plan = launcher.LaunchPlan(
         run_id=new_run_id(label), nodes=tuple(node_plans), master_addr=nodes[0].private_host,
         master_port=req.master_port or 29500, backend=backend, precision=precision, entry=tuple(entry),
-        args=tuple(args), env_overrides=dict(req.env), pin=req.pin, timeout_s=req.timeout_s)
+        args=tuple(args), env_overrides=run_env(req), pin=req.pin, timeout_s=req.timeout_s)
     return plan, facts, args, ship
+
+
+def run_env(req: TrainRequest) -> dict[str, str]:
+    """The ranks' spot contract (training.spot) under the user's --env."""
+    env = {"XC_SAVE_EVERY": req.save_every}
+    if req.resume:
+        env["XC_RESUME_FROM"] = f"resume/step-{req.resume['step']}"
+    return {**env, **req.env}
 
 
 def describe(plan: launcher.LaunchPlan, facts: list[NodeFacts]) -> list[str]:
@@ -332,7 +354,7 @@ def describe(plan: launcher.LaunchPlan, facts: list[NodeFacts]) -> list[str]:
 
 
 def _stage(fact: NodeFacts, plan: launcher.LaunchPlan, node_plan: launcher.NodePlan, digest: str, tarball: bytes,
-           ship: dict[str, Path], script: str | None, is_master: bool, hostfile: str) -> str:
+           ship: dict[str, Path], script: str | None, is_master: bool, hostfile: str, resume: Path | None = None) -> str:
     with connect(fact.node) as conn:
         code_dir = shipping.ensure_code(conn, fact.home, digest, tarball)
         run_dir = f"{fact.home}/runs/{plan.run_id}"
@@ -353,6 +375,13 @@ def _stage(fact: NodeFacts, plan: launcher.LaunchPlan, node_plan: launcher.NodeP
             conn.put(script, f"{run_dir}/script/{Path(script).name}")
         if is_master:
             conn.put(io.StringIO(hostfile), f"{run_dir}/hostfile")
+        if resume:  # every rank loads the weights from its own node
+            target = f"{run_dir}/resume/{Path(resume).name}"
+            files = [f for f in Path(resume).rglob("*") if f.is_file()]
+            dirs = sorted({shlex.quote(f"{target}/{f.parent.relative_to(resume)}") for f in files})
+            run(conn, "mkdir -p " + " ".join(dirs or [shlex.quote(target)]))
+            for f in files:
+                conn.put(str(f), f"{target}/{f.relative_to(resume)}")
         return code_dir
 
 
@@ -384,7 +413,8 @@ def train(cluster: Cluster, req: TrainRequest, out: TextIO = sys.stdout) -> RunR
 
     def stage(node: Node):
         i = nodes.index(node)
-        staged[node.name] = _stage(facts[i], plan, plan.nodes[i], digest, tarball, ship, req.script, i == 0, hostfile)
+        staged[node.name] = _stage(facts[i], plan, plan.nodes[i], digest, tarball, ship, req.script, i == 0, hostfile,
+                                   Path(req.resume["checkpoint"]) if req.resume else None)
 
     fan_out(nodes, stage, "staging the run")
     say(f"code {digest} on every node")
@@ -402,11 +432,23 @@ def train(cluster: Cluster, req: TrainRequest, out: TextIO = sys.stdout) -> RunR
         "node_env": {p.name: launcher.node_env(plan, p) for p in plan.nodes},
         "pinning": {p.name: dict(launcher.rank_cpus(p)) for p in plan.nodes},
         "topology": {f.node.name: f.topo.to_dict() for f in facts}, "code": digest,
+        # what --resume needs to run the same job again
+        "request": {"job": req.job, "script": req.script, "args": list(req.args), "ppn": req.ppn,
+                    "threads": req.threads, "backend": req.backend, "precision": req.precision,
+                    "env": dict(req.env), "save_every": req.save_every, "pin": req.pin, "timeout_s": req.timeout_s,
+                    "data": {str(Path(p).expanduser().resolve()): file_digest(p) for _, p in local_files(req.args)}},
     }
+    if req.resume:
+        record["resumed_from"] = {"run_id": req.resume["run_id"], "step": req.resume["step"]}
     (run_dir / "command.sh").write_text(command + "\n")
     say(f"launching {plan.world_size} rank(s) with mpirun on {master.node.name}")
     started = time.monotonic()
     exit_code = 1
+    remote_out = _remote_output_dir(master, plan, args)
+    mirror = None
+    if req.script is None:
+        mirror = outputs.CheckpointMirror(master.node, run_dir, remote_out, req.fetch_model)
+        mirror.start()
     with (run_dir / "log.txt").open("w") as log_file:
         router = OutputRouter(plan, out, log_file)
         try:
@@ -423,8 +465,15 @@ def train(cluster: Cluster, req: TrainRequest, out: TextIO = sys.stdout) -> RunR
             raise
         finally:
             router.flush_rest()
+            if mirror:
+                mirror.stop()
+            if req.script is None:
+                _bring_home(master, run_dir, remote_out, req, say)
     wall = time.monotonic() - started
     extra: dict = {}
+    notice = next((ln for ln in router.lines if spot.PREEMPTED_TAG in ln), None)
+    if exit_code != 0 and notice:
+        _preempted(nodes, plan, master, run_dir, remote_out, record, req, notice, exit_code, wall, say)
     if exit_code != 0:
         swept = cleanup(nodes, plan.run_id)
         node, reason = failed_rank(router.lines, plan)
@@ -448,6 +497,58 @@ def train(cluster: Cluster, req: TrainRequest, out: TextIO = sys.stdout) -> RunR
     return RunResult(run_id=plan.run_id, run_dir=run_dir, exit_code=0, wall_s=wall, results=results)
 
 
+def file_digest(path: str) -> str:
+    import hashlib
+
+    h = hashlib.sha256()
+    with Path(path).expanduser().open("rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _remote_output_dir(master: NodeFacts, plan: launcher.LaunchPlan, args: list[str]) -> str:
+    out_dir = _output_dir(args)
+    return out_dir if out_dir.startswith("/") else f"{master.home}/runs/{plan.run_id}/{out_dir}"
+
+
+def _bring_home(master: NodeFacts, run_dir: Path, remote_out: str, req: TrainRequest, say) -> None:
+    """The job's output_dir into runs/<id>/output/, whatever the run's ending; never raises."""
+    try:
+        copied = outputs.fetch_output(master.node, remote_out, run_dir / "output", req.fetch_model, say)
+        if copied:
+            say(f"outputs: {len(copied)} file(s) from {master.node.name} in {run_dir / 'output'}"
+                + ("" if req.fetch_model else " (model weights left on the node: --no-fetch-model)"))
+    except Exception as exc:  # node 0 gone: what came home while the run went on is what there is
+        log.warning("could not bring the outputs home from %s: %s", master.node.name, exc, exc_info=log.isEnabledFor(logging.DEBUG))
+
+
+def _preempted(nodes, plan, master, run_dir, remote_out, record, req, notice, exit_code, wall, say) -> None:
+    m = re.search(r"rank=(\d+) step=(\d+)", notice)
+    rank, step = (int(m.group(1)), int(m.group(2))) if m else (0, -1)
+    node = plan.rank_host(rank) if rank < plan.world_size else "?"
+    swept = cleanup(nodes, plan.run_id)
+    try:
+        got = outputs.fetch_checkpoint(master.node, run_dir, remote_out, req.fetch_model)
+    except Exception as exc:
+        log.warning("the notice's checkpoint did not come home: %s", exc, exc_info=log.isEnabledFor(logging.DEBUG))
+        got = None
+    home = outputs.home_checkpoints(run_dir)
+    ckpt = run_dir / "checkpoints" / f"step-{step}"
+    if not home:
+        _finish(run_dir, record, "failed", exit_code, wall, None, failed_node=node, cleanup=swept.to_dict(),
+                reason=f"spot notice on {node} at step {step}, but no checkpoint reached {run_dir}/checkpoints")
+        raise NodeFailure(f"run {plan.run_id} preempted on {node} at step {step} and no checkpoint came home; "
+                          f"{swept.claim()}", [node])
+    if got is None or got[0] != step:
+        step, ckpt = home[-1]
+    _finish(run_dir, record, "preempted", spot.PREEMPTED_EXIT, wall, None, preempted={
+        "node": node, "rank": rank, "step": step, "checkpoint": str(ckpt)}, cleanup=swept.to_dict())
+    rel = ckpt.relative_to(run_dir.parent.parent) if run_dir.parent.parent in ckpt.parents else ckpt
+    raise Preempted(f"run {plan.run_id} preempted on {node} at step {step}: checkpoint saved ({rel}); "
+                    f"resume with 'fab train --resume {plan.run_id}'")
+
+
 def _output_dir(args: list[str]) -> str:
     for i, a in enumerate(args):
         if a == "--output_dir":
@@ -458,9 +559,7 @@ def _output_dir(args: list[str]) -> str:
 
 
 def _fetch_results(master: NodeFacts, plan: launcher.LaunchPlan, args: list[str]) -> dict | None:
-    out_dir = _output_dir(args)
-    if not out_dir.startswith("/"):
-        out_dir = f"{master.home}/runs/{plan.run_id}/{out_dir}"
+    out_dir = _remote_output_dir(master, plan, args)
     with connect(master.node) as conn:
         res = run(conn, f"cat {shlex.quote(out_dir)}/results.json")
     if not res.ok:

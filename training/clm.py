@@ -431,7 +431,7 @@ def main(argv: list[str] | None = None) -> int:
         tokenizer=meta["tokenizer"], block_size=block_size, parameters=n_params, prepared=str(folder))
     if eval_ds is not None:
         trainer.evaluate()  # step 0: the loss to beat
-    common.train_and_record(trainer, results, train_ds)
+    common.train_and_record(trainer, results, train_ds, info)
     if "train" in results:
         results["train"]["tokens_per_second"] = results["train"]["train_samples_per_second"] * block_size
     line = None
@@ -453,7 +453,7 @@ def main(argv: list[str] | None = None) -> int:
         tr = results["train"]
         line = (line + " " if line else "") + (f"train {tr['train_samples_per_second']:.1f} samples/s "
                                                f"({tr['tokens_per_second']:.0f} tokens/s) in {tr['wall_s']:.1f}s")
-    common.finish(info, args, results, started, line)
+    common.finish(info, args, results, started, line, trainer)
     return 0
 
 

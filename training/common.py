@@ -228,7 +228,8 @@ def trainer_defaults(training_args_cls, group_by_length: bool = True, **extra) -
     """TrainingArguments defaults of every bundled job: CPU, no reports, rank 0's progress lines.
     ddp_backend stays None: dist.setup() has already made the process group and accelerate adopts it,
     while naming "ccl" makes accelerate refuse it on CPU (it maps every backend but mpi to gloo)."""
-    return {"output_dir": "output", "use_cpu": True, "report_to": "none", "save_strategy": "no",
+    # save_strategy "no": checkpoints come from training.spot (every --save_every, and on a spot notice)
+    return {"output_dir": "output", "use_cpu": True, "report_to": "none", "save_strategy": "no", "save_total_limit": 2,
             "length_column_name": "length", "logging_steps": 10, "disable_tqdm": True,
             "ddp_find_unused_parameters": False, "ddp_backend": None,
             **length_grouping_default(training_args_cls, group_by_length), **extra}
@@ -296,20 +297,51 @@ def run_header(job: str, info, args, model: str, **fields) -> dict:
             "seed": args.seed, "threads": torch.get_num_threads(), **fields}
 
 
-def train_and_record(trainer, results: dict, train_ds) -> None:
-    """trainer.train() with its metrics and wall time under results['train']."""
+def train_and_record(trainer, results: dict, train_ds, info) -> None:
+    """trainer.train() with its metrics and wall time under results['train'], checkpoints every
+    --save_every, resumed from XC_RESUME_FROM, and the job's end on a spot notice (exit 75)."""
     if train_ds is None:
         return
+    from training import spot
+
+    resume = spot.resume_from()
+    if resume:
+        results["resumed_from_step"] = spot.checkpoint_step(resume)
+    watcher = spot.NoticeWatcher()
+    watcher.start()
+    callback = spot.spot_callback(watcher)
+    trainer.add_callback(callback)
     train_start = time.monotonic()
-    out = trainer.train()
+    out = trainer.train(resume_from_checkpoint=resume)
+    watcher.stop()
     results["train"] = dict(out.metrics, samples=len(train_ds), wall_s=time.monotonic() - train_start)
+    if callback.preempted_by is not None:
+        import sys
+
+        import torch
+
+        if info.is_main:
+            print(f"{spot.PREEMPTED_TAG} rank={callback.preempted_by} step={callback.step} "
+                  f"checkpoint=checkpoint-{callback.step}", flush=True)
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+        sys.exit(spot.PREEMPTED_EXIT)
 
 
-def finish(info, args, results: dict, started: float, line: str | None = None) -> None:
-    """Rank 0 writes results.json and prints its result line; every rank leaves the process group."""
+def finish(info, args, results: dict, started: float, line: str | None = None, trainer=None) -> None:
+    """Rank 0 writes the model, the Trainer's state and metrics files and results.json, and prints its
+    result line; every rank leaves the process group."""
     import torch
 
     results["wall_s"] = time.monotonic() - started
+    if trainer is not None:  # run_glue's outputs: model + tokenizer, trainer_state.json, *_results.json
+        if results.get("train"):
+            trainer.save_model()
+            trainer.save_state()
+        for split in ("train", "eval"):
+            if results.get(split):
+                trainer.save_metrics(split, {k: v for k, v in results[split].items()
+                                             if isinstance(v, (int, float, str))})
     if info.is_main:
         path = write_results(args.output_dir, results)
         log.info("results written to %s", path)

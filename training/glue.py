@@ -182,12 +182,7 @@ def main(argv: list[str] | None = None) -> int:
                      "group_by_length": common.length_grouping(args), "max_seq_length": max_len,
                      "per_device_train_batch_size": args.per_device_train_batch_size,
                      "threads": torch.get_num_threads()}
-    if train_ds is not None:
-        train_start = time.monotonic()
-        out = trainer.train()
-        results["train"] = dict(out.metrics, samples=len(train_ds), wall_s=time.monotonic() - train_start)
-        if info.is_main and args.save_strategy != "no":
-            trainer.save_model()
+    common.train_and_record(trainer, results, train_ds, info)
     if eval_ds is not None:
         metrics = trainer.evaluate()
         labels = eval_ds["label"]
@@ -199,7 +194,7 @@ def main(argv: list[str] | None = None) -> int:
     line = (f"eval accuracy {ev.get('eval_accuracy', float('nan')):.4f} "
             f"(majority {ev.get('eval_majority_rate', float('nan')):.4f}) f1 {ev.get('eval_f1', float('nan')):.4f} "
             f"train {tr.get('train_samples_per_second', float('nan')):.1f} samples/s in {tr.get('wall_s', 0):.1f}s")
-    common.finish(info, args, results, started, line)
+    common.finish(info, args, results, started, line, trainer)
     return 0
 
 

@@ -281,7 +281,7 @@ def main(argv: list[str] | None = None) -> int:
         group_by_length=common.length_grouping(args))
     if train_ds is not None:
         results["train_examples"] = len(train_examples)
-    common.train_and_record(trainer, results, train_ds)
+    common.train_and_record(trainer, results, train_ds, info)
 
     line = None
     if eval_ds is not None:
@@ -311,9 +311,7 @@ def main(argv: list[str] | None = None) -> int:
         line = (f"eval exact match {scores['exact_match']:.2f} f1 {scores['f1']:.2f} "
                 f"(first-{baseline_words}-words baseline f1 {base['f1']:.2f}) "
                 f"train {tr.get('train_samples_per_second', float('nan')):.1f} windows/s in {tr.get('wall_s', 0):.1f}s")
-    if info.is_main and args.do_train and args.save_strategy != "no":
-        trainer.save_model()
-    common.finish(info, args, results, started, line)
+    common.finish(info, args, results, started, line, trainer)
     return 0
 
 

@@ -1,0 +1,167 @@
+"""Bringing a run's outputs home from node 0: the job's output_dir into runs/<id>/output/, complete
+checkpoints into runs/<id>/checkpoints/step-N/ (while the run goes on, and at its end), loss.png.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import shlex
+import shutil
+import threading
+from collections.abc import Callable
+from pathlib import Path
+
+from training.spot import COMPLETE_MARKER
+
+from .errors import ClusterError
+from .inventory import Node
+from .remote import connect, run
+
+log = logging.getLogger(__name__)
+
+MODEL_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt")
+KEEP_CHECKPOINTS = 2
+PROGRESS_BYTES = 32 << 20  # files above this show transfer progress
+
+
+def _listing(conn, folder: str) -> list[tuple[int, str]]:
+    res = run(conn, f"cd {shlex.quote(folder)} 2>/dev/null && find . -type f -printf '%s %P\\n'", timeout=120)
+    out = []
+    for line in res.stdout.splitlines():
+        size, _, rel = line.partition(" ")
+        if size.isdigit() and rel:
+            out.append((int(size), rel))
+    return out
+
+
+def _get(conn, remote: str, local: Path, size: int, say: Callable[[str], None] | None) -> None:
+    local.parent.mkdir(parents=True, exist_ok=True)
+    callback = None
+    if say and size > PROGRESS_BYTES:
+        marks = set()
+
+        def callback(done: int, total: int) -> None:
+            pct = int(100 * done / max(total, 1)) // 25 * 25
+            if pct not in marks:
+                marks.add(pct)
+                say(f"  {local.name}: {done / 2**20:.0f}/{total / 2**20:.0f} MiB ({pct}%)")
+    conn.sftp().get(remote, str(local), callback=callback)
+
+
+def fetch_output(node: Node, remote_dir: str, local_dir: Path, with_model: bool = True,
+                 say: Callable[[str], None] | None = None) -> list[str]:
+    """Copy node 0's output_dir home, except checkpoints (fetched on their own) and, without
+    with_model, model weights. Returns the relative paths copied."""
+    copied = []
+    with connect(node) as conn:
+        for size, rel in _listing(conn, remote_dir):
+            if rel.startswith("checkpoint-") or (not with_model and rel.endswith(MODEL_SUFFIXES)):
+                continue
+            _get(conn, f"{remote_dir}/{rel}", local_dir / rel, size, say)
+            copied.append(rel)
+    if (local_dir / "trainer_state.json").is_file():
+        draw_loss(local_dir / "trainer_state.json", local_dir / "loss.png")
+    return copied
+
+
+def latest_remote_checkpoint(conn, remote_dir: str) -> tuple[int, str] | None:
+    """(step, path) of node 0's newest checkpoint with its completion marker."""
+    res = run(conn, f"ls -d {shlex.quote(remote_dir)}/checkpoint-*/{COMPLETE_MARKER} 2>/dev/null", timeout=60)
+    best = None
+    for line in res.stdout.split():
+        folder = line.rsplit("/", 1)[0]
+        step = folder.rsplit("checkpoint-", 1)[-1]
+        if step.isdigit() and (best is None or int(step) > best[0]):
+            best = (int(step), folder)
+    return best
+
+
+def home_checkpoints(run_dir: Path) -> list[tuple[int, Path]]:
+    """Complete checkpoints at home, oldest first (a transfer cut short is never counted)."""
+    found = []
+    for d in (run_dir / "checkpoints").glob("step-*"):
+        step = d.name.removeprefix("step-")
+        if step.isdigit() and (d / COMPLETE_MARKER).is_file():
+            found.append((int(step), d))
+    return sorted(found)
+
+
+def fetch_checkpoint(node: Node, run_dir: Path, remote_dir: str, with_model: bool = True,
+                     say: Callable[[str], None] | None = None) -> tuple[int, Path] | None:
+    """Bring node 0's newest complete checkpoint home (if not there yet); keep the last two."""
+    with connect(node) as conn:
+        latest = latest_remote_checkpoint(conn, remote_dir)
+        if latest is None:
+            return None
+        step, folder = latest
+        dest = run_dir / "checkpoints" / f"step-{step}"
+        if not (dest / COMPLETE_MARKER).is_file():
+            partial = dest.with_name(dest.name + ".partial")
+            shutil.rmtree(partial, ignore_errors=True)
+            files = _listing(conn, folder)
+            for size, rel in sorted(files, key=lambda f: f[1] == COMPLETE_MARKER):  # the marker last
+                if not with_model and rel.endswith(MODEL_SUFFIXES):
+                    continue
+                _get(conn, f"{folder}/{rel}", partial / rel, size, say)
+            if not (partial / COMPLETE_MARKER).is_file():
+                raise ClusterError(f"{node.name}: checkpoint-{step} lost its completion marker while copying")
+            shutil.rmtree(dest, ignore_errors=True)
+            partial.rename(dest)
+    for _, old in home_checkpoints(run_dir)[:-KEEP_CHECKPOINTS]:
+        shutil.rmtree(old, ignore_errors=True)
+    return step, dest
+
+
+class CheckpointMirror(threading.Thread):
+    """While the run goes on: every `interval` s, the newest complete checkpoint of node 0 comes home."""
+
+    def __init__(self, node: Node, run_dir: Path, remote_dir: str, with_model: bool, interval: float = 15.0):
+        super().__init__(name="checkpoint-mirror", daemon=True)
+        self.args = (node, run_dir, remote_dir, with_model)
+        self.interval = interval
+        self.stopped = threading.Event()
+        self.latest: tuple[int, Path] | None = None
+
+    def run(self) -> None:
+        while not self.stopped.wait(self.interval):
+            try:
+                got = fetch_checkpoint(*self.args)
+                if got and got != self.latest:
+                    log.info("checkpoint step %d copied home to %s", *got)
+                    self.latest = got
+            except Exception as exc:  # node 0 busy or gone: the next round, or the final fetch, retries
+                log.debug("checkpoint mirror: %s", exc, exc_info=True)
+
+    def stop(self) -> None:
+        self.stopped.set()
+        self.join(120)
+
+
+def draw_loss(state_file: Path, png: Path) -> Path | None:
+    """loss.png from the Trainer's log history (training loss, and eval loss where logged)."""
+    try:
+        history = json.loads(state_file.read_text()).get("log_history", [])
+    except (OSError, ValueError):
+        return None
+    train = [(h["step"], h["loss"]) for h in history if "loss" in h and "step" in h]
+    evals = [(h["step"], h["eval_loss"]) for h in history if "eval_loss" in h and "step" in h]
+    if not train and not evals:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    if train:
+        ax.plot(*zip(*train), label="train loss")
+    if evals:
+        ax.plot(*zip(*evals), "o-", label="eval loss")
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss")
+    ax.legend()
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(png, dpi=100)
+    plt.close(fig)
+    return png

@@ -1,0 +1,95 @@
+"""`fab train --resume RUN`: the same job, flags and data as RUN, from its latest complete checkpoint
+at home (shipped from the operator's copy, so a new node 0 works), in a new run folder."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from . import outputs
+from .errors import ClusterError
+from .train import TrainRequest, file_digest
+
+
+def _flag(args: list[str], name: str) -> str | None:
+    for i, a in enumerate(args):
+        if a == name and i + 1 < len(args):
+            return args[i + 1]
+        if a.startswith(name + "="):
+            return a.split("=", 1)[1]
+    return None
+
+
+def _without(args: list[str], name: str) -> list[str]:
+    out, skip = [], False
+    for a in args:
+        if skip:
+            skip = False
+            continue
+        if a == name:
+            skip = True
+            continue
+        if not a.startswith(name + "="):
+            out.append(a)
+    return out
+
+
+def resume_request(run_id: str, runs_dir: Path, nodes: int | None = None, fetch_model: bool = True) -> TrainRequest:
+    """The request that continues RUN; refuses a finished run, changed data, a missing checkpoint."""
+    run_dir = Path(runs_dir) / run_id
+    try:
+        summary = json.loads((run_dir / "summary.json").read_text())
+    except (OSError, ValueError):
+        raise ClusterError(f"--resume {run_id}: no readable {run_dir}/summary.json; pass the id of a run "
+                           f"under {runs_dir} (ls {runs_dir})") from None
+    if summary.get("status") == "ok":
+        raise ClusterError(f"--resume {run_id}: that run finished; its results are in {run_dir} (nothing to resume)")
+    request = summary.get("request")
+    if not request or request.get("script"):
+        what = "was a --script run" if request else "was recorded before runs could be resumed"
+        raise ClusterError(f"--resume {run_id}: it {what}; start it anew with 'fab train' (your script can "
+                           "resume from XC_RESUME_FROM or --resume_from_checkpoint)")
+    home = outputs.home_checkpoints(run_dir)
+    if not home:
+        raise ClusterError(f"--resume {run_id}: no complete checkpoint in {run_dir}/checkpoints; start the run anew")
+    step, checkpoint = home[-1]
+    if not fetch_model_ok(checkpoint):
+        raise ClusterError(f"--resume {run_id}: checkpoint step-{step} has no model weights (the run used "
+                           "--no-fetch-model); start the run anew")
+    for path, digest in request.get("data", {}).items():
+        if not Path(path).is_file():
+            raise ClusterError(f"--resume {run_id}: its data file {path} is gone; restore it or start anew")
+        if file_digest(path) != digest:
+            raise ClusterError(f"--resume {run_id}: its data file {path} changed since the run; a resumed run must "
+                               "train on the same data (restore it or start anew)")
+    args = list(request["args"])
+    old_world = int(summary["world_size"])
+    old_nodes = len(summary["nodes"])
+    return TrainRequest(
+        nodes=nodes or old_nodes, job=request["job"], args=args, ppn=request["ppn"], threads=request["threads"],
+        backend=request["backend"], precision=request["precision"], env=dict(request["env"]),
+        save_every=request["save_every"], pin=request["pin"], timeout_s=request["timeout_s"], runs_dir=runs_dir,
+        fetch_model=fetch_model,
+        resume={"run_id": run_id, "step": step, "checkpoint": str(checkpoint), "world_size": old_world})
+
+
+def fetch_model_ok(checkpoint: Path) -> bool:
+    return any(checkpoint.glob("*.safetensors")) or any(checkpoint.glob("*.bin"))
+
+
+def same_global_batch(args: list[str], old_world: int, new_world: int) -> tuple[list[str], str | None]:
+    """Job args whose gradient accumulation keeps the global batch of a run on old_world ranks."""
+    if old_world == new_world:
+        return args, None
+    per_device = int(_flag(args, "--per_device_train_batch_size") or 8)
+    accum = int(_flag(args, "--gradient_accumulation_steps") or 1)
+    global_batch = per_device * accum * old_world
+    if global_batch % (per_device * new_world):
+        raise ClusterError(f"--resume on {new_world} rank(s): the global batch {global_batch} ({per_device} x {accum} "
+                           f"x {old_world} ranks) is not a multiple of {per_device} x {new_world}; resume on a node "
+                           "count that divides it")
+    new_accum = global_batch // (per_device * new_world)
+    note = (f"resuming on {new_world} rank(s) instead of {old_world}: gradient accumulation {accum} -> {new_accum} "
+            f"keeps the global batch at {global_batch}")
+    return _without(args, "--gradient_accumulation_steps") + ["--gradient_accumulation_steps", str(new_accum)], note
+
+

@@ -1,0 +1,52 @@
+"""A fake EC2 instance metadata service (IMDSv2) on 127.0.0.1 for spot-notice tests: a token from
+PUT /latest/api/token (TTL header required), then GET .../spot/instance-action with that token
+answers 404 until the test calls interrupt(), then the notice AWS sends two minutes ahead."""
+from __future__ import annotations
+
+import json
+import secrets
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+
+class FakeIMDS:
+    def __init__(self):
+        self.token = secrets.token_hex(16)
+        self.notice: dict | None = None
+        self.requests: list[tuple[str, str, int]] = []
+        outer = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *a):
+                pass
+
+            def _send(self, code: int, body: bytes = b"") -> None:
+                outer.requests.append((self.command, self.path, code))
+                self.send_response(code)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def do_PUT(self):
+                if self.path != "/latest/api/token" or not self.headers.get("X-aws-ec2-metadata-token-ttl-seconds"):
+                    return self._send(400)
+                self._send(200, outer.token.encode())
+
+            def do_GET(self):
+                if self.headers.get("X-aws-ec2-metadata-token") != outer.token:
+                    return self._send(401)
+                if self.path != "/latest/meta-data/spot/instance-action" or outer.notice is None:
+                    return self._send(404)
+                self._send(200, json.dumps(outer.notice).encode())
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def interrupt(self) -> None:
+        when = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(time.time() + 120))
+        self.notice = {"action": "terminate", "time": when}
+
+    def close(self) -> None:
+        self.server.shutdown()

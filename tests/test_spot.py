@@ -1,0 +1,152 @@
+"""Surviving spot: the IMDSv2 watcher, complete-only checkpoints, and a run told to stop by a fake IMDS
+on loopback, brought home and resumed on a real local cluster."""
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import time
+
+import pytest
+from conftest import FAB, ROOT, processes_with_env
+from fake_imds import FakeIMDS
+
+from node_setup.train import DEMO_ARGS
+from training import spot
+
+
+def test_watcher_takes_a_token_then_sees_the_notice():
+    imds = FakeIMDS()
+    try:
+        w = spot.NoticeWatcher(imds.url, interval=0.05)
+        assert w.check() is None  # 404: no notice yet
+        imds.interrupt()
+        assert w.check()["action"] == "terminate"
+        puts = [r for r in imds.requests if r[0] == "PUT"]
+        assert len(puts) == 1 and all(code != 401 for _, _, code in imds.requests)  # one token, reused
+        imds.token = "rotated"  # the token expired: refused once, fetched again
+        assert w.check()["action"] == "terminate"
+        assert [r[0] for r in imds.requests if r[2] == 401] == ["GET"]
+    finally:
+        imds.close()
+
+
+def test_watcher_thread_reports_a_notice_and_stops_quietly_off_aws():
+    imds = FakeIMDS()
+    try:
+        w = spot.NoticeWatcher(imds.url, interval=0.05)
+        w.start()
+        imds.interrupt()
+        w.join(5)
+        assert not w.is_alive() and w.notice["action"] == "terminate"
+    finally:
+        imds.close()
+    off = spot.NoticeWatcher("http://127.0.0.1:9", interval=0.05)  # nothing listens: not on EC2
+    off.start()
+    off.join(5)
+    assert not off.is_alive() and off.notice is None and off.active is False
+
+
+def test_only_complete_checkpoints_count(tmp_path, monkeypatch):
+    for step, complete in ((10, True), (20, True), (30, False)):
+        d = tmp_path / f"checkpoint-{step}"
+        d.mkdir()
+        (d / "trainer_state.json").write_text(json.dumps({"global_step": step}))
+        if complete:
+            (d / spot.COMPLETE_MARKER).write_text("{}")
+    assert [p.name for p in spot.complete_checkpoints(tmp_path)] == ["checkpoint-10", "checkpoint-20"]
+    monkeypatch.setenv("XC_RESUME_FROM", str(tmp_path / "checkpoint-30"))
+    with pytest.raises(ValueError, match="not a complete checkpoint"):
+        spot.resume_from()
+    monkeypatch.setenv("XC_RESUME_FROM", str(tmp_path / "checkpoint-20"))
+    assert spot.resume_from().endswith("checkpoint-20") and spot.checkpoint_step(spot.resume_from()) == 20
+
+
+@pytest.mark.parametrize("value, expect", [("600s", ("seconds", 600.0)), ("10m", ("seconds", 600.0)),
+                                           ("200", ("steps", 200)), ("0", ("off", 0.0))])
+def test_save_every(value, expect):
+    assert spot.parse_save_every(value) == expect
+
+
+def test_home_checkpoints_skip_partial_transfers(tmp_path):
+    from node_setup import outputs
+
+    for name, marker in (("step-5", True), ("step-9", False), ("step-7.partial", True)):
+        (tmp_path / "checkpoints" / name).mkdir(parents=True)
+        if marker:
+            (tmp_path / "checkpoints" / name / spot.COMPLETE_MARKER).write_text("{}")
+    assert [s for s, _ in outputs.home_checkpoints(tmp_path)] == [5]
+
+
+ARGS = DEMO_ARGS  # 800 pairs x 2 epochs: enough steps for the model to learn, so accuracies compare
+
+
+def _progress_steps(text: str) -> list[int]:
+    return [int(s) for s in re.findall(r"\[progress\] step (\d+)/", text)]
+
+
+@pytest.mark.cluster
+@pytest.mark.slow
+def test_notice_checkpoints_home_and_resume_finishes_like_an_uninterrupted_run(cluster2):
+    imds = FakeIMDS()
+    before = cluster2.run_dirs()
+    proc = subprocess.Popen([*FAB, "train", "--nodes", "2", "--save-every", "0", "--env",
+                             f"XC_IMDS_ENDPOINT={imds.url}", "--", *ARGS], cwd=ROOT, text=True,
+                            env={**os.environ, **cluster2.env}, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            stdin=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 400
+        seen = ""
+        while time.monotonic() < deadline:
+            line = proc.stdout.readline()
+            seen += line
+            steps = _progress_steps(line)
+            if steps and steps[0] >= 10:
+                break
+        imds.interrupt()
+        noticed = time.monotonic()
+        out, err = proc.communicate(timeout=300)
+        stopped_in = time.monotonic() - noticed
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        imds.close()
+    run_id = (cluster2.run_dirs() - before).pop()
+    assert proc.returncode == 75, seen + out + err
+    last = err.strip().splitlines()[-1]
+    m = re.fullmatch(rf"run {run_id} preempted on node(\d) at step (\d+): checkpoint saved \((\S+)\); "
+                     rf"resume with 'fab train --resume {run_id}'", last)
+    assert m, last
+    step = int(m.group(2))
+    assert stopped_in < 120, f"{stopped_in:.0f}s from notice to checkpoint at home"
+    ckpt = cluster2.runs / run_id / "checkpoints" / f"step-{step}"
+    assert (ckpt / spot.COMPLETE_MARKER).is_file() and (ckpt / "optimizer.pt").is_file()
+    summary = json.loads((cluster2.runs / run_id / "summary.json").read_text())
+    assert summary["status"] == "preempted" and summary["preempted"]["step"] == step
+    assert processes_with_env(f"XC_RUN_ID={run_id}") == []
+    print(f"notice to checkpoint at home: {stopped_in:.1f}s (step {step})")
+
+    res = cluster2.fab("train", "--resume", run_id, timeout=900)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    resumed = (cluster2.run_dirs() - before - {run_id}).pop()
+    assert min(_progress_steps(res.stdout)) > step  # no step trained twice beyond the checkpoint
+    results = json.loads((cluster2.runs / resumed / "results.json").read_text())
+    assert results["resumed_from_step"] == step
+    rsum = json.loads((cluster2.runs / resumed / "summary.json").read_text())
+    assert rsum["resumed_from"] == {"run_id": run_id, "step": step}
+    out_dir = cluster2.runs / resumed / "output"
+    for name in ("model.safetensors", "config.json", "trainer_state.json", "all_results.json", "loss.png"):
+        assert (out_dir / name).is_file(), name
+
+    again = cluster2.fab("train", "--resume", resumed, timeout=120)
+    assert again.returncode == 1 and "that run finished" in again.stderr
+
+    full = cluster2.fab("train", "--nodes", "2", "--save-every", "0", "--", *ARGS, timeout=900)
+    assert full.returncode == 0
+    straight = json.loads((cluster2.runs / (cluster2.run_dirs() - before - {run_id, resumed}).pop()
+                           / "results.json").read_text())
+    acc, ref = results["eval"]["eval_accuracy"], straight["eval"]["eval_accuracy"]
+    print(f"eval accuracy: resumed {acc:.4f}, uninterrupted {ref:.4f}")
+    assert ref > straight["eval"]["eval_majority_rate"] + 0.05  # it learned, so the comparison means something
+    assert abs(acc - ref) <= 0.02

@@ -1,0 +1,191 @@
+"""Surviving spot: the interruption watcher, checkpoints every --save_every, and resuming.
+
+Contract with the operator (fab train), through the ranks' environment:
+- XC_IMDS_ENDPOINT: base URL of the instance metadata service (default http://169.254.169.254).
+- XC_SAVE_EVERY: "600s" / "10m" (training time) or "200" (steps); "0" turns periodic checkpoints off.
+- XC_RESUME_FROM: a checkpoint folder to resume from (HF Trainer's resume_from_checkpoint); your
+  own --script can read it too.
+A checkpoint counts only once COMPLETE_MARKER is written in it, after the Trainer finished saving.
+On a notice the job saves one, prints PREEMPTED_TAG on rank 0 and every rank exits PREEMPTED_EXIT.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import threading
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+log = logging.getLogger("training.spot")
+
+DEFAULT_IMDS = "http://169.254.169.254"
+TOKEN_PATH = "/latest/api/token"
+ACTION_PATH = "/latest/meta-data/spot/instance-action"
+TOKEN_TTL_S = 21600
+POLL_S = 5.0
+COMPLETE_MARKER = "xc-complete"
+PREEMPTED_TAG = "[preempted]"
+PREEMPTED_EXIT = 75  # EX_TEMPFAIL: try again later
+DEFAULT_SAVE_EVERY = "600s"
+
+
+def parse_save_every(value: str | None) -> tuple[str, float]:
+    """'600s' / '10m' / '1h' -> ('seconds', 600.0); '200' -> ('steps', 200); '0' -> ('off', 0)."""
+    text = (value or DEFAULT_SAVE_EVERY).strip().lower()
+    m = re.fullmatch(r"(\d+(?:\.\d+)?)([smh]?)", text)
+    if not m:
+        raise ValueError(f"save_every {value!r} is neither a step count (200) nor a duration (600s, 10m, 1h)")
+    number, unit = float(m.group(1)), m.group(2)
+    if number == 0:
+        return "off", 0.0
+    if not unit:
+        if number != int(number):
+            raise ValueError(f"save_every {value!r}: a step count is a whole number")
+        return "steps", number
+    return "seconds", number * {"s": 1, "m": 60, "h": 3600}[unit]
+
+
+class NoticeWatcher(threading.Thread):
+    """Polls IMDSv2's spot instance-action every POLL_S seconds. Off AWS, where nothing answers the
+    first token request, it stops at once: no further requests, no cost."""
+
+    def __init__(self, base: str | None = None, interval: float = POLL_S, timeout: float = 2.0):
+        super().__init__(name="spot-notice", daemon=True)
+        self.base = (base or os.environ.get("XC_IMDS_ENDPOINT") or DEFAULT_IMDS).rstrip("/")
+        self.interval, self.timeout = interval, timeout
+        self.notice: dict | None = None
+        self.active = True
+        self._token: str | None = None
+        self._token_at = 0.0
+        self._halt = threading.Event()
+
+    def _request(self, method: str, path: str, headers: dict) -> tuple[int, bytes]:
+        req = urllib.request.Request(self.base + path, method=method, headers=headers)
+        try:
+            with urllib.request.urlopen(req, timeout=self.timeout) as resp:
+                return resp.status, resp.read()
+        except urllib.error.HTTPError as exc:
+            return exc.code, b""
+
+    def token(self) -> str:
+        if self._token is None or time.monotonic() - self._token_at > TOKEN_TTL_S - 60:
+            status, body = self._request("PUT", TOKEN_PATH, {"X-aws-ec2-metadata-token-ttl-seconds": str(TOKEN_TTL_S)})
+            if status != 200:
+                raise ConnectionError(f"IMDS token request answered {status}")
+            self._token, self._token_at = body.decode().strip(), time.monotonic()
+        return self._token
+
+    def check(self) -> dict | None:
+        """One poll: the notice, or None. A refused token (expired) is fetched again once."""
+        for _ in range(2):
+            status, body = self._request("GET", ACTION_PATH, {"X-aws-ec2-metadata-token": self.token()})
+            if status == 401:
+                self._token = None
+                continue
+            if status == 200:
+                try:
+                    return json.loads(body or b"{}") or {"action": "terminate"}
+                except ValueError:
+                    return {"action": "terminate", "raw": body.decode(errors="replace")[:200]}
+            return None
+        return None
+
+    def run(self) -> None:
+        reached = False
+        while not self._halt.is_set():
+            try:
+                notice = self.check()
+                reached = True
+            except (OSError, ConnectionError) as exc:
+                if not reached:  # no IMDS here: not on EC2 (or it is blocked); stay quiet
+                    log.debug("no instance metadata service at %s (%s): spot watcher off", self.base, exc)
+                    self.active = False
+                    return
+                notice = None
+            if notice:
+                self.notice = notice
+                return
+            self._halt.wait(self.interval)
+
+    def stop(self) -> None:
+        self._halt.set()
+
+
+def complete_checkpoints(output_dir: str | os.PathLike) -> list[Path]:
+    """Checkpoints with their completion marker, oldest first; partial ones are never returned."""
+    found = []
+    for d in Path(output_dir).glob("checkpoint-*"):
+        m = re.fullmatch(r"checkpoint-(\d+)", d.name)
+        if m and d.is_dir() and (d / COMPLETE_MARKER).is_file():
+            found.append((int(m.group(1)), d))
+    return [d for _, d in sorted(found)]
+
+
+def checkpoint_step(folder: str | os.PathLike) -> int | None:
+    try:
+        return int(json.loads((Path(folder) / "trainer_state.json").read_text())["global_step"])
+    except (OSError, ValueError, KeyError):
+        return None
+
+
+def resume_from() -> str | None:
+    """XC_RESUME_FROM when it names a complete checkpoint; a partial one is an error, not a silent restart."""
+    path = os.environ.get("XC_RESUME_FROM")
+    if not path:
+        return None
+    if not (Path(path) / COMPLETE_MARKER).is_file():
+        raise ValueError(f"XC_RESUME_FROM {path} is not a complete checkpoint (no {COMPLETE_MARKER} in it)")
+    return path
+
+
+def spot_callback(watcher: NoticeWatcher | None = None, save_every: str | None = None):
+    """A TrainerCallback: at each step boundary ONE all-reduce tells every rank whether a node got a
+    notice (and which rank) and whether a periodic checkpoint is due (rank 0's clock decides)."""
+    import torch
+    import torch.distributed as dist
+    from transformers import TrainerCallback
+
+    mode, every = parse_save_every(save_every if save_every is not None else os.environ.get("XC_SAVE_EVERY"))
+
+    class Spot(TrainerCallback):
+        def __init__(self):
+            self.watcher = watcher
+            self.last_save = time.monotonic()
+            self.preempted_by: int | None = None  # the rank whose node got the notice
+            self.step: int | None = None
+
+        def on_train_begin(self, args, state, control, **kw):
+            self.last_save = time.monotonic()
+
+        def on_step_end(self, args, state, control, **kw):
+            rank = dist.get_rank() if dist.is_initialized() else 0
+            noticed = self.watcher is not None and self.watcher.notice is not None
+            due = False
+            if mode == "steps":
+                due = state.global_step % int(every) == 0
+            elif mode == "seconds" and rank == 0:
+                due = time.monotonic() - self.last_save >= every
+            flags = torch.tensor([rank + 1 if noticed else 0, int(due)], dtype=torch.int64)
+            if dist.is_initialized():
+                dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+            if flags[0] > 0:
+                self.preempted_by, self.step = int(flags[0]) - 1, state.global_step
+                control.should_save = True
+                control.should_training_stop = True
+            elif flags[1] > 0:
+                control.should_save = True
+            return control
+
+        def on_save(self, args, state, control, **kw):
+            self.last_save = time.monotonic()
+            if state.is_world_process_zero:
+                folder = Path(args.output_dir) / f"checkpoint-{state.global_step}"
+                if folder.is_dir():  # the Trainer has finished writing it: only now it counts
+                    (folder / COMPLETE_MARKER).write_text(json.dumps({"step": state.global_step,
+                                                                      "time": time.time()}))
+
+    return Spot()
