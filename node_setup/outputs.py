@@ -134,7 +134,7 @@ class CheckpointMirror(threading.Thread):
 
     def stop(self) -> None:
         self.stopped.set()
-        self.join(120)
+        self.join(30)
 
 
 def draw_loss(state_file: Path, png: Path) -> Path | None:
