@@ -135,8 +135,10 @@ def test_failed_run_cleans_up_what_mpirun_does_not_own_and_says_so_after_checkin
 ABORT_AFTER_FINISH = """
 import os
 rank = int(os.environ["PMI_RANK"])
+import time
 print("[finished] rank", rank, flush=True)
 if rank == 1:
+    time.sleep(3)  # the teardown comes after the work: rank 0's own marker is out by then
     os.abort()  # as torch-ccl's thread teardown does at interpreter exit now and then
 """
 

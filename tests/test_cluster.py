@@ -58,6 +58,7 @@ def test_keys_give_node0_verified_ssh_to_every_node(cluster2):
 
 @pytest.mark.slow
 def test_two_node_glue_run_learns_and_records_everything(cluster2):
+    before = cluster2.run_dirs()  # other tests share this cluster's runs folder
     res = cluster2.fab("train", "--nodes", "2", "--job", "glue", "--", *LEARN_ARGS, timeout=900)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     out = res.stdout
@@ -65,7 +66,7 @@ def test_two_node_glue_run_learns_and_records_everything(cluster2):
     assert "[0 node0] rank 0/2" in out and "[1 node1] rank 1/2" in out
     assert "backend=gloo" in out
     assert "[0 node0] [progress] step" in out
-    run_dir = next(cluster2.runs.iterdir())
+    run_dir = cluster2.runs / (cluster2.run_dirs() - before).pop()
     results = json.loads((run_dir / "results.json").read_text())
     summary = json.loads((run_dir / "summary.json").read_text())
     assert results["world_size"] == 2 and results["backend"] == "gloo"
