@@ -104,15 +104,13 @@ def up(count: int, port: int = DEFAULT_PORT, first_address: str = FIRST_ADDRESS,
         raise ClusterError(f"--port {port} is not a TCP port; use 1024..65535")
     existing = _read_state(state)
     if existing:
-        try:
-            current = nodes(state)
-        except ClusterError:
-            down(state)
-        else:
-            if len(current) == count:
-                log.info("local cluster already up with %d nodes", count)
-                return current
-            raise ClusterError(f"a local cluster with {len(current)} nodes is already up; run 'fab local-down' first or use --nodes {len(current)}")
+        size = len(existing["nodes"])
+        if size != count:
+            raise ClusterError(f"a local cluster with {size} nodes is already up; run 'fab local-down' first or "
+                               f"use --nodes {size}")
+        if all(_alive(n["pid"], n["config"]) for n in existing["nodes"]):
+            log.info("local cluster already up with %d nodes", count)
+        return _restart_down(state, existing, python)
     sshd = sshd_binary()
     base = ipaddress.IPv4Address(first_address)
     if not base.is_loopback or not (base + count - 1).is_loopback:
@@ -125,47 +123,77 @@ def up(count: int, port: int = DEFAULT_PORT, first_address: str = FIRST_ADDRESS,
     if os.geteuid() == 0:
         Path("/run/sshd").mkdir(mode=0o755, exist_ok=True)  # privilege separation dir
     started: list[dict] = []
-    host_lines = []
     try:
         for i in range(count):
-            name = f"node{i}"
-            address = str(base + i)
-            node_dir = state / "nodes" / name
-            (node_dir / "home").mkdir(parents=True, exist_ok=True)
-            node_dir.chmod(0o700)
-            _keygen(node_dir / "ssh_host_ed25519_key", f"{name}@xeon-cluster-local")
-            auth = node_dir / "authorized_keys"
-            lines = auth.read_text().splitlines(keepends=True) if auth.exists() else []
-            if op_pub not in lines:
-                auth.write_text("".join(lines) + op_pub)
-            auth.chmod(0o600)
-            config = node_dir / "sshd_config"
-            config.write_text(render("sshd_config.j2", name=name, address=address, port=port,
-                                     node_dir=node_dir, user=user))
-            log_file = node_dir / "sshd.log"
-            cpus = _cpu_share(i, count)
-            proc = subprocess.Popen(
-                [sshd, "-D", "-f", str(config), "-E", str(log_file)],
-                stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                start_new_session=True,
-                preexec_fn=lambda c=cpus: os.sched_setaffinity(0, c),  # noqa: PLW1509 (no threads here yet)
-            )
-            node = Node(name=name, host=address, private_host=address, user=user, port=port, index=i,
-                        home=str(node_dir / "home"), python=python or _default_python(),
-                        labels={"local": True, "cpus": sorted(cpus), "identity": str(operator_key(state)),
-                                "known_hosts": str(known_hosts(state))})
-            started.append({"name": name, "pid": proc.pid, "config": str(config), "node": node.to_dict()})
-            host_pub = (node_dir / "ssh_host_ed25519_key.pub").read_text().split()
-            host_lines.append(f"[{address}]:{port} {host_pub[0]} {host_pub[1]}\n")
-            _wait_listening(proc, address, port, log_file, name)
-            log.info("%s up on %s:%d (pid %d, cpus %s)", name, address, port, proc.pid,
-                     ",".join(map(str, sorted(cpus))))
+            started.append(_start_node(state, i, base, port, count, user, op_pub, sshd, python))
     except BaseException:
         _stop([s["pid"] for s in started], [s["config"] for s in started])
         raise
-    known_hosts(state).write_text("".join(host_lines))
+    known_hosts(state).write_text("".join(_host_line(state, s) for s in started))
     (state / "state.json").write_text(json.dumps({"port": port, "nodes": started}, indent=2))
     return [Node(**s["node"]) for s in started]
+
+
+def _start_node(state: Path, i: int, base: ipaddress.IPv4Address, port: int, count: int, user: str, op_pub: str,
+                sshd: str, python: str | None) -> dict:
+    name = f"node{i}"
+    address = str(base + i)
+    node_dir = state / "nodes" / name
+    (node_dir / "home").mkdir(parents=True, exist_ok=True)
+    node_dir.chmod(0o700)
+    _keygen(node_dir / "ssh_host_ed25519_key", f"{name}@xeon-cluster-local")
+    auth = node_dir / "authorized_keys"
+    lines = auth.read_text().splitlines(keepends=True) if auth.exists() else []
+    if op_pub not in lines:
+        auth.write_text("".join(lines) + op_pub)
+    auth.chmod(0o600)
+    config = node_dir / "sshd_config"
+    config.write_text(render("sshd_config.j2", name=name, address=address, port=port, node_dir=node_dir, user=user))
+    log_file = node_dir / "sshd.log"
+    cpus = _cpu_share(i, count)
+    proc = subprocess.Popen(
+        [sshd, "-D", "-f", str(config), "-E", str(log_file)],
+        stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+        start_new_session=True,
+        preexec_fn=lambda c=cpus: os.sched_setaffinity(0, c),  # noqa: PLW1509 (no threads here yet)
+    )
+    node = Node(name=name, host=address, private_host=address, user=user, port=port, index=i,
+                home=str(node_dir / "home"), python=python or _default_python(),
+                labels={"local": True, "cpus": sorted(cpus), "identity": str(operator_key(state)),
+                        "known_hosts": str(known_hosts(state))})
+    entry = {"name": name, "pid": proc.pid, "config": str(config), "node": node.to_dict()}
+    try:
+        _wait_listening(proc, address, port, log_file, name)
+    except BaseException:
+        _stop([proc.pid], [str(config)])
+        raise
+    log.info("%s up on %s:%d (pid %d, cpus %s)", name, address, port, proc.pid, ",".join(map(str, sorted(cpus))))
+    return entry
+
+
+def _host_line(state: Path, entry: dict) -> str:
+    node = entry["node"]
+    key = (state / "nodes" / entry["name"] / "ssh_host_ed25519_key.pub").read_text().split()
+    return f"[{node['host']}]:{node['port']} {key[0]} {key[1]}\n"
+
+
+def _restart_down(state: Path, data: dict, python: str | None) -> list[Node]:
+    """Start the nodes of a running cluster whose sshd is gone, with their old address, port, host key
+    and work folder, so that a run can come back to them (fab train --max-restarts)."""
+    entries = data["nodes"]
+    base = ipaddress.IPv4Address(entries[0]["node"]["host"])
+    op_pub = operator_key(state).with_suffix(".pub").read_text()
+    sshd = sshd_binary()
+    for i, entry in enumerate(entries):
+        if _alive(entry["pid"], entry["config"]):
+            continue
+        _kill_tree(entry)  # what the dead node's sessions left behind goes with it
+        fresh = _start_node(state, i, base, data["port"], len(entries), entry["node"]["user"], op_pub, sshd,
+                            python or entry["node"]["python"])
+        entries[i] = fresh
+        log.info("%s restarted", entry["name"])
+    (state / "state.json").write_text(json.dumps(data, indent=2))
+    return [Node(**e["node"]) for e in entries]
 
 
 def _default_python() -> str:
@@ -238,6 +266,45 @@ def _exists(pid: int) -> bool:
         return stat.read_text().rsplit(")", 1)[1].split()[0] != "Z"
     except OSError:
         return False
+
+
+def _node_pids(entry: dict) -> list[int]:
+    """The node's sshd and every process started through it (each session carries the node's XC_HOME)."""
+    marker = f"XC_HOME={entry['node']['home']}".encode()
+    pids = [entry["pid"], *_children(entry["pid"])] if _alive(entry["pid"], entry["config"]) else []
+    for env in Path("/proc").glob("[0-9]*/environ"):
+        try:
+            if marker in env.read_bytes().split(b"\0"):
+                pids.append(int(env.parent.name))
+        except OSError:
+            continue
+    return sorted(set(pids) - {os.getpid()})
+
+
+def _kill_tree(entry: dict) -> int:
+    pids = _node_pids(entry)
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline and any(_exists(p) for p in pids):
+        time.sleep(0.05)
+    return len(pids)
+
+
+def kill_node(name: str, state: Path | None = None) -> int:
+    """Take one node away outright, as a reclaimed instance goes: SIGKILL its sshd and every process on it,
+    no clean-up. 'fab local-up' with the same --nodes brings it back. Returns how many processes died."""
+    state = state or state_dir()
+    data = _read_state(state)
+    if not data:
+        raise ClusterError("no local cluster is running; start one with 'fab local-up --nodes 2'")
+    entry = next((e for e in data["nodes"] if e["name"] == name), None)
+    if entry is None:
+        raise ClusterError(f"no local node {name!r}; the nodes are {', '.join(e['name'] for e in data['nodes'])}")
+    return _kill_tree(entry)
 
 
 def down(state: Path | None = None) -> int:
