@@ -143,7 +143,7 @@ class Layout:
 
 
 def derive_layout(topo: Topology, ppn: int | None = None, threads: int | None = None,
-                  backend: str = "gloo") -> Layout:
+                  backend: str = "gloo", ccl_workers: int | None = None) -> Layout:
     """Default: one process per socket; each gets its socket's cores, less CCL workers under ccl."""
     notes = []
     sockets = [c for c in topo.cores_by_socket if c]
@@ -162,8 +162,9 @@ def derive_layout(topo: Topology, ppn: int | None = None, threads: int | None = 
     else:
         rank_cores = _chunk(all_cores, ppn)
     per_rank = min(len(c) for c in rank_cores)
-    ccl_workers = 0
-    if backend == "ccl":
+    if backend != "ccl":
+        ccl_workers = 0
+    elif ccl_workers is None:
         ccl_workers = 2 if per_rank >= 16 else 1
     if threads is None:
         threads = max(1, per_rank - (ccl_workers if per_rank > ccl_workers else 0))
@@ -178,6 +179,17 @@ def derive_layout(topo: Topology, ppn: int | None = None, threads: int | None = 
     return Layout(ppn=ppn, omp_threads=threads, ccl_workers=ccl_workers,
                   rank_cpus=tuple(tuple(c) for c in rank_cores), ccl_cpus=tuple(ccl_cpus),
                   notes=tuple(notes))
+
+
+def derive_layouts(topos: list[Topology], ppn: int, threads: int | None, backend: str) -> list[Layout]:
+    """One layout per node with the same thread and CCL worker counts everywhere (mpirun's -genv and
+    CCL_WORKER_COUNT are global): the smallest node decides both."""
+    layouts = [derive_layout(t, ppn=ppn, threads=threads, backend=backend) for t in topos]
+    workers = min(lay.ccl_workers for lay in layouts)
+    omp = threads if threads is not None else min(lay.omp_threads for lay in layouts)
+    if any(lay.omp_threads != omp or lay.ccl_workers != workers for lay in layouts):
+        layouts = [derive_layout(t, ppn=ppn, threads=omp, backend=backend, ccl_workers=workers) for t in topos]
+    return layouts
 
 
 def _chunk(items, n: int) -> list[list[int]]:

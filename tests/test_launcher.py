@@ -56,6 +56,12 @@ def test_gloo_env():
     assert not any(k.startswith("CCL_") for k in env)
 
 
+def test_no_pin_leaves_placement_to_the_os():
+    # I_MPI_PIN=1 would turn Intel MPI's own pinning on: --no-pin must not pin by any route
+    env = genv(launcher.mpirun_argv(plan(pin=False), ssh_config="c"))
+    assert env["I_MPI_PIN"] == "0"
+
+
 def test_ccl_env_and_worker_affinity():
     p = plan(backend="ccl", ppn=2)
     env = genv(launcher.mpirun_argv(p, ssh_config="c"))

@@ -94,3 +94,18 @@ def test_missing_lscpu_is_a_clear_error():
 
 def test_cpu_list_parsing():
     assert topology.parse_cpu_list("0-3,8,10-11") == [0, 1, 2, 3, 8, 10, 11]
+
+
+def test_nodes_of_different_sizes_get_one_thread_and_ccl_worker_count():
+    # a 16-core-per-rank node would take 2 CCL workers, an 8-core one 1; CCL_WORKER_COUNT is global
+    big, small = load("r7iz.metal-32xl"), load("c6i.16xlarge")
+    alone = [topology.derive_layout(t, ppn=4, backend="ccl") for t in (big, small)]
+    assert alone[0].ccl_workers != alone[1].ccl_workers or alone[0].omp_threads != alone[1].omp_threads
+    layouts = topology.derive_layouts([big, small], ppn=4, threads=None, backend="ccl")
+    assert {lay.ccl_workers for lay in layouts} == {min(a.ccl_workers for a in alone)}
+    assert {lay.omp_threads for lay in layouts} == {min(a.omp_threads for a in alone)}
+    for lay in layouts:  # each node's CCL_WORKER_AFFINITY lists exactly workers x ranks CPUs
+        assert len(lay.ccl_cpus) == lay.ccl_workers * lay.ppn
+    # an explicit --threads stands; the worker count still agrees
+    fixed = topology.derive_layouts([big, small], ppn=4, threads=4, backend="ccl")
+    assert {lay.omp_threads for lay in fixed} == {4} and len({lay.ccl_workers for lay in fixed}) == 1

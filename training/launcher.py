@@ -64,8 +64,8 @@ def global_env(plan: LaunchPlan) -> dict[str, str]:
         # Intel OpenMP (when preloaded): spin briefly, one thread per physical core.
         "KMP_BLOCKTIME": "1",
         "KMP_HW_SUBSET": "1T",
-        # Ranks are pinned by rank.sh (per-node CPU sets); keep Intel MPI from re-pinning.
-        "I_MPI_PIN": "0" if plan.pin else "1",
+        # rank.sh pins (per-node CPU sets); without --no-pin placement is the OS's: Intel MPI never pins.
+        "I_MPI_PIN": "0",
     }
     if plan.backend == "ccl":
         env.update(CCL_WORKER_COUNT=str(layout.ccl_workers), CCL_ATL_TRANSPORT="ofi", CCL_PROCESS_LAUNCHER="none",
