@@ -124,16 +124,16 @@ def _aws_errors():
 
 # -- pulumi -----------------------------------------------------------------------------------
 def pulumi_nodes(stack: str = "") -> list[Node]:
-    """Nodes from ``pulumi stack output --json``: what the last ``pulumi up`` created."""
+    """The nodes of the stack's cluster: its clusterName and region from ``pulumi stack output --json``, then
+    the running instances as --cluster aws:NAME sees them (host keys, instance type, replacements included)."""
     outputs = stack_outputs(stack)
     where = f"stack {stack!r}" if stack else "the selected stack"
     if not outputs.get("nodes"):
         raise ClusterError(f"{where} has no 'nodes' output; run 'pulumi up' first")
-    user = outputs.get("sshUser") or DEFAULT_USER
-    nodes = sorted(outputs["nodes"], key=lambda n: int(n["index"]))
-    return [Node(name=n["name"], host=n.get("publicIp") or n["privateIp"], private_host=n["privateIp"], user=user,
-                 index=position, python=REMOTE_PYTHON, labels={"role": n.get("role", ""), "stack": stack})
-            for position, n in enumerate(nodes)]
+    if not outputs.get("clusterName"):
+        raise ClusterError(f"{where} has no 'clusterName' output (made by an older version); run 'pulumi up' to "
+                           "refresh its outputs")
+    return aws_nodes(outputs["clusterName"], region=outputs.get("region") or None)
 
 
 def stack_outputs(stack: str = "") -> dict:

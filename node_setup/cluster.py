@@ -27,6 +27,15 @@ class Cluster:
         return select(list(self.nodes), count, self.spec)
 
 
+def state_name(spec: str, nodes) -> str:
+    """One folder (and so one cluster key) per cluster, however it is named: aws, aws:NAME, pulumi and
+    pulumi:STACK of the same cluster all resolve to its AWS cluster name."""
+    names = {n.labels.get("cluster") for n in nodes}
+    if len(names) == 1 and (name := names.pop()):
+        return "aws-" + re.sub(r"[^A-Za-z0-9_.-]+", "-", name)
+    return re.sub(r"[^A-Za-z0-9_.-]+", "-", spec)
+
+
 def open_cluster(spec: str | None = None, require_running: bool = True) -> Cluster:
     """``require_running=False`` keeps stopped local nodes in the list (doctor reports them as down)."""
     spec = spec or default_cluster()
@@ -35,6 +44,6 @@ def open_cluster(spec: str | None = None, require_running: bool = True) -> Clust
         nodes = load_nodes(spec) if require_running else local.nodes(state, require_running=False)
     else:
         nodes = load_nodes(spec)
-        state = local.state_dir().parent / re.sub(r"[^A-Za-z0-9_.-]+", "-", spec)
+        state = local.state_dir().parent / state_name(spec, nodes)
     state.mkdir(parents=True, exist_ok=True, mode=0o700)
     return Cluster(spec=spec, nodes=tuple(nodes), state=state)

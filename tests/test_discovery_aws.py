@@ -182,14 +182,34 @@ def fake_pulumi(tmp_path, monkeypatch, script: str):
     return tmp_path / "argv.json"
 
 
-def test_pulumi_source_reads_the_stack_outputs_with_a_fake_cli(tmp_path, monkeypatch):
-    argv = fake_pulumi(tmp_path, monkeypatch, f"print(json.dumps({STACK_OUTPUT!r}))\n")
+def test_pulumi_source_reads_the_stack_outputs_with_a_fake_cli(aws_env, tmp_path, monkeypatch):
+    ids = {i: launch("bert", i, user="ubuntu") for i in (1, 0)}
+    argv = fake_pulumi(tmp_path, monkeypatch, f"print(json.dumps({dict(STACK_OUTPUT, region=REGION)!r}))\n")
     nodes = load_nodes("pulumi:prod")
     assert json.loads(argv.read_text()) == ["stack", "output", "--json", "--cwd", str(discovery.PROJECT_DIR),
                                             "--stack", "prod"]
-    assert [(n.name, n.index, n.host, n.private_host, n.user) for n in nodes] == [
-        ("bert-0", 0, "198.51.100.11", "10.42.0.11", "ubuntu"),
-        ("bert-1", 1, "198.51.100.12", "10.42.0.12", "ubuntu")]
+    # the stack names the cluster; the nodes are its running instances, as --cluster aws:bert sees them
+    assert [(n.name, n.index, n.user) for n in nodes] == [("bert-0", 0, "ubuntu"), ("bert-1", 1, "ubuntu")]
+    assert [n.labels["instance_id"] for n in nodes] == [ids[0], ids[1]]
+    assert {n.labels["instance_type"] for n in nodes} == {"c6i.16xlarge"}
+    assert [n.to_dict() for n in nodes] == [n.to_dict() for n in load_nodes("aws:bert")]
+
+
+def test_one_cluster_has_one_state_folder_and_key_whichever_way_it_is_named(aws_env, tmp_path, monkeypatch):
+    from node_setup.cluster import open_cluster
+
+    for i in (0, 1):
+        launch("bert", i)
+    fake_pulumi(tmp_path, monkeypatch, f"print(json.dumps({dict(STACK_OUTPUT, region=REGION)!r}))\n")
+    monkeypatch.setenv("XC_STATE_DIR", str(tmp_path / "state"))
+    folders = {spec: open_cluster(spec).state for spec in ("aws", "aws:bert", "pulumi", "pulumi:prod")}
+    assert set(folders.values()) == {tmp_path / "state" / "aws-bert"}, folders
+
+
+def test_a_stack_without_its_cluster_name_says_run_pulumi_up(tmp_path, monkeypatch):
+    fake_pulumi(tmp_path, monkeypatch, f"print(json.dumps({dict(STACK_OUTPUT, clusterName='')!r}))\n")
+    with pytest.raises(ClusterError, match=r"stack 'prod' has no 'clusterName' output .*run 'pulumi up'"):
+        load_nodes("pulumi:prod")
 
 
 def test_pulumi_source_errors_name_the_stack_and_the_fix(tmp_path, monkeypatch):
