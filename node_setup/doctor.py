@@ -513,6 +513,16 @@ def collective_cause(output: str) -> str | None:
     return None
 
 
+def _recorded_backend(run_dir) -> str | None:
+    """The backend fab train resolved, from the run's summary.json (absent when it failed before planning)."""
+    import json
+
+    try:
+        return json.loads((run_dir / "summary.json").read_text()).get("backend")
+    except (OSError, ValueError):
+        return None
+
+
 def allreduce_row(cluster: Cluster, nodes: list[Node], port: int, backend: str = "auto",
                   env: dict[str, str] | None = None) -> Row:
     """A 4 MB all-reduce across the nodes through the real launcher (fab train --script), with the
@@ -524,9 +534,11 @@ def allreduce_row(cluster: Cluster, nodes: list[Node], port: int, backend: str =
     folder.mkdir(parents=True, exist_ok=True)
     script = folder / "allreduce.py"
     script.write_text(ALLREDUCE_PY)
+    run_id = train_lib.new_run_id("doctor")
     req = train_lib.TrainRequest(nodes=len(nodes), job=None, script=str(script), backend=backend, precision="fp32",
                                  master_port=port, timeout_s=COLLECTIVE_TIMEOUT_S, runs_dir=folder / "runs",
-                                 env=dict(env or {}), args=[str(COLLECTIVE_TIMEOUT_S * 2), str(COLLECTIVE_TIMEOUT_S)])
+                                 env=dict(env or {}), args=[str(COLLECTIVE_TIMEOUT_S * 2), str(COLLECTIVE_TIMEOUT_S)],
+                                 run_id=run_id)
     buf = io.StringIO()
     outcome: dict = {}
 
@@ -542,17 +554,14 @@ def allreduce_row(cluster: Cluster, nodes: list[Node], port: int, backend: str =
     worker.start()
     worker.join(ALLREDUCE_DEADLINE_S)
     if worker.is_alive():
-        m = re.search(r"^run (\S+): results in", buf.getvalue(), re.MULTILINE)
-        if m:
-            train_lib.cleanup(nodes, m.group(1))  # ends the ranks, so mpirun and the thread end too
+        train_lib.cleanup(nodes, run_id)  # ends the ranks, so mpirun and the thread end too
         worker.join(30)
         return Row(CLUSTER, check, False, f"no result within {ALLREDUCE_DEADLINE_S:.0f} s: the job hangs (ranks "
                    "killed)", f"check the rendezvous port and the 'ssh from' rows; the log is under {folder}/runs")
     wall = time.monotonic() - started
     output = buf.getvalue()
     lines = _ALLREDUCE_LINE.findall(output)
-    chosen = re.search(r"^backend: (\w+)", output, re.MULTILINE)
-    used = chosen.group(1) if chosen else backend
+    used = _recorded_backend(folder / "runs" / run_id) or backend
     if "error" in outcome:
         cause = collective_cause(output)
         if cause:
@@ -619,6 +628,14 @@ def doctor(cluster: Cluster, nodes: list[Node], profile: str | profiles.Profile 
         report.rows.append(Row(CLUSTER, "all-reduce", False, "not run: a job would fail on "
                                + ", ".join(f"{r.node} {r.check}" for r in blocking), "fix those rows", skipped=True))
         return report
+    try:  # mpirun needs node 0 to reach every node; a check that changes the nodes says so
+        added = keys.setup_keys(cluster, nodes).authorized
+    except ClusterError as exc:
+        report.rows.append(Row(CLUSTER, "all-reduce", False, f"not run: the cluster key could not be set up: {exc}",
+                               "run 'fab keys'", skipped=True))
+        return report
+    if added:
+        say(f"doctor: authorised this cluster's SSH key on {', '.join(added)} (mpirun reaches the nodes with it)")
     say(f"doctor: all-reduce across {len(nodes)} node(s) through mpirun")
     report.rows.append(allreduce_row(cluster, nodes, port, backend=backend, env=env))
     return report

@@ -8,9 +8,12 @@ class ClusterError(Exception):
 class NodeFailure(ClusterError):
     """A step failed on one or more named nodes."""
 
-    def __init__(self, message: str, nodes: list[str] | None = None):
+    def __init__(self, message: str, nodes: list[str] | None = None, run_id: str | None = None,
+                 lost: list[str] | None = None):
         super().__init__(message)
         self.nodes = list(nodes or [])
+        self.run_id = run_id  # set once a run folder exists
+        self.lost = list(lost or [])  # nodes that no longer answered SSH when the run was cleaned up
 
 
 class Preempted(ClusterError):
@@ -18,3 +21,7 @@ class Preempted(ClusterError):
 
     exit_code = 75
     prefix = ""
+
+    def __init__(self, message: str, run_id: str | None = None, node: str | None = None):
+        super().__init__(message)
+        self.run_id, self.node = run_id, node

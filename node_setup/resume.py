@@ -72,6 +72,15 @@ def resume_request(run_id: str, runs_dir: Path, nodes: int | None = None, fetch_
         resume={"run_id": run_id, "step": step, "checkpoint": str(checkpoint), "world_size": old_world})
 
 
+def resumed_from(runs_dir: Path, run_id: str) -> str | None:
+    """The run that run_id resumed, if any."""
+    try:
+        summary = json.loads((Path(runs_dir) / run_id / "summary.json").read_text())
+    except (OSError, ValueError):
+        return None
+    return (summary.get("resumed_from") or {}).get("run_id")
+
+
 def fetch_model_ok(checkpoint: Path) -> bool:
     return any(checkpoint.glob("*.safetensors")) or any(checkpoint.glob("*.bin"))
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import io
 import json
 import logging
+import re
 import shlex
 import sys
 import threading
@@ -22,13 +23,14 @@ from . import keys, profiles, shipping
 from .cluster import Cluster
 from .errors import ClusterError, NodeFailure
 from .inventory import Node
-from .remote import connect, remote_home, run
+from .remote import connect, fan_out, remote_home, run
 
 log = logging.getLogger(__name__)
 
 SETUP_TIMEOUT_S = 3600  # the oneccl profile downloads ~1 GB of wheels; a hung pip must still end
 TAIL_LINES = 12
 OK, ALREADY, FAILED = "ok", "already set up", "FAILED"
+CLUSTER_ENV = "/etc/xeon-cluster/cluster.env"  # written by the AWS nodes' cloud-init
 
 # Installed versions of the given packages, as JSON; absent ones are left out.
 VERSIONS_PY = r"""
@@ -214,6 +216,58 @@ def tail(path: Path, count: int = TAIL_LINES) -> list[str]:
         return path.read_text(errors="replace").rstrip("\n").splitlines()[-count:]
     except OSError:
         return []
+
+
+def carried_profile(conn, venvs: list[str], by_hash: dict[str, str]) -> str | None:
+    """The profile a node carries: the marker of a finished setup in one of the profiles' venvs (what is
+    installed), else the XC_PROFILE its cluster.env names (a baked AMI's node before any fab setup)."""
+    for venv in venvs:
+        res = run(conn, f"cat {profiles.venv_shell_word(venv)}/{profiles.MARKER_NAME}")
+        if res.ok and res.stdout.strip() in by_hash:
+            return by_hash[res.stdout.strip()]
+    res = run(conn, f"cat {CLUSTER_ENV}")
+    m = re.search(r"^XC_PROFILE=(\S+)\s*$", res.stdout, re.MULTILINE) if res.ok else None
+    return m.group(1) if m else None
+
+
+def choose_profile(requested: str | None, carried: dict[str, str | None], venv_of, fallback: str,
+                   force: bool = False) -> tuple[str, str]:
+    """(profile, why): without --profile, the one the nodes carry; never a silent switch of a node's venv."""
+    names = sorted({c for c in carried.values() if c})
+    if requested is None:
+        if len(names) > 1:
+            which = ", ".join(f"{n}: {c}" for n, c in carried.items() if c)
+            raise ClusterError(f"the nodes carry different profiles ({which}); pass --profile NAME (with --force "
+                               "to replace the others)")
+        if names:
+            return names[0], "carried by the nodes"
+        return fallback, "default: no node carries one yet"
+    clash = [(n, c) for n, c in carried.items() if c and c != requested and venv_of(c) == venv_of(requested)]
+    if clash and not force:
+        node, was = clash[0]
+        raise ClusterError(f"{node} carries profile {was} in {venv_of(was)}, which --profile {requested} would "
+                           f"replace; pass --force to switch, or leave out --profile to keep {was}")
+    return requested, "--force: replacing " + ", ".join(f"{c} on {n}" for n, c in clash) if clash else "--profile"
+
+
+def resolve_profile(cluster: Cluster, nodes: list[Node], requested: str | None, force: bool = False) -> tuple[
+        profiles.Profile, str]:
+    """The profile to set up and why, after asking every node which one it carries."""
+    known = profiles.load_profiles()
+    if requested is not None and requested not in known:
+        profiles.load_profile(requested)  # raises the one-line 'unknown profile' error
+    venv_of = {name: default_venv(p, nodes) for name, p in known.items()}
+    by_hash = {p.hash: name for name, p in known.items()}
+    venvs = list(dict.fromkeys(venv_of.values()))
+
+    def ask(node: Node) -> str | None:
+        with connect(node) as conn:
+            return carried_profile(conn, venvs, by_hash)
+
+    carried = dict(zip([n.name for n in nodes], fan_out(nodes, ask, "reading the nodes' profiles")))
+    name, why = choose_profile(requested, carried, lambda n: venv_of.get(n, f"?{n}"),
+                               "test" if cluster.is_local else "upstream", force)
+    return known[name], why
 
 
 def setup_nodes(cluster: Cluster, nodes: list[Node], profile: str | profiles.Profile, venv: str | None = None,

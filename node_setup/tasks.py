@@ -20,6 +20,7 @@ from . import doctor as doctor_lib
 from . import keys as keys_lib
 from . import kube as kube_lib
 from . import local as local_lib
+from . import restarts as restarts_lib
 from . import resume as resume_lib
 from . import setup as setup_lib
 from . import train as train_lib
@@ -90,6 +91,15 @@ def local_up(c, nodes=2, port=local_lib.DEFAULT_PORT):
           + ", ".join(f"{n.name}={n.host}" for n in started))
 
 
+@task(help={"node": "the node to take away, e.g. node1"})
+@cli
+def local_kill(c, node):
+    """Take one local node away outright (its sshd and every process on it), as a reclaimed spot node goes;
+    'fab local-up' with the same --nodes brings it back."""
+    n = local_lib.kill_node(node)
+    print(f"{node} killed ({n} process(es)); bring it back with 'fab local-up'")
+
+
 @task
 @cli
 def local_down(c):
@@ -130,12 +140,14 @@ def keys(c, cluster=None):
                       "spot notice)",
         "no-fetch-model": "bring home metrics, logs and trainer state but not model or checkpoint weights",
         "resume": "continue RUN_ID from its latest checkpoint at home: same job, flags and data",
+        "max-restarts": "after a preemption or a lost node, resume by itself up to K times (default 0)",
+        "restart-wait": "seconds to wait for the cluster to have its nodes again before a restart (default 600)",
     },
 )
 @cli
 def train(c, nodes=None, job=None, script=None, ppn="auto", threads="auto", backend="auto", precision="auto",
           env=None, cluster=None, master_port=None, no_pin=False, timeout=300, save_every=None, no_fetch_model=False,
-          resume=None):
+          resume=None, max_restarts=0, restart_wait=600):
     """Run a training job across the cluster with mpirun; results land in runs/<run-id>/."""
     n = _int(nodes, "--nodes") if nodes is not None else None
     if resume:
@@ -159,7 +171,9 @@ def train(c, nodes=None, job=None, script=None, ppn="auto", threads="auto", back
     req.pin = req.pin and not no_pin
     if not resume or int(_int(timeout, "--timeout")) != 300:
         req.timeout_s = _int(timeout, "--timeout")
-    result = train_lib.train(open_cluster(_cluster(c, cluster)), req)
+    spec = open_cluster(_cluster(c, cluster)).spec
+    result = restarts_lib.train_with_restarts(spec, req, _int(max_restarts, "--max-restarts"),
+                                              _int(restart_wait, "--restart-wait"))
     print(train_lib.result_line(result))
 
 
@@ -170,15 +184,19 @@ def demo(c, nodes=2, port=local_lib.DEFAULT_PORT):
     train_lib.demo(_int(nodes, "--nodes"), port=_int(port, "--port"))
 
 
-@task(help={"profile": "software profile from node_setup/profiles.toml (default: test on a local cluster, "
-                       "else upstream)", "nodes": "set up the first N nodes (default: all)",
-            "cluster": "local | hosts:PATH | aws[:NAME] | pulumi[:STACK]"})
+@task(help={"profile": "software profile from node_setup/profiles.toml (default: the one the nodes carry; on "
+                       "nodes without one: test on a local cluster, else upstream)",
+            "nodes": "set up the first N nodes (default: all)",
+            "cluster": "local | hosts:PATH | aws[:NAME] | pulumi[:STACK]",
+            "force": "replace the profile a node carries in the same venv with --profile"})
 @cli
-def setup(c, profile=None, nodes=None, cluster=None):
+def setup(c, profile=None, nodes=None, cluster=None, force=False):
     """Install a software profile and the training code on every node, in parallel (idempotent)."""
     cl = open_cluster(_cluster(c, cluster))
     chosen = cl.first(_int(nodes, "--nodes") if nodes is not None else None)
-    setup_lib.setup_nodes(cl, chosen, profile or ("test" if cl.is_local else "upstream"), out=sys.stdout)
+    spec, why = setup_lib.resolve_profile(cl, chosen, profile, force=force)
+    print(f"setup: profile {spec.name} ({why})")
+    setup_lib.setup_nodes(cl, chosen, spec, out=sys.stdout)
 
 
 @task(iterable=["env"],
@@ -243,4 +261,4 @@ def kube(c, nodes=None, job="glue", out=None, image="xeon-cluster-train:latest",
           f"docker build -t {image} {paths['manifest'].parent} && kubectl create -f {paths['manifest']}")
 
 
-ns = Collection(local_up, local_down, keys, setup, doctor, train, demo, bench, kube)
+ns = Collection(local_up, local_down, local_kill, keys, setup, doctor, train, demo, bench, kube)

@@ -57,6 +57,7 @@ class TrainRequest:
     save_every: str = spot.DEFAULT_SAVE_EVERY
     fetch_model: bool = True
     resume: dict | None = None  # set by node_setup.resume: run_id, step, checkpoint (local folder)
+    run_id: str | None = None  # chosen by the caller (doctor) so it can end the run by id; default: a new one
 
 
 @dataclass
@@ -294,15 +295,9 @@ def plan_run(cluster: Cluster, req: TrainRequest, say) -> tuple[launcher.LaunchP
     threads = _parse_auto_int(req.threads, "--threads")
     if ppn is None:  # one rank per socket, the same on every node (mpirun -ppn is global)
         ppn = min(len([s for s in f.topo.cores_by_socket if s]) for f in facts)
-    node_plans = []
-    for f in facts:
-        layout = topology.derive_layout(f.topo, ppn=ppn, threads=threads, backend=backend)
-        node_plans.append(launcher.NodePlan(name=f.node.name, layout=layout, malloc=f.topo.malloc))
-    # the same thread count everywhere: the smallest node decides
-    omp = min(p.layout.omp_threads for p in node_plans)
-    if threads is None and any(p.layout.omp_threads != omp for p in node_plans):
-        node_plans = [launcher.NodePlan(p.name, topology.derive_layout(f.topo, ppn, omp, backend), p.malloc)
-                      for p, f in zip(node_plans, facts)]
+    layouts = topology.derive_layouts([f.topo for f in facts], ppn, threads, backend)
+    node_plans = [launcher.NodePlan(name=f.node.name, layout=lay, malloc=f.topo.malloc)
+                  for f, lay in zip(facts, layouts)]
     args, ship = rewrite_files(req.args)
     if req.resume:
         from .resume import same_global_batch
@@ -320,7 +315,7 @@ def plan_run(cluster: Cluster, req: TrainRequest, say) -> tuple[launcher.LaunchP
         if not any(a == "--output_dir" or a.startswith("--output_dir=") for a in args):
             args += ["--output_dir", "output"]
     plan = launcher.LaunchPlan(
-        run_id=new_run_id(label), nodes=tuple(node_plans), master_addr=nodes[0].private_host,
+        run_id=req.run_id or new_run_id(label), nodes=tuple(node_plans), master_addr=nodes[0].private_host,
         master_port=req.master_port or 29500, backend=backend, precision=precision, entry=tuple(entry),
         args=tuple(args), env_overrides=run_env(req), pin=req.pin, timeout_s=req.timeout_s)
     return plan, facts, args, ship
@@ -401,45 +396,23 @@ def train(cluster: Cluster, req: TrainRequest, out: TextIO = sys.stdout) -> RunR
     run_dir.mkdir(parents=True)
     say(f"run {plan.run_id}: results in {run_dir}")
 
-    ks = keys.setup_keys(cluster, nodes)
-    problems = keys.verify_mesh(cluster, nodes)
-    if problems:
-        raise ClusterError("node 0 cannot reach " + "; ".join(f"{k}: {v}" for k, v in problems.items())
-                           + "; run 'fab keys' and check the security group allows traffic inside the cluster")
-    digest = shipping.code_hash()
-    tarball = shipping.code_tarball()
-    hostfile = render("hostfile.j2", nodes=nodes)
-    staged = {}
-
-    def stage(node: Node):
-        i = nodes.index(node)
-        staged[node.name] = _stage(facts[i], plan, plan.nodes[i], digest, tarball, ship, req.script, i == 0, hostfile,
-                                   Path(req.resume["checkpoint"]) if req.resume else None)
-
-    fan_out(nodes, stage, "staging the run")
-    say(f"code {digest} on every node")
-
-    master = facts[0]
-    mpirun = str(Path(master.node.python).parent / "mpirun")
-    argv = launcher.mpirun_argv(plan, ssh_config=f"{ks.ssh_dir}/config", mpirun=mpirun)
-    command = (f"cd {shlex.quote(master.home)}/runs/{plan.run_id} && "
-               f"PATH={shlex.quote(str(Path(mpirun).parent))}:$PATH exec {launcher.shell_join(argv)}")
-    record = {
-        "run_id": plan.run_id, "cluster": cluster.spec, "nodes": [n.to_dict() for n in nodes],
-        "job": req.job if not req.script else None, "script": req.script, "args": list(args),
-        "world_size": plan.world_size, "ppn": plan.ppn, "backend": plan.backend, "precision": plan.precision,
-        "command": argv, "env": launcher.global_env(plan),
-        "node_env": {p.name: launcher.node_env(plan, p) for p in plan.nodes},
-        "pinning": {p.name: dict(launcher.rank_cpus(p)) for p in plan.nodes},
-        "topology": {f.node.name: f.topo.to_dict() for f in facts}, "code": digest,
-        # what --resume needs to run the same job again
-        "request": {"job": req.job, "script": req.script, "args": list(req.args), "ppn": req.ppn,
-                    "threads": req.threads, "backend": req.backend, "precision": req.precision,
-                    "env": dict(req.env), "save_every": req.save_every, "pin": req.pin, "timeout_s": req.timeout_s,
-                    "data": {str(Path(p).expanduser().resolve()): file_digest(p) for _, p in local_files(req.args)}},
-    }
+    record = _record(cluster, req, plan, facts, args)
     if req.resume:
         record["resumed_from"] = {"run_id": req.resume["run_id"], "step": req.resume["step"]}
+    try:
+        ks_dir, digest = _prepare(cluster, req, plan, facts, ship)
+    except BaseException as exc:  # the run folder exists: it gets its record
+        stopped = isinstance(exc, KeyboardInterrupt)
+        _finish(run_dir, record, "interrupted" if stopped else "failed", 130 if stopped else 1, 0.0, None,
+                reason=f"before launch: {'interrupted' if stopped else exc}")
+        raise
+    say(f"code {digest} on every node")
+    master = facts[0]
+    mpirun = str(Path(master.node.python).parent / "mpirun")
+    argv = launcher.mpirun_argv(plan, ssh_config=f"{ks_dir}/config", mpirun=mpirun)
+    command = (f"cd {shlex.quote(master.home)}/runs/{plan.run_id} && "
+               f"PATH={shlex.quote(str(Path(mpirun).parent))}:$PATH exec {launcher.shell_join(argv)}")
+    record.update(command=argv, code=digest)
     (run_dir / "command.sh").write_text(command + "\n")
     say(f"launching {plan.world_size} rank(s) with mpirun on {master.node.name}")
     started = time.monotonic()
@@ -456,6 +429,10 @@ def train(cluster: Cluster, req: TrainRequest, out: TextIO = sys.stdout) -> RunR
                 res = conn.run(command, hide=False, warn=True, pty=False, in_stream=False,
                                out_stream=router, err_stream=router)
                 exit_code = res.exited
+        except Exception as exc:  # noqa: BLE001
+            # node 0 gone mid-run, or the output reader broke: a failed run like any other (clean-up, summary), not a traceback
+            router.write(f"\nlost the connection to {master.node.name}: {type(exc).__name__}: {exc}\n")
+            exit_code = -1
         except KeyboardInterrupt:
             router.flush_rest()
             say("interrupted: stopping every rank")
@@ -482,10 +459,17 @@ def train(cluster: Cluster, req: TrainRequest, out: TextIO = sys.stdout) -> RunR
         done = len(router.finished) == plan.world_size
         results = _fetch_results(master, plan, args) if done and req.script is None else None
         if not done or (req.script is None and results is None):
+            lost = sorted(swept.unchecked)
+            if lost and (node is None or node not in lost):
+                node, reason = lost[0], f"{lost[0]} stopped answering ({reason})"
             _finish(run_dir, record, "failed", exit_code, wall, None, failed_node=node, reason=reason,
-                    cleanup=swept.to_dict())
+                    cleanup=swept.to_dict(), lost_nodes=lost)
+            hint = ""
+            if lost and req.script is None and outputs.home_checkpoints(run_dir):
+                hint = f"; resume with 'fab train --resume {plan.run_id}'"
             raise NodeFailure(f"run {plan.run_id} failed after {wall:.0f}s: {reason}; {swept.claim()} "
-                              f"(log: {run_dir / 'log.txt'})", [node] if node else [])
+                              f"(log: {run_dir / 'log.txt'}){hint}", [node] if node else [], run_id=plan.run_id,
+                              lost=lost)
         say(f"note: {reason} after every rank had finished its work; the results are kept ({swept.claim()})")
         extra = {"crashed_after_finish": {"node": node, "reason": reason, "exit_code": exit_code},
                  "cleanup": swept.to_dict()}
@@ -495,6 +479,47 @@ def train(cluster: Cluster, req: TrainRequest, out: TextIO = sys.stdout) -> RunR
         results = None
     _finish(run_dir, record, "ok", 0, wall, results, **extra)
     return RunResult(run_id=plan.run_id, run_dir=run_dir, exit_code=0, wall_s=wall, results=results)
+
+
+def _record(cluster: Cluster, req: TrainRequest, plan: launcher.LaunchPlan, facts: list[NodeFacts],
+            args: list[str]) -> dict:
+    nodes = [f.node for f in facts]
+    return {
+        "run_id": plan.run_id, "cluster": cluster.spec, "nodes": [n.to_dict() for n in nodes],
+        "job": req.job if not req.script else None, "script": req.script, "args": list(args),
+        "world_size": plan.world_size, "ppn": plan.ppn, "backend": plan.backend, "precision": plan.precision,
+        "env": launcher.global_env(plan),
+        "node_env": {p.name: launcher.node_env(plan, p) for p in plan.nodes},
+        "pinning": {p.name: dict(launcher.rank_cpus(p)) for p in plan.nodes},
+        "topology": {f.node.name: f.topo.to_dict() for f in facts},
+        # what --resume needs to run the same job again
+        "request": {"job": req.job, "script": req.script, "args": list(req.args), "ppn": req.ppn,
+                    "threads": req.threads, "backend": req.backend, "precision": req.precision,
+                    "env": dict(req.env), "save_every": req.save_every, "pin": req.pin, "timeout_s": req.timeout_s,
+                    "data": {str(Path(p).expanduser().resolve()): file_digest(p) for _, p in local_files(req.args)}},
+    }
+
+
+def _prepare(cluster: Cluster, req: TrainRequest, plan: launcher.LaunchPlan, facts: list[NodeFacts],
+             ship: dict[str, Path]) -> tuple[str, str]:
+    """Keys, the mesh check, and code, data and scripts on every node; returns (ssh dir on node 0, code hash)."""
+    nodes = [f.node for f in facts]
+    ks = keys.setup_keys(cluster, nodes)
+    problems = keys.verify_mesh(cluster, nodes)
+    if problems:
+        raise ClusterError("node 0 cannot reach " + "; ".join(f"{k}: {v}" for k, v in problems.items())
+                           + "; run 'fab keys' and check the security group allows traffic inside the cluster")
+    digest = shipping.code_hash()
+    tarball = shipping.code_tarball()
+    hostfile = render("hostfile.j2", nodes=nodes)
+    resume = Path(req.resume["checkpoint"]) if req.resume else None
+
+    def stage(node: Node):
+        i = nodes.index(node)
+        _stage(facts[i], plan, plan.nodes[i], digest, tarball, ship, req.script, i == 0, hostfile, resume)
+
+    fan_out(nodes, stage, "staging the run")
+    return ks.ssh_dir, digest
 
 
 def file_digest(path: str) -> str:
@@ -539,14 +564,14 @@ def _preempted(nodes, plan, master, run_dir, remote_out, record, req, notice, ex
         _finish(run_dir, record, "failed", exit_code, wall, None, failed_node=node, cleanup=swept.to_dict(),
                 reason=f"spot notice on {node} at step {step}, but no checkpoint reached {run_dir}/checkpoints")
         raise NodeFailure(f"run {plan.run_id} preempted on {node} at step {step} and no checkpoint came home; "
-                          f"{swept.claim()}", [node])
+                          f"{swept.claim()}", [node], run_id=plan.run_id, lost=sorted(swept.unchecked))
     if got is None or got[0] != step:
         step, ckpt = home[-1]
     _finish(run_dir, record, "preempted", spot.PREEMPTED_EXIT, wall, None, preempted={
         "node": node, "rank": rank, "step": step, "checkpoint": str(ckpt)}, cleanup=swept.to_dict())
     rel = ckpt.relative_to(run_dir.parent.parent) if run_dir.parent.parent in ckpt.parents else ckpt
     raise Preempted(f"run {plan.run_id} preempted on {node} at step {step}: checkpoint saved ({rel}); "
-                    f"resume with 'fab train --resume {plan.run_id}'")
+                    f"resume with 'fab train --resume {plan.run_id}'", run_id=plan.run_id, node=node)
 
 
 def _output_dir(args: list[str]) -> str:

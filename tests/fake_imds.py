@@ -48,5 +48,9 @@ class FakeIMDS:
         when = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(time.time() + 120))
         self.notice = {"action": "terminate", "time": when}
 
+    def clear(self) -> None:
+        """The notice withdrawn: as a replacement instance, which has none, answers."""
+        self.notice = None
+
     def close(self) -> None:
         self.server.shutdown()

@@ -356,3 +356,21 @@ def test_source_builds_and_ccl_accelerate_are_checked(tmp_path, extra, needle):
                                                 extra=extra))
     with pytest.raises(ClusterError, match=re.escape(needle)):
         P.load_profiles(path)
+
+
+def test_setup_keeps_the_profile_the_nodes_carry_and_never_switches_a_venv_silently():
+    from node_setup.errors import ClusterError
+    from node_setup.setup import choose_profile
+
+    venv = {"oneccl": "/opt/xeon-cluster/venv", "upstream": "/opt/xeon-cluster/venv", "test": "~/t"}.get
+    baked = {"node0": "oneccl", "node1": "oneccl"}
+    # a plain `fab setup` on a baked cluster keeps oneccl, not the fallback
+    assert choose_profile(None, baked, venv, "upstream") == ("oneccl", "carried by the nodes")
+    assert choose_profile(None, {"node0": None}, venv, "upstream")[0] == "upstream"
+    with pytest.raises(ClusterError, match=r"^node0 carries profile oneccl in /opt/xeon-cluster/venv, which "
+                                           r"--profile upstream would replace; pass --force"):
+        choose_profile("upstream", baked, venv, "upstream")
+    assert choose_profile("upstream", baked, venv, "upstream", force=True)[0] == "upstream"
+    assert choose_profile("test", baked, venv, "upstream") == ("test", "--profile")  # another venv: no clash
+    with pytest.raises(ClusterError, match=r"different profiles \(node0: oneccl, node1: upstream\)"):
+        choose_profile(None, {"node0": "oneccl", "node1": "upstream"}, venv, "upstream")

@@ -125,6 +125,13 @@ def test_setup_fails_on_one_node_finishes_the_other_then_installs_and_is_a_no_op
     assert table3["node1"][1] < table2["node1"][1] / 2, (table2, table3)
 
 
+def test_plain_setup_keeps_the_profile_the_nodes_carry(lc, ready):
+    res = lc.fab("setup", timeout=300)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-2000:]
+    assert res.stdout.startswith("setup: profile test (carried by the nodes)\n"), res.stdout[:500]
+    assert {r for r, _ in results(res.stdout).values()} == {"already set up"}, res.stdout
+
+
 def test_doctor_is_green_on_a_healthy_cluster(lc, ready):
     res = doctor(lc, timeout=400)
     assert res.returncode == 0, res.stdout[-4000:] + res.stderr[-2000:]
@@ -144,6 +151,9 @@ def test_doctor_is_green_on_a_healthy_cluster(lc, ready):
     # The all-reduce went through the real launcher: its run record is a real mpirun run.
     summary = json.loads(next((lc.state / "doctor" / "runs").glob("*/summary.json")).read_text())
     assert summary["status"] == "ok" and summary["world_size"] == 2 and summary["command"][0].endswith("mpirun")
+    # doctor chose the run's id itself (to end it by id on a hang), and changed nothing it did not say
+    assert "-doctor-" in summary["run_id"]
+    assert "authorised" not in out  # fab setup put the cluster key in place already
     # Without --profile the training stack of each node's python is compared across the nodes.
     plain = lc.fab("doctor", "--quick", timeout=300)
     assert plain.returncode == 0, plain.stdout[-3000:] + plain.stderr[-2000:]

@@ -142,9 +142,23 @@ def test_notice_checkpoints_home_and_resume_finishes_like_an_uninterrupted_run(c
     again = cluster2.fab("train", "--resume", resumed, timeout=120)
     assert again.returncode == 1 and "that run finished" in again.stderr
 
+    # the same checkpoint on half the nodes: gradient accumulation keeps the global batch, so the run
+    # has the same number of optimizer steps in all
+    one = cluster2.fab("train", "--resume", run_id, "--nodes", "1", timeout=900)
+    assert one.returncode == 0, one.stdout[-3000:] + one.stderr[-3000:]
+    assert "resuming on 1 rank(s) instead of 2: gradient accumulation 1 -> 2 keeps the global batch at 16" in one.stdout
+    totals = {int(t) for t in re.findall(r"\[progress\] step \d+/(\d+)", res.stdout + one.stdout)}
+    assert len(totals) == 1, totals
+    assert min(_progress_steps(one.stdout)) > step
+    single = (cluster2.run_dirs() - before - {run_id, resumed}).pop()
+    ssum = json.loads((cluster2.runs / single / "summary.json").read_text())
+    assert ssum["world_size"] == 1 and ssum["resumed_from"] == {"run_id": run_id, "step": step}
+    accum = ssum["args"].index("--gradient_accumulation_steps")
+    assert ssum["args"][accum + 1] == "2" and ssum["args"].count("--gradient_accumulation_steps") == 1
+
     full = cluster2.fab("train", "--nodes", "2", "--save-every", "0", "--", *ARGS, timeout=900)
     assert full.returncode == 0
-    straight = json.loads((cluster2.runs / (cluster2.run_dirs() - before - {run_id, resumed}).pop()
+    straight = json.loads((cluster2.runs / (cluster2.run_dirs() - before - {run_id, resumed, single}).pop()
                            / "results.json").read_text())
     acc, ref = results["eval"]["eval_accuracy"], straight["eval"]["eval_accuracy"]
     print(f"eval accuracy: resumed {acc:.4f}, uninterrupted {ref:.4f}")

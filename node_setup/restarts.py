@@ -1,0 +1,146 @@
+"""`fab train --max-restarts K`: after a preemption or a lost node, wait for the cluster to have its
+nodes again (a local node brought back by 'fab local-up', a replacement instance on AWS), then resume
+the run from its latest checkpoint at home, by itself. A run that crashed on nodes that still answer
+is not restarted: it would crash again.
+"""
+from __future__ import annotations
+
+import shlex
+import sys
+import time
+from pathlib import Path
+from typing import TextIO
+
+from training import spot
+
+from . import resume as resume_lib
+from .cluster import open_cluster
+from .errors import ClusterError, NodeFailure, Preempted
+from .inventory import Node
+from .remote import connect, fan_out, run
+from .train import RunResult, TrainRequest, train
+
+POLL_S = 5.0
+# The node asks its own metadata service with the ranks' watcher code (stdlib only, sent as text).
+_CHECK = """
+import sys
+try:
+    print("notice" if NoticeWatcher(sys.argv[1], timeout=1.0).check() else "none")
+except (OSError, ConnectionError):
+    print("none")
+"""
+
+
+def why_restart(exc: ClusterError) -> str | None:
+    """What ended the run, when waiting for nodes can help; None for a failure that would repeat."""
+    if getattr(exc, "run_id", None) is None:
+        return None
+    if isinstance(exc, Preempted):
+        return f"run {exc.run_id} was preempted on {exc.node}"
+    if isinstance(exc, NodeFailure) and exc.lost:
+        return f"run {exc.run_id} lost {', '.join(exc.lost)}"
+    return None
+
+
+def node_ready(node: Node, endpoint: str) -> str:
+    """'ok', or why the node cannot take a run: a pending spot notice means it is about to go."""
+    source = Path(spot.__file__).read_text()
+    command = (f"{shlex.quote(node.python)} - {shlex.quote(endpoint)} <<'XC_SPOT_CHECK'\n"
+               f"{source}\n{_CHECK}\nXC_SPOT_CHECK")
+    with connect(node) as conn:
+        res = run(conn, command, timeout=30)
+    if res.ok and res.stdout.strip().endswith("notice"):
+        return f"{node.name} has a spot interruption notice"
+    return "ok"
+
+
+def missing(spec: str, count: int, endpoint: str) -> str | None:
+    """Why the cluster cannot yet run on `count` nodes, or None when it can."""
+    try:
+        nodes = open_cluster(spec).first(count)
+        states = fan_out(nodes, lambda n: node_ready(n, endpoint), "reaching the nodes")
+    except ClusterError as exc:
+        return str(exc).split(";")[0]
+    doomed = [s for s in states if s != "ok"]
+    return "; ".join(doomed) or None
+
+
+def wait_for_nodes(spec: str, count: int, wait_s: float, endpoint: str, say, poll_s: float = POLL_S) -> None:
+    deadline = time.monotonic() + wait_s
+    said = None
+    while True:
+        problem = missing(spec, count, endpoint)
+        if problem is None:
+            say(f"{count} node(s) ready")
+            return
+        if problem != said:
+            say(f"waiting for {count} node(s): {problem}")
+            said = problem
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise ClusterError(f"the cluster did not have {count} node(s) within --restart-wait {wait_s:.0f}s "
+                               f"({problem})")
+        time.sleep(min(poll_s, left))
+
+
+def next_request(run_id: str, req: TrainRequest, say) -> TrainRequest:
+    """The resume of run_id from the newest checkpoint at home along its resume chain; the same request
+    anew when none came home before the loss."""
+    current = run_id
+    while True:
+        try:
+            nxt = resume_lib.resume_request(current, req.runs_dir, nodes=req.nodes, fetch_model=req.fetch_model)
+            break
+        except ClusterError as exc:
+            if "no complete checkpoint" not in str(exc):
+                raise
+            earlier = resume_lib.resumed_from(req.runs_dir, current)
+            if earlier is None:
+                say(f"no checkpoint of {run_id} came home before it ended: starting it again from step 0")
+                return req
+            current = earlier
+    nxt.master_port = req.master_port
+    return nxt
+
+
+def train_with_restarts(spec: str, req: TrainRequest, max_restarts: int = 0, restart_wait: float = 600,
+                        out: TextIO = sys.stdout, poll_s: float = POLL_S) -> RunResult:
+    def say(msg: str) -> None:
+        out.write(msg + "\n")
+        out.flush()
+
+    if max_restarts < 0:
+        raise ClusterError(f"--max-restarts {max_restarts} must be 0 or more")
+    if restart_wait < 0:
+        raise ClusterError(f"--restart-wait {restart_wait} must be 0 or more seconds")
+    attempt = 0
+    while True:
+        try:
+            return train(open_cluster(spec), req, out)
+        except (Preempted, NodeFailure) as exc:
+            why = why_restart(exc)
+            if why is None or attempt >= max_restarts:
+                raise
+            attempt += 1
+            count = _node_count(req, exc.run_id)
+            say(f"restart {attempt} of {max_restarts}: {why}; waiting up to {restart_wait:.0f}s for the cluster")
+            endpoint = req.env.get("XC_IMDS_ENDPOINT") or spot.DEFAULT_IMDS
+            try:
+                wait_for_nodes(spec, count, restart_wait, endpoint, say, poll_s)
+            except ClusterError as wait_exc:
+                raise type(exc)(f"{wait_exc}; {exc}", **_same(exc)) from None
+            req = next_request(exc.run_id, req, say)
+
+
+def _node_count(req: TrainRequest, run_id: str) -> int:
+    if req.nodes:
+        return req.nodes
+    import json
+
+    return len(json.loads((Path(req.runs_dir) / run_id / "summary.json").read_text())["nodes"])
+
+
+def _same(exc: ClusterError) -> dict:
+    if isinstance(exc, Preempted):
+        return {"run_id": exc.run_id, "node": exc.node}
+    return {"nodes": exc.nodes, "run_id": exc.run_id, "lost": exc.lost}

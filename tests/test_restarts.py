@@ -1,0 +1,248 @@
+"""--max-restarts: a run that loses a node or gets a spot notice waits for the cluster to have its nodes
+again and resumes by itself. Unit tests of the decisions, and one run on a real local cluster that is
+preempted through a fake IMDS and then loses a node outright (sshd and processes killed)."""
+from __future__ import annotations
+
+import io
+import json
+import os
+import re
+import subprocess
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from conftest import FAB, ROOT, fab, processes_with_env, start_cluster
+from fake_imds import FakeIMDS
+
+from node_setup import restarts
+from node_setup.errors import ClusterError, NodeFailure, Preempted
+from node_setup.train import DEMO_ARGS, RunResult, TrainRequest
+from training import spot
+
+
+def test_only_lost_nodes_and_preemptions_are_worth_a_restart():
+    assert restarts.why_restart(Preempted("x", run_id="r1", node="node1")) == "run r1 was preempted on node1"
+    assert restarts.why_restart(NodeFailure("x", ["node1"], run_id="r1", lost=["node1"])) == "run r1 lost node1"
+    # a crash on nodes that still answer would crash again; a failure before launch has no run to resume
+    assert restarts.why_restart(NodeFailure("x", ["node1"], run_id="r1")) is None
+    assert restarts.why_restart(NodeFailure("x", ["node1"], lost=["node1"])) is None
+    assert restarts.why_restart(ClusterError("x")) is None
+
+
+def test_wait_for_nodes_says_each_new_problem_once_and_gives_up_after_the_wait(monkeypatch):
+    answers = iter(["node1 unreachable", "node1 unreachable", "node1 has a spot interruption notice", None])
+    monkeypatch.setattr(restarts, "missing", lambda spec, count, endpoint: next(answers))
+    said = []
+    restarts.wait_for_nodes("local", 2, 10, "http://x", said.append, poll_s=0)
+    assert said == ["waiting for 2 node(s): node1 unreachable",
+                    "waiting for 2 node(s): node1 has a spot interruption notice", "2 node(s) ready"]
+    monkeypatch.setattr(restarts, "missing", lambda spec, count, endpoint: "node1 unreachable")
+    with pytest.raises(ClusterError, match=r"within --restart-wait 0s \(node1 unreachable\)"):
+        restarts.wait_for_nodes("local", 2, 0, "http://x", said.append, poll_s=0)
+
+
+def _fake_run(runs: Path, run_id: str, status: str, step: int | None, resumed_from: str | None = None) -> None:
+    d = runs / run_id
+    d.mkdir(parents=True)
+    request = {"job": "glue", "script": None, "args": ["--seed", "1"], "ppn": "auto", "threads": "auto",
+               "backend": "gloo", "precision": "fp32", "env": {}, "save_every": "20", "pin": True,
+               "timeout_s": 300, "data": {}}
+    summary = {"status": status, "request": request, "world_size": 2, "nodes": [{}, {}]}
+    if resumed_from:
+        summary["resumed_from"] = {"run_id": resumed_from, "step": 1}
+    (d / "summary.json").write_text(json.dumps(summary))
+    if step is not None:
+        ck = d / "checkpoints" / f"step-{step}"
+        ck.mkdir(parents=True)
+        (ck / "model.safetensors").write_bytes(b"w")
+        (ck / spot.COMPLETE_MARKER).write_text("{}")
+
+
+def test_restarts_resume_from_the_newest_checkpoint_along_the_resume_chain(tmp_path, monkeypatch):
+    _fake_run(tmp_path, "a", "failed", 20)
+    _fake_run(tmp_path, "b", "failed", None, resumed_from="a")  # lost before its first checkpoint came home
+    calls = []
+
+    def fake_train(cluster, req, out):
+        calls.append(req)
+        if len(calls) == 1:
+            raise NodeFailure("run b failed", ["node1"], run_id="b", lost=["node1"])
+        return RunResult("c", tmp_path / "c", 0, 1.0, {})
+
+    monkeypatch.setattr(restarts, "train", fake_train)
+    monkeypatch.setattr(restarts, "open_cluster", lambda spec: None)
+    monkeypatch.setattr(restarts, "wait_for_nodes", lambda *a, **k: None)
+    lines = []
+
+    class Out:
+        def write(self, s):
+            lines.append(s)
+
+        def flush(self):
+            pass
+
+    first = TrainRequest(nodes=2, job="glue", runs_dir=tmp_path, master_port=29611)
+    assert restarts.train_with_restarts("local", first, max_restarts=1, restart_wait=5, out=Out()).run_id == "c"
+    again = calls[1]
+    assert again.resume["run_id"] == "a" and again.resume["step"] == 20
+    assert again.args == ["--seed", "1"] and again.master_port == 29611
+    assert "restart 1 of 1: run b lost node1" in "".join(lines)
+
+
+def test_no_restart_left_ends_with_the_failure_and_the_wait_problem(tmp_path, monkeypatch):
+    _fake_run(tmp_path, "a", "preempted", 20)
+
+    def preempted(cluster, req, out):
+        raise Preempted("run a preempted on node1 at step 20: checkpoint saved (x); resume with "
+                        "'fab train --resume a'", run_id="a", node="node1")
+
+    monkeypatch.setattr(restarts, "train", preempted)
+    monkeypatch.setattr(restarts, "open_cluster", lambda spec: None)
+    monkeypatch.setattr(restarts, "missing", lambda *a: "node1 has a spot interruption notice")
+    req = TrainRequest(nodes=2, runs_dir=tmp_path)
+    with pytest.raises(Preempted) as exc:
+        restarts.train_with_restarts("local", req, max_restarts=0, out=io.StringIO())
+    assert str(exc.value).endswith("resume with 'fab train --resume a'")
+    with pytest.raises(Preempted) as exc:
+        restarts.train_with_restarts("local", req, max_restarts=2, restart_wait=0, out=io.StringIO(),
+                                     poll_s=0)
+    assert str(exc.value).startswith("the cluster did not have 2 node(s) within --restart-wait 0s (node1 has a "
+                                     "spot interruption notice); run a preempted")
+    assert exc.value.run_id == "a" and exc.value.exit_code == 75
+    with pytest.raises(ClusterError, match="--max-restarts -1 must be 0 or more"):
+        restarts.train_with_restarts("local", req, max_restarts=-1)
+
+
+class Lines:
+    """Drains a process's stdout in a thread so the test can wait for a line."""
+
+    def __init__(self, stream):
+        self.lines: list[str] = []
+        self.seen = 0  # lines before this one were looked at by an earlier wait_for
+        self.thread = threading.Thread(target=lambda: self.lines.extend(iter(stream.readline, "")), daemon=True)
+        self.thread.start()
+
+    def wait_for(self, pattern: str, proc, timeout: float) -> re.Match:
+        """The first line after the previous match that matches."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            for i in range(self.seen, len(self.lines)):
+                m = re.search(pattern, self.lines[i])
+                if m:
+                    self.seen = i + 1
+                    return m
+            if proc.poll() is not None and not self.thread.is_alive():
+                break
+            time.sleep(0.2)
+        raise AssertionError(f"no line matching {pattern!r} within {timeout}s:\n" + "".join(self.lines)[-4000:])
+
+
+def _home_steps(run_dir: Path) -> list[int]:
+    return sorted(int(d.name[5:]) for d in (run_dir / "checkpoints").glob("step-*")
+                  if d.name[5:].isdigit() and (d / spot.COMPLETE_MARKER).is_file())
+
+
+@pytest.mark.cluster
+@pytest.mark.slow
+def test_a_preempted_run_and_a_killed_node_are_resumed_by_themselves(tmp_path):
+    lc = start_cluster(tmp_path, 2)
+    imds = FakeIMDS()
+    proc = subprocess.Popen([*FAB, "train", "--nodes", "2", "--save-every", "20", "--max-restarts", "2",
+                             "--restart-wait", "300", "--env", f"XC_IMDS_ENDPOINT={imds.url}", "--", *DEMO_ARGS],
+                            cwd=ROOT, text=True, env={**os.environ, **lc.env}, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+    out = Lines(proc.stdout)
+    try:
+        first = out.wait_for(r"^run (\S+): results in", proc, 300).group(1)
+        out.wait_for(r"\[progress\] step (1\d|[2-9]\d)/", proc, 400)
+        imds.interrupt()  # a notice on every node: the run checkpoints and ends, the restart waits
+        out.wait_for(r"waiting for 2 node\(s\): node\d has a spot interruption notice", proc, 200)
+        imds.clear()  # the nodes are 'replaced': no notice any more
+        second = out.wait_for(rf"^run (?!{first})(\S+): results in", proc, 300).group(1)
+        # the resumed run loses node1 outright once a checkpoint of its own is home
+        deadline = time.monotonic() + 400
+        while not _home_steps(lc.runs / second) and time.monotonic() < deadline and proc.poll() is None:
+            time.sleep(0.5)
+        assert _home_steps(lc.runs / second), "".join(out.lines)[-4000:]
+        killed = lc.fab("local-kill", "--node", "node1", timeout=60)
+        assert killed.returncode == 0 and killed.stdout.startswith("node1 killed"), killed.stdout + killed.stderr
+        out.wait_for(r"waiting for 2 node\(s\): .*node1", proc, 200)
+        back = lc.fab("local-up", "--nodes", "2", "--port", str(lc.port), timeout=60)
+        assert back.returncode == 0, back.stderr
+        third = out.wait_for(rf"^run (?!{first}|{second})(\S+): results in", proc, 300).group(1)
+        proc.wait(timeout=900)
+        out.thread.join(10)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        imds.close()
+        fab("local-down", env=lc.env, timeout=60)
+    text = "".join(out.lines)
+    assert proc.returncode == 0, text[-4000:]
+    assert "restart 1 of 2: run " + first + " was preempted on node" in text
+    assert "restart 2 of 2: run " + second + " lost node1" in text
+    assert re.search(rf"run {third} finished in \d+s eval accuracy", text)
+    s1, s2, s3 = (json.loads((lc.runs / r / "summary.json").read_text()) for r in (first, second, third))
+    assert s1["status"] == "preempted"
+    assert s2["status"] == "failed" and s2["lost_nodes"] == ["node1"] and s2["resumed_from"]["run_id"] == first
+    assert s3["status"] == "ok" and s3["resumed_from"]["run_id"] == second
+    # the third run starts from a checkpoint the second one made, not from the first run's
+    assert s3["resumed_from"]["step"] > s2["resumed_from"]["step"]
+    assert s3["resumed_from"]["step"] in _home_steps(lc.runs / second)
+    assert json.loads((lc.runs / third / "results.json").read_text())["resumed_from_step"] == s3["resumed_from"]["step"]
+    for r in (first, second, third):
+        assert processes_with_env(f"XC_RUN_ID={r}") == []
+
+
+@pytest.mark.cluster
+def test_a_run_that_fails_while_staging_still_gets_its_record(cluster2, monkeypatch, tmp_path):
+    from node_setup import train as train_lib
+    from node_setup.cluster import open_cluster
+
+    for key, value in cluster2.env.items():
+        monkeypatch.setenv(key, value)
+
+    def broken_tarball():
+        raise ClusterError("the code tarball could not be built")
+
+    monkeypatch.setattr(train_lib.shipping, "code_tarball", broken_tarball)
+    req = TrainRequest(nodes=2, job="glue", args=list(DEMO_ARGS), runs_dir=tmp_path / "runs")
+    with pytest.raises(ClusterError, match="could not be built"):
+        train_lib.train(open_cluster("local"), req, out=io.StringIO())
+    (run_dir,) = (tmp_path / "runs").iterdir()
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["status"] == "failed" and summary["exit_code"] == 1
+    assert summary["reason"] == "before launch: the code tarball could not be built"
+    assert summary["request"]["args"] == list(DEMO_ARGS)  # a record good enough to run it again
+
+
+@pytest.mark.cluster
+@pytest.mark.slow
+def test_losing_node0_mid_run_ends_with_a_record_and_nothing_left_on_the_others(tmp_path):
+    lc = start_cluster(tmp_path, 2)
+    proc = subprocess.Popen([*FAB, "train", "--nodes", "2", "--save-every", "0", "--", *DEMO_ARGS], cwd=ROOT,
+                            text=True, env={**os.environ, **lc.env}, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+    out = Lines(proc.stdout)
+    try:
+        run_id = out.wait_for(r"^run (\S+): results in", proc, 300).group(1)
+        out.wait_for(r"\[progress\] step [2-9]/", proc, 400)
+        assert lc.fab("local-kill", "--node", "node0", timeout=60).returncode == 0
+        proc.wait(timeout=300)
+        out.thread.join(10)
+        text = "".join(out.lines)
+        assert proc.returncode == 1, text[-3000:]
+        summary = json.loads((lc.runs / run_id / "summary.json").read_text())
+        assert summary["status"] == "failed" and summary["failed_node"] == "node0", summary.get("reason")
+        assert summary["lost_nodes"] == ["node0"]
+        assert summary["cleanup"]["unchecked"].keys() == {"node0"}  # not claimed clean: it could not be looked at
+        assert "node0 not checked" in text.strip().splitlines()[-1]
+        # node1 was reached and swept: nothing of the run is left there (node0's processes died with it)
+        assert "node1" in summary["cleanup"]["killed"] and not summary["cleanup"]["left"]
+        assert processes_with_env(f"XC_RUN_ID={run_id}") == []
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        fab("local-down", env=lc.env, timeout=60)
