@@ -7,12 +7,12 @@ from __future__ import annotations
 import pulumi
 import pulumi_aws as aws
 
+from core.errors import ClusterError
 from infra import cost
 from infra.image import Image
 from infra.network import Network
 from infra.nodes import Nodes
 from infra.settings import CONFIG_KEYS, ClusterSettings
-from node_setup.errors import ClusterError
 
 
 def read_settings() -> ClusterSettings:

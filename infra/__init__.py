@@ -1,39 +1,4 @@
-"""Pulumi components for a spot Xeon cluster on AWS, and the AWS-side inventory for Fabric.
+"""The Pulumi components of a spot Xeon cluster on AWS: settings, network, image pipeline, nodes, cost.
 
-Only the components (network, image, nodes) import pulumi; catalog, cost and discovery are
-plain Python so that the Fabric side can use them without the Pulumi SDK.
+Only network, image and nodes import pulumi; settings and cost are plain Python.
 """
-from __future__ import annotations
-
-import functools
-import os
-
-# EC2 tags written by infra.nodes and read back by infra.discovery: the contract between them.
-TAG_PREFIX = "xeon-cluster:"
-TAG_CLUSTER = TAG_PREFIX + "cluster"
-TAG_STACK = TAG_PREFIX + "stack"
-TAG_ROLE = TAG_PREFIX + "role"
-TAG_INDEX = TAG_PREFIX + "index"
-TAG_SSH_USER = TAG_PREFIX + "ssh-user"
-TAG_PROFILE = TAG_PREFIX + "profile"
-
-
-def ec2_client(region: str | None = None):
-    """A boto3 EC2 client; XC_AWS_ENDPOINT_URL points it elsewhere (the tests use a moto server)."""
-    import boto3  # late: importing infra must work where boto3 or credentials are missing
-    import botocore.session
-
-    # A fresh session per call picks up credentials as they are now; the shared loader spares
-    # each one re-reading botocore's EC2 model (half a second).
-    session = botocore.session.get_session()
-    session.register_component("data_loader", _loader())
-    region = region or os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION")
-    return boto3.session.Session(botocore_session=session, region_name=region).client(
-        "ec2", endpoint_url=os.environ.get("XC_AWS_ENDPOINT_URL") or None)
-
-
-@functools.lru_cache(maxsize=1)
-def _loader():
-    from botocore.loaders import create_loader
-
-    return create_loader()

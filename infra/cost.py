@@ -5,7 +5,8 @@ import logging
 from dataclasses import asdict, dataclass
 from datetime import datetime, timezone
 
-from . import catalog, ec2_client
+from core import catalog
+from core.ec2 import ec2_client
 
 log = logging.getLogger(__name__)
 

@@ -13,12 +13,11 @@ import json
 import pulumi
 import pulumi_aws as aws
 
+from core.constants import TAG_PREFIX
+from core.errors import ClusterError
+from core.render import render
+from infra.settings import MIN_ROOT_GIB, ClusterSettings
 from node_setup import profiles
-from node_setup.errors import ClusterError
-from node_setup.render import render
-
-from . import TAG_PREFIX
-from .settings import MIN_ROOT_GIB, ClusterSettings
 
 SCRIPT_PATH = "/opt/xeon-cluster/setup.sh"
 MAX_COMPONENT_CHARS = 16000  # Image Builder's limit for an inline component document

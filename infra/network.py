@@ -7,7 +7,7 @@ from __future__ import annotations
 import pulumi
 import pulumi_aws as aws
 
-from .settings import ClusterSettings
+from infra.settings import ClusterSettings
 
 ALL = {"protocol": "-1", "from_port": 0, "to_port": 0}
 

@@ -1,6 +1,6 @@
 """The nodes: one launch template (IMDSv2 only, encrypted gp3 root, spot, placement group, the
 cluster's subnet and security group) and N instances from it, tagged with role and index so
-that infra.discovery finds them in order.
+that cluster.aws finds them in order.
 """
 from __future__ import annotations
 
@@ -9,10 +9,9 @@ import base64
 import pulumi
 import pulumi_aws as aws
 
-from node_setup.render import render
-
-from . import TAG_INDEX, TAG_PROFILE, TAG_ROLE, TAG_SSH_USER
-from .settings import ClusterSettings
+from core.constants import TAG_INDEX, TAG_PROFILE, TAG_ROLE, TAG_SSH_USER
+from core.render import render
+from infra.settings import ClusterSettings
 
 
 def user_data(settings: ClusterSettings) -> str:

@@ -11,14 +11,13 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from node_setup.errors import ClusterError
-
-from . import TAG_CLUSTER, TAG_STACK, catalog
+from core import catalog
+from core.constants import MAX_NODES, TAG_CLUSTER, TAG_STACK
+from core.errors import ClusterError
 
 IMAGE_MODES = ("bake", "base")
 UBUNTU_PYTHON = {"22.04": (3, 10), "24.04": (3, 12)}  # the release's python3
 UBUNTU_VERSIONS = tuple(UBUNTU_PYTHON)
-MAX_NODES = 64
 MIN_ROOT_GIB = 40  # the software stack needs ~20 GiB; the baked AMI's snapshot has this size
 _PUBKEY_EXAMPLE = '"$(cat ~/.ssh/id_ed25519.pub)"'
 

@@ -1,1 +1,1 @@
-"""Operator-side library: inventory, local cluster, keys, launching jobs over Fabric."""
+"""Setting nodes up: software profiles (profiles.toml), the rendered setup script, `fab setup`."""

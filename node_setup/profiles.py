@@ -15,8 +15,9 @@ import shlex
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
-from .errors import ClusterError
-from .render import render
+from core.constants import REMOTE_VENV
+from core.errors import ClusterError
+from core.render import render
 
 try:
     import tomllib
@@ -28,7 +29,7 @@ log = logging.getLogger(__name__)
 PROFILES_FILE = Path(__file__).with_name("profiles.toml")
 SETUP_TEMPLATE = "node_setup.sh.j2"
 MARKER_NAME = ".xeon-cluster-profile"
-DEFAULT_VENV = "/opt/xeon-cluster/venv"
+DEFAULT_VENV = REMOTE_VENV
 WORK_ROOT_PREFIX = "$XC_HOME/"
 PYPI = "pypi"
 BACKENDS = ("ccl", "gloo")

@@ -19,11 +19,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TextIO
 
-from . import keys, profiles, shipping
-from .cluster import Cluster
-from .errors import ClusterError, NodeFailure
-from .inventory import Node
-from .remote import connect, fan_out, remote_home, run
+from cluster import keys, shipping
+from cluster.node import Node
+from cluster.remote import connect, fan_out, remote_home, run
+from cluster.resolve import Cluster
+from core.errors import ClusterError, NodeFailure
+from node_setup import profiles
 
 log = logging.getLogger(__name__)
 

@@ -15,8 +15,9 @@ import pytest
 import yaml
 from conftest import fab
 
-from node_setup import bench, kube, profiles
-from node_setup.errors import ClusterError
+from core.errors import ClusterError
+from node_setup import profiles
+from reports import bench, kube
 
 # A small clm run: tiny GPT-2, 256 blocks of 128 tokens, one epoch (16 steps per rank on 1 node).
 BENCH_ARGS = ["--max_train_samples", "256", "--max_eval_samples", "32", "--num_train_epochs", "1",
@@ -83,7 +84,7 @@ def test_report_says_when_local_nodes_share_cpus(tmp_path):
 
 
 def test_cost_per_run_uses_the_catalog_price_of_the_instance_type(tmp_path):
-    from infra.catalog import CATALOG
+    from core.catalog import CATALOG
 
     labels = {"instance_type": "c6i.16xlarge"}
     runs = [bench.load_run(fake_run(tmp_path, f"r{n}", n, 10.0 * n, labels=labels)) for n in (1, 2)]

@@ -14,7 +14,8 @@ import sys
 import pytest
 from conftest import processes_with_env, start_cluster
 
-from node_setup import cleanup, doctor
+from doctor import collective as doctor
+from launch import cleanup
 from training import common, dist
 
 HAVE_CCL = importlib.util.find_spec("oneccl_bindings_for_pytorch") is not None
@@ -80,7 +81,7 @@ def test_claim_says_nothing_is_left_only_after_every_node_was_checked():
 
 
 def test_sweep_reports_an_unreachable_node_as_unchecked():
-    from node_setup.inventory import Node
+    from cluster.node import Node
 
     res = cleanup.sweep([Node(name="node0", host="127.0.0.1", private_host="127.0.0.1", user="nobody", port=9)], "r1")
     assert not res.clean and "node0" in res.unchecked and "unreachable" in res.unchecked["node0"]

@@ -6,8 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from node_setup import checks as C
-from node_setup.checks import (
+from core.errors import ClusterError
+from doctor import checks as C
+from doctor.checks import (
     KERNEL_FIX,
     amx_check,
     clock_skew_check,
@@ -15,7 +16,6 @@ from node_setup.checks import (
     parse_cpu_flags,
     versions_identical,
 )
-from node_setup.errors import ClusterError
 
 DATA = Path(__file__).resolve().parent / "data"
 
@@ -156,7 +156,7 @@ def test_model_has_amx(model, expected):
 
 
 def test_recorded_probes_agree_with_the_model_rule():
-    from node_setup import topology
+    from launch import topology
 
     for name, expected in [("c6i.16xlarge", False), ("r7iz.metal-16xl", True)]:
         topo = topology.parse((DATA / f"{name}.probe").read_text())
@@ -165,8 +165,8 @@ def test_recorded_probes_agree_with_the_model_rule():
 
 
 def test_doctor_report_names_failures_with_fixes_and_does_not_count_skips():
-    from node_setup.doctor import CLUSTER, Report, Row
-    from node_setup.errors import NodeFailure
+    from core.errors import NodeFailure
+    from core.report import CLUSTER, Report, Row
 
     healthy = Report(["node0", "node1"], [Row("node0", "CPU", True, "x"), Row(CLUSTER, "clock skew", True, "y"),
                                           Row("node1", "AMX", True, "unknown CPU", skipped=True)])
@@ -190,9 +190,9 @@ def test_doctor_report_names_failures_with_fixes_and_does_not_count_skips():
 
 
 def test_amx_expectation_prefers_the_instance_type_then_the_model_then_the_flags():
-    from node_setup import topology
-    from node_setup.doctor import amx_expectation
-    from node_setup.inventory import Node
+    from cluster.node import Node
+    from doctor.rows import amx_expectation
+    from launch import topology
 
     icx = topology.parse((DATA / "c6i.16xlarge.probe").read_text())
     spr = topology.parse((DATA / "r7iz.metal-16xl.probe").read_text())

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from conftest import FAB, ROOT, processes_with_env, start_cluster
 
-from node_setup.train import DEMO_ARGS
+from launch.run import DEMO_ARGS
 
 pytestmark = pytest.mark.cluster
 
@@ -197,8 +197,8 @@ def test_no_local_cluster_names_the_fix(tmp_path):
 
 
 def test_missing_sshd_is_reported_with_the_install_command(monkeypatch):
-    from node_setup import local
-    from node_setup.errors import ClusterError
+    from cluster import local
+    from core.errors import ClusterError
 
     monkeypatch.setattr(local.shutil, "which", lambda name: None)
     monkeypatch.setattr(local.os, "access", lambda path, mode: False)

@@ -13,9 +13,13 @@ import textwrap
 import moto_fixture
 import pytest
 
-from infra import TAG_CLUSTER, TAG_INDEX, TAG_ROLE, TAG_SSH_USER, catalog, cost, discovery, ec2_client
-from node_setup.errors import ClusterError
-from node_setup.inventory import REMOTE_PYTHON, load_nodes, select
+from cluster import aws as discovery
+from cluster.inventory import load_nodes, select
+from core import catalog
+from core.constants import REMOTE_PYTHON, TAG_CLUSTER, TAG_INDEX, TAG_ROLE, TAG_SSH_USER
+from core.ec2 import ec2_client
+from core.errors import ClusterError
+from infra import cost
 
 AMI = "ami-0123456789abcdef0"
 REGION = moto_fixture.REGION
@@ -45,7 +49,7 @@ def test_aws_source_lists_running_nodes_of_the_cluster_in_index_order(aws_env):
     launch("bert", None)  # tagged with the cluster but no index: not a node
     ec2().stop_instances(InstanceIds=[ids[3]])
 
-    nodes = load_nodes("aws:bert")  # through node_setup.inventory, as 'fab --cluster aws:bert' does
+    nodes = load_nodes("aws:bert")  # through cluster.inventory, as 'fab --cluster aws:bert' does
 
     assert [n.name for n in nodes] == ["bert-0", "bert-1", "bert-2"]
     assert [n.index for n in nodes] == [0, 1, 2]
@@ -105,9 +109,8 @@ def test_importing_discovery_needs_neither_boto3_nor_pulumi():
     code = textwrap.dedent("""
         import sys
         sys.modules["boto3"] = sys.modules["botocore"] = sys.modules["pulumi"] = None  # import would fail
-        import infra.discovery, infra.catalog, infra.cost
-        from node_setup import inventory
-        print(inventory._SOURCES["aws"].__name__, inventory._SOURCES["pulumi"].__name__)
+        import cluster.aws, core.catalog, infra.cost
+        print(cluster.aws.aws_nodes.__name__, cluster.aws.pulumi_nodes.__name__)
     """)
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          cwd=os.path.dirname(os.path.dirname(__file__)))
@@ -196,7 +199,7 @@ def test_pulumi_source_reads_the_stack_outputs_with_a_fake_cli(aws_env, tmp_path
 
 
 def test_one_cluster_has_one_state_folder_and_key_whichever_way_it_is_named(aws_env, tmp_path, monkeypatch):
-    from node_setup.cluster import open_cluster
+    from cluster.resolve import open_cluster
 
     for i in (0, 1):
         launch("bert", i)

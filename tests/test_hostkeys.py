@@ -1,6 +1,6 @@
-"""Host keys of AWS nodes from their console output (infra.hostkeys): the parser on a recorded
+"""Host keys of AWS nodes from their console output (cluster.hostkeys): the parser on a recorded
 console excerpt, the per-cluster known_hosts file, the aws source against the real moto server,
-and a real SSH handshake through node_setup.remote.connect() against that file.
+and a real SSH handshake through cluster.remote.connect() against that file.
 """
 from __future__ import annotations
 
@@ -18,10 +18,13 @@ from botocore.exceptions import ClientError
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ed25519
 
-from infra import TAG_CLUSTER, TAG_INDEX, discovery, ec2_client, hostkeys
-from node_setup.errors import ClusterError
-from node_setup.inventory import Node
-from node_setup.remote import connect
+from cluster import aws as discovery
+from cluster import hostkeys
+from cluster.node import Node
+from cluster.remote import connect
+from core.constants import TAG_CLUSTER, TAG_INDEX
+from core.ec2 import ec2_client
+from core.errors import ClusterError
 
 moto_server, aws_env = moto_fixture.moto_server, moto_fixture.aws_env
 
@@ -181,7 +184,7 @@ def test_an_address_taken_over_by_a_replacement_instance_gets_its_keys(tmp_path,
     path.write_text(f"198.51.100.11,10.42.0.11 {RSA[0]} {RSA[1]} i-0old bert-0\n"
                     f"198.51.100.12,10.42.0.12 {RSA[0]} {RSA[1]} i-0b bert-1\n")
     node = aws_node(0, "198.51.100.77", "10.42.0.11", "i-0new")
-    with caplog.at_level(logging.WARNING, logger="infra.hostkeys"):
+    with caplog.at_level(logging.WARNING, logger="cluster.hostkeys"):
         hostkeys.record_host_keys([node], FakeEC2({"i-0new": console([ED25519])}), path)
     assert path.read_text().splitlines() == [f"198.51.100.12,10.42.0.12 {RSA[0]} {RSA[1]} i-0b bert-1",
                                              f"198.51.100.77,10.42.0.11 {ED25519[0]} {ED25519[1]} i-0new bert-0"]
@@ -239,7 +242,7 @@ def test_moto_console_without_keys_is_the_clear_pending_error(aws_env, tmp_path,
     output = client.get_console_output(InstanceId=inst["InstanceId"], Latest=True)["Output"]
     assert hostkeys.console_text(output).startswith("Linux version")
 
-    with caplog.at_level(logging.WARNING, logger="infra.discovery"):
+    with caplog.at_level(logging.WARNING, logger="cluster.aws"):
         (node,) = discovery.aws_nodes("bert")  # discovery goes on: a task may use only the ready nodes
     path = tmp_path / "state" / "aws-bert" / "known_hosts"
     assert node.labels["known_hosts"] == str(path) and not path.exists()

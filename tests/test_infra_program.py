@@ -75,10 +75,11 @@ pulumi.runtime.set_mocks(Recorder(), project="xeon-cluster", stack="dev", previe
 
 from moto_fixture import isolate_aws
 
-from infra import catalog, cost
+from core import catalog
+from core.constants import REMOTE_PYTHON
+from infra import cost
 from infra.image import BUILD_POLICIES, SCRIPT_PATH, component_document
 from node_setup import profiles
-from node_setup.inventory import REMOTE_PYTHON
 
 
 @dataclass

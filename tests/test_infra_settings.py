@@ -6,9 +6,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from infra import catalog
+from core import catalog
+from core.errors import ClusterError
 from infra.settings import CONFIG_KEYS, ClusterSettings
-from node_setup.errors import ClusterError
 
 ROOT = Path(__file__).resolve().parent.parent
 KEY = "ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIOp9fX1kZXZlbG9wZXIta2V5LWZvci10ZXN0cw operator@laptop"
@@ -44,7 +44,7 @@ def test_strings_from_pulumi_are_parsed_into_types():
     ({"nodeCount": "65"}, "nodeCount", "between 1 and 64"),
     ({"nodeCount": "four"}, "nodeCount", "pulumi config set nodeCount"),
     ({"spot": "yes"}, "spot", "true or false"),
-    ({"instanceType": "t3.micro"}, "instanceType", "infra/catalog.py"),
+    ({"instanceType": "t3.micro"}, "instanceType", "core/catalog.py"),
     ({"maxSpotPrice": "cheap"}, "maxSpotPrice", "pulumi config set maxSpotPrice"),
     ({"maxSpotPrice": "-1"}, "maxSpotPrice", "positive"),
     ({"maxSpotPrice": "2.5", "spot": "false"}, "maxSpotPrice", "pulumi config rm maxSpotPrice"),

@@ -1,8 +1,8 @@
 """Inventory: the hosts-file source, node selection and their errors."""
 import pytest
 
-from node_setup import inventory
-from node_setup.errors import ClusterError
+from cluster import inventory
+from core.errors import ClusterError
 
 
 def test_hosts_file(tmp_path):

@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from training import clm, common, qa
+from training import clm_data, common, qa
 
 ROOT = Path(__file__).resolve().parent.parent
 DATA = ROOT / "training" / "data"
@@ -146,7 +146,7 @@ def test_bad_job_flags_fail_with_one_error_line_and_exit_2(capsys, tmp_path):
         qa.DataArguments(train_file="/nope.json")
     (tmp_path / "c.csv").write_text("a,b\n")
     with pytest.raises(ValueError, match=r"c.csv must be a .txt, .json or .jsonl file"):
-        clm.DataArguments(train_file=str(tmp_path / "c.csv"))
+        clm_data.DataArguments(train_file=str(tmp_path / "c.csv"))
 
     def main():
         qa.DataArguments(max_seq_length=128, doc_stride=128)
@@ -161,12 +161,12 @@ def test_bad_job_flags_fail_with_one_error_line_and_exit_2(capsys, tmp_path):
 # ---- clm token files -------------------------------------------------------------------------
 
 def test_corpus_is_tokenized_once_into_uint16_memmaps_and_reused(tmp_path):
-    data = clm.DataArguments(data_cache_dir=str(tmp_path / "cache"))
-    model = clm.ModelArguments()
-    key = clm.cache_key(data, model)
-    assert key == clm.cache_key(clm.DataArguments(data_cache_dir="/elsewhere"), clm.ModelArguments())
-    assert key != clm.cache_key(data, clm.ModelArguments(tokenizer_vocab_size=1024))
-    folder = clm.prepare(data, model, tmp_path / "cache" / key)
+    data = clm_data.DataArguments(data_cache_dir=str(tmp_path / "cache"))
+    model = clm_data.ModelArguments()
+    key = clm_data.cache_key(data, model)
+    assert key == clm_data.cache_key(clm_data.DataArguments(data_cache_dir="/elsewhere"), clm_data.ModelArguments())
+    assert key != clm_data.cache_key(data, clm_data.ModelArguments(tokenizer_vocab_size=1024))
+    folder = clm_data.prepare(data, model, tmp_path / "cache" / key)
     meta = json.loads((folder / "meta.json").read_text())
     assert meta["dtype"] == "uint16" and meta["vocab_size"] <= 4096
     train = np.memmap(folder / "train.bin", dtype=np.uint16, mode="r")
@@ -180,10 +180,10 @@ def test_corpus_is_tokenized_once_into_uint16_memmaps_and_reused(tmp_path):
     corpus = (DATA / "corpus" / "train.txt").read_text()
     assert tok.decode(first_doc.tolist()) == corpus.split("\n\n")[0]
     assert int((train == eos).sum()) == meta["documents"]["train"]
-    blocks = clm.TokenBlocks(folder / "train.bin", 128, limit=10)
+    blocks = clm_data.TokenBlocks(folder / "train.bin", 128, limit=10)
     assert len(blocks) == 10 and blocks[3]["input_ids"].tolist() == train[384:512].tolist()
     # a second preparation of the same corpus lands on the same folder, which already holds it
-    again = clm.prepare(data, model, folder)
+    again = clm_data.prepare(data, model, folder)
     assert again == folder and json.loads((folder / "meta.json").read_text()) == meta
 
 
@@ -202,10 +202,10 @@ def test_prepare_only_writes_a_folder_that_later_runs_reuse(tmp_path, caplog):
     assert f"in {folder}" in res.stdout and (folder / "train.bin").is_file()
     one = DistInfo(rank=0, world_size=1, local_rank=0, backend="none", precision="fp32", ipex=False, host="h")
     with caplog.at_level(logging.INFO, logger="training.clm"):
-        got = clm.prepared_folder(clm.DataArguments(data_cache_dir=str(tmp_path / "c")), clm.ModelArguments(), one)
+        got = clm_data.prepared_folder(clm_data.DataArguments(data_cache_dir=str(tmp_path / "c")), clm_data.ModelArguments(), one)
     assert got == folder and "(reused)" in caplog.text
     with pytest.raises(ValueError, match="has no meta.json; pass a folder made by --prepare_only"):
-        clm.prepared_folder(clm.DataArguments(data_dir=str(tmp_path)), clm.ModelArguments(), one)
+        clm_data.prepared_folder(clm_data.DataArguments(data_dir=str(tmp_path)), clm_data.ModelArguments(), one)
 
 
 # ---- 2-node runs through `fab train` ---------------------------------------------------------

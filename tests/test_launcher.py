@@ -4,9 +4,8 @@ from pathlib import Path
 
 import pytest
 
-from node_setup import topology
-from node_setup.render import render
-from training import launcher
+from core.render import render
+from launch import launcher, topology
 
 DATA = Path(__file__).parent / "data"
 
@@ -100,7 +99,7 @@ def test_rendered_node_env_and_rank_script_are_valid_bash(tmp_path):
 
 
 def test_hostfile_and_ssh_config_templates():
-    from node_setup.inventory import Node
+    from cluster.node import Node
 
     nodes = [Node(f"node{i}", f"203.0.113.{i}", f"10.0.0.{i}", "ubuntu", 22, i) for i in range(3)]
     assert render("hostfile.j2", nodes=nodes).split() == ["node0", "node1", "node2"]

@@ -9,8 +9,8 @@ import textwrap
 
 import pytest
 
+from core.errors import ClusterError
 from node_setup import profiles as P
-from node_setup.errors import ClusterError
 
 TORCH_CPU_INDEX = "https://download.pytorch.org/whl/cpu"
 INTEL_INDEX = "https://pytorch-extension.intel.com/release-whl/stable/cpu/us/"
@@ -270,7 +270,7 @@ def test_matched_set_problems():
 
 
 def test_fab_setup_runs_the_image_builder_text_on_real_nodes(profiles):
-    from node_setup.inventory import Node
+    from cluster.node import Node
     from node_setup.setup import default_venv
 
     real = [Node("n0", "203.0.113.10", "10.0.0.10", "ubuntu"), Node("n1", "203.0.113.11", "10.0.0.11", "ubuntu")]
@@ -359,7 +359,7 @@ def test_source_builds_and_ccl_accelerate_are_checked(tmp_path, extra, needle):
 
 
 def test_setup_keeps_the_profile_the_nodes_carry_and_never_switches_a_venv_silently():
-    from node_setup.errors import ClusterError
+    from core.errors import ClusterError
     from node_setup.setup import choose_profile
 
     venv = {"oneccl": "/opt/xeon-cluster/venv", "upstream": "/opt/xeon-cluster/venv", "test": "~/t"}.get

@@ -16,9 +16,11 @@ import pytest
 from conftest import FAB, ROOT, fab, processes_with_env, start_cluster
 from fake_imds import FakeIMDS
 
-from node_setup import restarts
-from node_setup.errors import ClusterError, NodeFailure, Preempted
-from node_setup.train import DEMO_ARGS, RunResult, TrainRequest
+from core.errors import ClusterError, NodeFailure, Preempted
+from launch import restarts
+from launch.records import RunResult
+from launch.request import TrainRequest
+from launch.run import DEMO_ARGS
 from training import spot
 
 
@@ -198,8 +200,8 @@ def test_a_preempted_run_and_a_killed_node_are_resumed_by_themselves(tmp_path):
 
 @pytest.mark.cluster
 def test_a_run_that_fails_while_staging_still_gets_its_record(cluster2, monkeypatch, tmp_path):
-    from node_setup import train as train_lib
-    from node_setup.cluster import open_cluster
+    from cluster.resolve import open_cluster
+    from launch import run as train_lib
 
     for key, value in cluster2.env.items():
         monkeypatch.setenv(key, value)

@@ -12,7 +12,7 @@ import pytest
 from conftest import FAB, ROOT, processes_with_env
 from fake_imds import FakeIMDS
 
-from node_setup.train import DEMO_ARGS
+from launch.run import DEMO_ARGS
 from training import spot
 
 
@@ -70,7 +70,7 @@ def test_save_every(value, expect):
 
 
 def test_home_checkpoints_skip_partial_transfers(tmp_path):
-    from node_setup import outputs
+    from launch import outputs
 
     for name, marker in (("step-5", True), ("step-9", False), ("step-7.partial", True)):
         (tmp_path / "checkpoints" / name).mkdir(parents=True)
@@ -122,6 +122,8 @@ def test_notice_checkpoints_home_and_resume_finishes_like_an_uninterrupted_run(c
     assert stopped_in < 120, f"{stopped_in:.0f}s from notice to checkpoint at home"
     ckpt = cluster2.runs / run_id / "checkpoints" / f"step-{step}"
     assert (ckpt / spot.COMPLETE_MARKER).is_file() and (ckpt / "optimizer.pt").is_file()
+    # every rank's RNG state came home with it, not only node 0's: the resume continues the same run
+    assert (ckpt / "rng_state_0.pth").is_file() and (ckpt / "rng_state_1.pth").is_file()
     summary = json.loads((cluster2.runs / run_id / "summary.json").read_text())
     assert summary["status"] == "preempted" and summary["preempted"]["step"] == step
     assert processes_with_env(f"XC_RUN_ID={run_id}") == []

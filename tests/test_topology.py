@@ -3,7 +3,7 @@ from pathlib import Path
 
 import pytest
 
-from node_setup import topology
+from launch import topology
 
 DATA = Path(__file__).parent / "data"
 
@@ -34,7 +34,7 @@ def test_r7iz_metal_16xl_has_amx_and_prefers_tcmalloc():
 
 @pytest.mark.parametrize("name", ["c6i.16xlarge", "r7iz.metal-16xl", "r7iz.metal-32xl"])
 def test_recorded_topology_matches_the_instance_catalog(name):
-    catalog = pytest.importorskip("infra.catalog")
+    catalog = pytest.importorskip("core.catalog")
     spec = catalog.CATALOG[name]
     t = load(name)
     assert t.physical_cores == spec.cores

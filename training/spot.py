@@ -142,6 +142,25 @@ def resume_from() -> str | None:
     return path
 
 
+def gather_rng_states(folder: Path, is_zero: bool) -> None:
+    """Every rank's rng_state_<rank>.pth into rank 0's checkpoint: each rank writes its own on its own
+    node, and only node 0's copy goes home, so without them a resume restarts the other ranks' dropout
+    streams from the seed and no longer continues the run it resumes."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized() or dist.get_world_size() < 2:
+        return
+    rank = dist.get_rank()
+    own = folder / f"rng_state_{rank}.pth"
+    states: list = [None] * dist.get_world_size()
+    dist.all_gather_object(states, (rank, own.read_bytes() if own.is_file() else None))
+    if is_zero and folder.is_dir():
+        for r, blob in states:
+            target = folder / f"rng_state_{r}.pth"
+            if blob is not None and not target.is_file():
+                target.write_bytes(blob)
+
+
 def spot_callback(watcher: NoticeWatcher | None = None, save_every: str | None = None):
     """A TrainerCallback: at each step boundary ONE all-reduce tells every rank whether a node got a
     notice (and which rank) and whether a periodic checkpoint is due (rank 0's clock decides)."""
@@ -182,10 +201,9 @@ def spot_callback(watcher: NoticeWatcher | None = None, save_every: str | None =
 
         def on_save(self, args, state, control, **kw):
             self.last_save = time.monotonic()
-            if state.is_world_process_zero:
-                folder = Path(args.output_dir) / f"checkpoint-{state.global_step}"
-                if folder.is_dir():  # the Trainer has finished writing it: only now it counts
-                    (folder / COMPLETE_MARKER).write_text(json.dumps({"step": state.global_step,
-                                                                      "time": time.time()}))
+            folder = Path(args.output_dir) / f"checkpoint-{state.global_step}"
+            gather_rng_states(folder, state.is_world_process_zero)
+            if state.is_world_process_zero and folder.is_dir():  # the Trainer has finished writing it: it counts
+                (folder / COMPLETE_MARKER).write_text(json.dumps({"step": state.global_step, "time": time.time()}))
 
     return Spot()

@@ -12,11 +12,12 @@ import shlex
 import subprocess
 from dataclasses import dataclass
 
-from .cluster import Cluster
-from .errors import ClusterError
-from .inventory import Node
-from .remote import HOME_EXPR, connect, fan_out, remote_home, run
-from .render import render
+from cluster.node import Node
+from cluster.remote import connect, fan_out, remote_home, run
+from cluster.resolve import Cluster
+from core.constants import HOME_EXPR
+from core.errors import ClusterError
+from core.render import render
 
 log = logging.getLogger(__name__)
 

@@ -4,7 +4,7 @@ At first boot cloud-init prints the instance's host public keys to the serial co
 ``-----BEGIN SSH HOST KEY KEYS-----`` and ``-----END SSH HOST KEY KEYS-----``. EC2 hands that
 console output only to an authenticated ``ec2:GetConsoleOutput`` caller, for the instance id that
 DescribeInstances tied to the node's addresses: the same trust as the API session itself.
-The keys go into one known_hosts file per cluster, which node_setup.remote.connect() loads.
+The keys go into one known_hosts file per cluster, which cluster.remote.connect() loads.
 """
 from __future__ import annotations
 
@@ -15,8 +15,8 @@ import os
 import re
 from pathlib import Path
 
-from node_setup.errors import ClusterError
-from node_setup.inventory import Node
+from cluster.node import Node
+from core.errors import ClusterError
 
 log = logging.getLogger(__name__)
 
@@ -98,7 +98,7 @@ def console_host_keys(client, instance_id: str) -> list[tuple[str, str]]:
 
 def known_hosts_path(cluster: str) -> Path:
     """<state folder>/aws-<cluster>/known_hosts, next to the local cluster's state."""
-    from node_setup import local
+    from cluster import local
 
     if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", cluster):
         raise ClusterError(f"cluster name {cluster!r} is not a plain name (letters, digits, '.', '_', '-'); "

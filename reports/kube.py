@@ -13,18 +13,18 @@ import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from training import launcher
-
-from . import profiles
-from .errors import ClusterError
-from .render import render
-from .shipping import PROJECT_ROOT
+from cluster.shipping import PROJECT_ROOT
+from core.constants import REMOTE_VENV
+from core.errors import ClusterError
+from core.render import render
+from launch import launcher
+from node_setup import profiles
 
 log = logging.getLogger(__name__)
 
 DEFAULT_INSTANCE = "r7iz.16xlarge"  # as infra/settings.py's instanceType default
 MOUNT = "/pvc"
-VENV = "/opt/xeon-cluster/venv"
+VENV = REMOTE_VENV
 TCMALLOC = "/usr/lib/x86_64-linux-gnu/libtcmalloc.so.4"  # from google-perftools, in every profile
 DEFAULT_BASE = "ubuntu:24.04"  # python 3.12: what the upstream profile needs
 
@@ -55,11 +55,11 @@ class PodSize:
 
 def pod_size(instance_type: str) -> PodSize:
     """A node's pod: its vCPUs and memory less a reserve for the kubelet, daemons and the OS."""
-    from infra.catalog import CATALOG
+    from core.catalog import CATALOG
 
     if instance_type not in CATALOG:
         raise ClusterError(f"--instance-type {instance_type!r} is not in the catalog; use one of "
-                           f"{', '.join(CATALOG)} or add a row to infra/catalog.py")
+                           f"{', '.join(CATALOG)} or add a row to core/catalog.py")
     it = CATALOG[instance_type]
     cpu = it.vcpus - max(2, it.vcpus // 16)
     memory = int(it.memory_gib * 0.9) - 2
@@ -107,7 +107,7 @@ def job_env(req: KubeRequest, size: PodSize, backend: str) -> list[tuple[str, st
 def render_kube(req: KubeRequest, out_dir: Path) -> dict[str, Path]:
     """Write pytorchjob.yaml, Dockerfile, node_setup.sh and training/ into out_dir."""
     validate(req)
-    from .train import local_files
+    from launch.request import local_files
 
     for flag, path in local_files(req.args):  # pods see the PVC and the image, not this machine
         if not path.startswith(MOUNT + "/"):

@@ -11,14 +11,14 @@ from typing import TypeVar
 import paramiko
 from fabric import Connection
 
-from .errors import ClusterError, NodeFailure
-from .inventory import Node
+from cluster.node import Node
+from core.constants import HOME_EXPR
+from core.errors import ClusterError, NodeFailure
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 # Work root on a node: local nodes get theirs from sshd (SetEnv), real nodes use ~/.xeon-cluster.
-HOME_EXPR = '"${XC_HOME:-$HOME/.xeon-cluster}"'
 
 
 def known_hosts_files(node: Node) -> list[Path]:

@@ -7,10 +7,10 @@ import shlex
 import tarfile
 from pathlib import Path
 
-from .errors import ClusterError
-from .remote import run
+from cluster.remote import run
+from core.constants import PROJECT_ROOT
+from core.errors import ClusterError
 
-PROJECT_ROOT = Path(__file__).resolve().parent.parent
 SHIPPED = ("training",)
 
 

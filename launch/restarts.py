@@ -11,14 +11,15 @@ import time
 from pathlib import Path
 from typing import TextIO
 
+from cluster.node import Node
+from cluster.remote import connect, fan_out, run
+from cluster.resolve import open_cluster
+from core.errors import ClusterError, NodeFailure, Preempted
+from launch import resume as resume_lib
+from launch.records import RunResult
+from launch.request import TrainRequest
+from launch.run import train
 from training import spot
-
-from . import resume as resume_lib
-from .cluster import open_cluster
-from .errors import ClusterError, NodeFailure, Preempted
-from .inventory import Node
-from .remote import connect, fan_out, run
-from .train import RunResult, TrainRequest, train
 
 POLL_S = 5.0
 # The node asks its own metadata service with the ranks' watcher code (stdlib only, sent as text).

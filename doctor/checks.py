@@ -7,7 +7,7 @@ import re
 from collections import Counter
 from dataclasses import dataclass
 
-from .errors import ClusterError
+from core.errors import ClusterError
 
 log = logging.getLogger(__name__)
 

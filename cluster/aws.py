@@ -1,7 +1,7 @@
 """Inventory sources for Fabric: ``aws[:NAME]`` asks EC2 for the cluster's tagged, running
 instances (needs only AWS credentials) and records their host keys from their console output
-(infra.hostkeys); ``pulumi[:STACK]`` reads the stack's ``nodes`` output through the Pulumi CLI.
-Importing this module registers both with node_setup.inventory.
+(cluster.hostkeys); ``pulumi[:STACK]`` reads the stack's ``nodes`` output through the Pulumi CLI.
+cluster.inventory imports this module only when a task names one of them.
 """
 from __future__ import annotations
 
@@ -12,14 +12,15 @@ import os
 import subprocess
 from pathlib import Path
 
-from node_setup.errors import ClusterError
-from node_setup.inventory import REMOTE_PYTHON, Node, register_source
-
-from . import TAG_CLUSTER, TAG_INDEX, TAG_ROLE, TAG_SSH_USER, ec2_client, hostkeys
+from cluster import hostkeys
+from cluster.node import Node
+from core.constants import PROJECT_ROOT, REMOTE_PYTHON, TAG_CLUSTER, TAG_INDEX, TAG_ROLE, TAG_SSH_USER
+from core.ec2 import ec2_client
+from core.errors import ClusterError
 
 log = logging.getLogger(__name__)
 
-PROJECT_DIR = Path(__file__).resolve().parent.parent  # where Pulumi.yaml lives
+PROJECT_DIR = PROJECT_ROOT  # where Pulumi.yaml lives
 DEFAULT_USER = "ubuntu"
 
 
@@ -156,6 +157,3 @@ def stack_outputs(stack: str = "") -> dict:
     except json.JSONDecodeError:
         raise ClusterError(f"'pulumi stack output --json' printed no JSON in {project}; run it by hand") from None
 
-
-register_source("aws", aws_nodes)
-register_source("pulumi", pulumi_nodes)

@@ -5,8 +5,8 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from . import local
-from .inventory import Node, default_cluster, load_nodes, select
+from cluster import local
+from cluster.inventory import Node, default_cluster, load_nodes, select
 
 
 @dataclass(frozen=True)

@@ -3,11 +3,12 @@ from __future__ import annotations
 
 import functools
 import shlex
-from pathlib import Path
 
 import jinja2
 
-TEMPLATES = Path(__file__).resolve().parent.parent / "templates"
+from core.constants import HOME_EXPR, PROJECT_ROOT
+
+TEMPLATES = PROJECT_ROOT / "templates"
 
 
 @functools.lru_cache(maxsize=1)
@@ -21,6 +22,7 @@ def environment() -> jinja2.Environment:
         autoescape=False,
     )
     env.filters["shquote"] = env.filters["q"] = lambda v: shlex.quote(str(v))
+    env.globals["HOME_EXPR"] = HOME_EXPR  # the node's work root as a shell word, from core.constants
     return env
 
 

@@ -8,9 +8,9 @@ import shlex
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-from .errors import ClusterError
-from .inventory import Node
-from .remote import connect, run
+from cluster.node import Node
+from cluster.remote import connect, run
+from core.errors import ClusterError
 
 log = logging.getLogger(__name__)
 

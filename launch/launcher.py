@@ -1,6 +1,6 @@
 """The mpirun command line and environments for a run (pure: builds, never executes).
 
-Layout per node comes from node_setup.topology.derive_layout; what reaches the ranks is
+Layout per node comes from launch.topology.derive_layout; what reaches the ranks is
 - global variables through `-genv` (mpirun runs with -genvnone so nothing else leaks in),
 - per-node variables (CPU lists, CCL worker affinity, malloc preload) in node_env.sh,
 - pinning by rank.sh with taskset, because nodes may differ in their CPU sets.
@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import shlex
 from dataclasses import dataclass, field
+
+from core.constants import HOME_EXPR
 
 JOBS = {
     "glue": ("-m", "training.glue"),
@@ -20,7 +22,7 @@ JOBS = {
 @dataclass(frozen=True)
 class NodePlan:
     name: str
-    layout: object  # node_setup.topology.Layout
+    layout: object  # launch.topology.Layout
     malloc: str | None = None
 
 
@@ -94,7 +96,7 @@ def mpirun_argv(plan: LaunchPlan, ssh_config: str, mpirun: str = "mpirun") -> li
             "-bootstrap", "ssh", "-bootstrap-exec-args", f"-F {ssh_config}", "-genvnone"]
     for key, value in global_env(plan).items():
         argv += ["-genv", key, value]
-    rank_sh = f'exec "${{XC_HOME:-$HOME/.xeon-cluster}}/runs/{plan.run_id}/rank.sh" "$@"'
+    rank_sh = f'exec {HOME_EXPR}/runs/{plan.run_id}/rank.sh "$@"'
     argv += ["bash", "-c", rank_sh, "rank.sh", *plan.args]
     return argv
 

@@ -1,8 +1,8 @@
-"""One Node model and one function that finds the nodes of a cluster.
+"""The one function that finds the nodes of a cluster, from a table of sources.
 
-Sources: ``local`` (the local cluster of sshd processes on loopback), ``hosts:PATH``
-(a static hosts file for on-premise servers), ``aws`` and ``pulumi`` (registered by
-the infra side through :func:`register_source`).
+Sources: ``local`` (the local cluster of sshd processes on loopback), ``hosts:PATH`` (a static
+hosts file for on-premise servers), ``aws[:NAME]`` and ``pulumi[:STACK]`` (cluster.aws, imported
+only when named: it needs boto3).
 """
 from __future__ import annotations
 
@@ -11,49 +11,13 @@ import logging
 import os
 import shlex
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from .errors import ClusterError
+from cluster.node import Node
+from core.constants import REMOTE_PYTHON
+from core.errors import ClusterError
 
 log = logging.getLogger(__name__)
-
-# Where the project keeps its venv and code on a real node (same path on every node).
-REMOTE_HOME = ".xeon-cluster"
-REMOTE_PYTHON = "/opt/xeon-cluster/venv/bin/python"
-
-
-@dataclass(frozen=True)
-class Node:
-    """A machine of the cluster as the operator and the other nodes see it."""
-
-    name: str
-    host: str  # address the operator connects to
-    private_host: str  # address the other nodes use
-    user: str
-    port: int = 22
-    index: int = 0
-    # Per-node work root; None means ~/.xeon-cluster on the node itself.
-    home: str | None = None
-    python: str = REMOTE_PYTHON
-    labels: dict = field(default_factory=dict, compare=False, hash=False)
-
-    @property
-    def workdir(self) -> str:
-        return self.home or f"$HOME/{REMOTE_HOME}"
-
-    def to_dict(self) -> dict:
-        return asdict(self)
-
-
-SourceFn = Callable[[str], list[Node]]
-_SOURCES: dict[str, SourceFn] = {}
-
-
-def register_source(kind: str, fn: SourceFn) -> None:
-    """Add an inventory source; ``fn(argument)`` returns nodes ordered by index."""
-    _SOURCES[kind] = fn
-
 
 def default_cluster() -> str:
     return os.environ.get("XC_CLUSTER") or "local"
@@ -63,10 +27,9 @@ def load_nodes(cluster: str | None = None) -> list[Node]:
     """Return the nodes of ``cluster`` ('local', 'hosts:PATH', 'aws[:NAME]', 'pulumi[:STACK]')."""
     spec = cluster or default_cluster()
     kind, _, arg = spec.partition(":")
-    _ensure_builtin_sources()
-    fn = _SOURCES.get(kind)
+    fn = SOURCES.get(kind)
     if fn is None:
-        known = ", ".join(sorted(_SOURCES))
+        known = ", ".join(sorted(SOURCES))
         raise ClusterError(f"--cluster {spec!r} is not a known source; use one of: {known} (hosts takes hosts:PATH)")
     nodes = fn(arg)
     if not nodes:
@@ -137,15 +100,24 @@ def _hosts_source(arg: str) -> list[Node]:
 
 
 def _local_source(arg: str) -> list[Node]:
-    from . import local
+    from cluster import local
 
     return local.nodes(local.state_dir(arg or None))
 
 
-def _ensure_builtin_sources() -> None:
-    _SOURCES.setdefault("local", _local_source)
-    _SOURCES.setdefault("hosts", _hosts_source)
-    try:  # the cloud sources live with the infra code and need boto3
-        from infra import discovery  # noqa: F401  (registers 'aws' and 'pulumi')
-    except ImportError as exc:
-        log.debug("cloud inventory sources unavailable: %s", exc)
+def _aws_source(arg: str) -> list[Node]:
+    from cluster import aws  # needs boto3: imported only for an aws cluster
+
+    return aws.aws_nodes(arg)
+
+
+def _pulumi_source(arg: str) -> list[Node]:
+    from cluster import aws
+
+    return aws.pulumi_nodes(arg)
+
+
+SourceFn = Callable[[str], list[Node]]
+# kind -> a function of the text after 'kind:' returning the nodes ordered by index
+SOURCES: dict[str, SourceFn] = {"local": _local_source, "hosts": _hosts_source, "aws": _aws_source,
+                                "pulumi": _pulumi_source}

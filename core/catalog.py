@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from node_setup.errors import ClusterError
+from core.errors import ClusterError
 
 
 @dataclass(frozen=True)
@@ -60,4 +60,4 @@ def lookup(name: str) -> InstanceType:
     except KeyError:
         raise ClusterError(
             f"instanceType {name!r} is not in the catalog; use one of {', '.join(CATALOG)} "
-            "or add a row to infra/catalog.py") from None
+            "or add a row to core/catalog.py") from None

@@ -5,32 +5,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from . import outputs
-from .errors import ClusterError
-from .train import TrainRequest, file_digest
-
-
-def _flag(args: list[str], name: str) -> str | None:
-    for i, a in enumerate(args):
-        if a == name and i + 1 < len(args):
-            return args[i + 1]
-        if a.startswith(name + "="):
-            return a.split("=", 1)[1]
-    return None
-
-
-def _without(args: list[str], name: str) -> list[str]:
-    out, skip = [], False
-    for a in args:
-        if skip:
-            skip = False
-            continue
-        if a == name:
-            skip = True
-            continue
-        if not a.startswith(name + "="):
-            out.append(a)
-    return out
+from core.errors import ClusterError
+from launch import outputs
+from launch.request import TrainRequest, file_digest
 
 
 def resume_request(run_id: str, runs_dir: Path, nodes: int | None = None, fetch_model: bool = True) -> TrainRequest:
@@ -83,22 +60,5 @@ def resumed_from(runs_dir: Path, run_id: str) -> str | None:
 
 def fetch_model_ok(checkpoint: Path) -> bool:
     return any(checkpoint.glob("*.safetensors")) or any(checkpoint.glob("*.bin"))
-
-
-def same_global_batch(args: list[str], old_world: int, new_world: int) -> tuple[list[str], str | None]:
-    """Job args whose gradient accumulation keeps the global batch of a run on old_world ranks."""
-    if old_world == new_world:
-        return args, None
-    per_device = int(_flag(args, "--per_device_train_batch_size") or 8)
-    accum = int(_flag(args, "--gradient_accumulation_steps") or 1)
-    global_batch = per_device * accum * old_world
-    if global_batch % (per_device * new_world):
-        raise ClusterError(f"--resume on {new_world} rank(s): the global batch {global_batch} ({per_device} x {accum} "
-                           f"x {old_world} ranks) is not a multiple of {per_device} x {new_world}; resume on a node "
-                           "count that divides it")
-    new_accum = global_batch // (per_device * new_world)
-    note = (f"resuming on {new_world} rank(s) instead of {old_world}: gradient accumulation {accum} -> {new_accum} "
-            f"keeps the global batch at {global_batch}")
-    return _without(args, "--gradient_accumulation_steps") + ["--gradient_accumulation_steps", str(new_accum)], note
 
 

@@ -17,16 +17,15 @@ import subprocess
 import time
 from pathlib import Path
 
-from .errors import ClusterError
-from .inventory import Node
-from .render import render
+from cluster.node import Node
+from core.constants import MAX_NODES, PROJECT_ROOT
+from core.errors import ClusterError
+from core.render import render
 
 log = logging.getLogger(__name__)
 
-PROJECT_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_PORT = 2222
 FIRST_ADDRESS = "127.0.0.2"
-MAX_NODES = 64
 
 
 def state_dir(name: str | None = None) -> Path:

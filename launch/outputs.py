@@ -11,11 +11,10 @@ import threading
 from collections.abc import Callable
 from pathlib import Path
 
+from cluster.node import Node
+from cluster.remote import connect, run
+from core.errors import ClusterError
 from training.spot import COMPLETE_MARKER
-
-from .errors import ClusterError
-from .inventory import Node
-from .remote import connect, run
 
 log = logging.getLogger(__name__)
 

@@ -15,9 +15,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TextIO
 
-from . import train as train_lib
-from .cluster import Cluster
-from .errors import ClusterError
+from cluster.resolve import Cluster
+from core.errors import ClusterError
+from launch.request import TrainRequest, new_run_id, validate
+from launch.run import train
 
 log = logging.getLogger(__name__)
 
@@ -143,7 +144,7 @@ def check_comparable(runs: list[RunRecord]) -> None:
 
 def node_price(node: dict) -> float | None:
     """On-demand USD/h of a node from its instance type label (AWS inventory); None if unknown."""
-    from infra.catalog import CATALOG
+    from core.catalog import CATALOG
 
     kind = (node.get("labels") or {}).get("instance_type")
     return CATALOG[kind].on_demand_usd_h if kind in CATALOG else None
@@ -224,7 +225,7 @@ def report_md(bench_id: str, runs: list[RunRecord], rows: list[dict], command: s
          f"blogs): {', '.join(str(r['global_batch']) for r in rows)}. Compare the {metric_title} "
          f"({'higher' if higher else 'lower'} is better) with that in mind."),
         "- Wall time is the whole run: start-up, data preparation, training and evaluation.",
-        ("- Cost per run: nodes x on-demand price of their instance type (infra/catalog.py) x wall time; "
+        ("- Cost per run: nodes x on-demand price of their instance type (core/catalog.py) x wall time; "
          "n/a where the nodes have no known price (local nodes). Spot prices are usually lower."),
         "",
         "| nodes | run |",
@@ -275,7 +276,7 @@ def write_report(runs: list[RunRecord], bench_dir: Path, bench_id: str, command:
     return rows
 
 
-def bench(cluster: Cluster, sizes_text: str, template: train_lib.TrainRequest, out: TextIO = sys.stdout,
+def bench(cluster: Cluster, sizes_text: str, template: TrainRequest, out: TextIO = sys.stdout,
           command: str | None = None) -> BenchResult:
     """Run template's job at each size in sizes_text, one after another, then write the report."""
     def say(msg: str) -> None:
@@ -286,9 +287,9 @@ def bench(cluster: Cluster, sizes_text: str, template: train_lib.TrainRequest, o
         raise ClusterError("fab bench runs the bundled jobs (--job glue|qa|clm), whose results.json the report "
                            "reads; drop --script")
     sizes = parse_sizes(sizes_text, len(cluster.nodes), cluster.spec)
-    train_lib.validate(template)  # a bad job or missing data fails before the first run
+    validate(template)  # a bad job or missing data fails before the first run
     label = template.job
-    bench_id = f"bench-{train_lib.new_run_id(label)}"
+    bench_id = f"bench-{new_run_id(label)}"
     bench_dir = Path(template.runs_dir) / bench_id
     command = command or f"fab bench --nodes {','.join(map(str, sizes))} --job {label} -- " + shlex.join(template.args)
     runs: list[RunRecord] = []
@@ -297,7 +298,7 @@ def bench(cluster: Cluster, sizes_text: str, template: train_lib.TrainRequest, o
         say(f"[bench {i}/{len(sizes)}] {n} node(s): {label} "
             f"(elapsed {time.monotonic() - started:.0f}s)")
         try:
-            result = train_lib.train(cluster, dataclasses.replace(template, nodes=n), out)
+            result = train(cluster, dataclasses.replace(template, nodes=n), out)
         except ClusterError as exc:
             done = ", ".join(f"{r.nodes} node(s): {r.run_id}" for r in runs) or "none"
             raise ClusterError(f"bench {bench_id} stopped: the {n}-node run failed: {exc} (finished runs: {done})") \
@@ -320,7 +321,7 @@ def report_from_runs(run_ids: str, runs_dir: Path, command: str | None = None) -
     if missing:
         raise ClusterError(f"--runs: no run {', '.join(missing)} in {runs_dir}; see the folder names there")
     runs = [load_run(Path(runs_dir) / x) for x in ids]
-    bench_id = f"bench-{train_lib.new_run_id('report')}"
+    bench_id = f"bench-{new_run_id('report')}"
     bench_dir = Path(runs_dir) / bench_id
     rows = write_report(runs, bench_dir, bench_id, command or f"fab bench --runs {','.join(ids)}")
     return BenchResult(bench_id, bench_dir, rows, sorted(runs, key=lambda r: r.nodes))

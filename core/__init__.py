@@ -1,0 +1,1 @@
+"""What every package shares: errors, contract constants, the Jinja environment, the instance catalog."""

@@ -1,0 +1,68 @@
+"""Probing the nodes before a run: CPU topology, the Python and which of oneCCL / IPEX import; and the backend and precision they allow."""
+from __future__ import annotations
+
+import logging
+import re
+import shlex
+from dataclasses import dataclass
+
+from cluster.node import Node
+from cluster.remote import connect, remote_home, run
+from core.errors import ClusterError
+from launch import topology
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class NodeFacts:
+    node: Node
+    home: str
+    topo: topology.Topology
+    has_ccl: bool
+    has_ipex: bool
+    python_ok: str
+
+
+PROBE_PY = ("import importlib.util as u, sys; "
+            "print('ccl=%d ipex=%d py=%s' % (u.find_spec('oneccl_bindings_for_pytorch') is not None, "
+            "u.find_spec('intel_extension_for_pytorch') is not None, sys.version.split()[0]))")
+
+
+def probe(node: Node) -> NodeFacts:
+    with connect(node) as conn:
+        home = remote_home(conn)
+        res = run(conn, topology.PROBE)
+        if not res.ok:
+            raise ClusterError(f"{node.name}: reading the CPU topology failed: {res.stderr.strip()[-200:]}")
+        try:
+            topo = topology.parse(res.stdout)
+        except ValueError as exc:
+            raise ClusterError(f"{node.name}: {exc}") from None
+        py = run(conn, f"{shlex.quote(node.python)} -c {shlex.quote(PROBE_PY)}")
+        if not py.ok:
+            raise ClusterError(f"{node.name}: python {node.python} does not run; set the node up with 'fab setup'")
+        m = re.search(r"ccl=(\d) ipex=(\d) py=(\S+)", py.stdout)
+        return NodeFacts(node=node, home=home, topo=topo, has_ccl=m.group(1) == "1",
+                         has_ipex=m.group(2) == "1", python_ok=m.group(3))
+
+
+def resolve_backend(requested: str, facts: list[NodeFacts]) -> str:
+    missing = [f.node.name for f in facts if not f.has_ccl]
+    if requested == "ccl" and missing:
+        raise ClusterError(f"--backend ccl but oneccl_bindings_for_pytorch is missing on {', '.join(missing)}; "
+                           "run 'fab setup --profile oneccl' or use --backend gloo")
+    if requested == "auto":
+        return "gloo" if missing else "ccl"
+    return requested
+
+
+def resolve_precision(requested: str, facts: list[NodeFacts]) -> str:
+    if requested == "auto":
+        return "bf16" if all(f.topo.bf16 for f in facts) else "fp32"
+    if requested == "bf16":
+        slow = [f.node.name for f in facts if not f.topo.bf16]
+        if slow:
+            log.warning("bf16 requested but %s have neither AMX nor AVX512-BF16: it will be emulated (slow)",
+                        ", ".join(slow))
+    return requested

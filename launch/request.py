@@ -1,0 +1,233 @@
+"""What the user asked for (TrainRequest), checked, and turned into a launch plan for the nodes probed."""
+from __future__ import annotations
+
+import logging
+import os
+import random
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from cluster.remote import fan_out
+from cluster.resolve import Cluster
+from core.constants import DEFAULT_MASTER_PORT, PROJECT_ROOT
+from core.errors import ClusterError
+from launch import launcher, topology
+from launch.probe import NodeFacts, probe, resolve_backend, resolve_precision
+from training import spot
+
+log = logging.getLogger(__name__)
+
+
+RUNS = Path(os.environ.get("XC_RUNS_DIR") or PROJECT_ROOT / "runs")
+
+
+# Flags of the bundled jobs whose values are files on the operator's machine: shipped to the nodes.
+FILE_FLAGS = ("--train_file", "--validation_file", "--test_file")
+
+
+BACKENDS = ("auto", "ccl", "gloo")
+
+
+PRECISIONS = ("auto", "bf16", "fp32")
+
+
+@dataclass
+class TrainRequest:
+    nodes: int | None = None
+    job: str | None = "glue"
+    script: str | None = None
+    args: list[str] = field(default_factory=list)
+    ppn: str = "auto"
+    threads: str = "auto"
+    backend: str = "auto"
+    precision: str = "auto"
+    env: dict[str, str] = field(default_factory=dict)
+    master_port: int | None = None
+    pin: bool = True
+    timeout_s: int = 300
+    runs_dir: Path = RUNS
+    save_every: str = spot.DEFAULT_SAVE_EVERY
+    fetch_model: bool = True
+    resume: dict | None = None  # set by launch.resume: run_id, step, checkpoint (local folder)
+    run_id: str | None = None  # chosen by the caller (doctor) so it can end the run by id; default: a new one
+
+
+def _parse_auto_int(value: str, flag: str) -> int | None:
+    if value in (None, "", "auto"):
+        return None
+    try:
+        n = int(value)
+    except ValueError:
+        raise ClusterError(f"{flag} {value!r} is not a number; use a positive integer or 'auto'") from None
+    if n < 1:
+        raise ClusterError(f"{flag} {n} must be at least 1 (or 'auto')")
+    return n
+
+
+def validate(req: TrainRequest) -> None:
+    if req.script is None and req.job not in launcher.JOBS:
+        raise ClusterError(f"--job {req.job!r} is not a bundled job; use one of: {', '.join(launcher.JOBS)} "
+                           "(or --script PATH for your own)")
+    if req.script is not None and not Path(req.script).is_file():
+        raise ClusterError(f"--script {req.script} does not exist; pass the path of your training script")
+    if req.backend not in BACKENDS:
+        raise ClusterError(f"--backend {req.backend!r} is not one of {', '.join(BACKENDS)}")
+    if req.precision not in PRECISIONS:
+        raise ClusterError(f"--precision {req.precision!r} is not one of {', '.join(PRECISIONS)}")
+    try:
+        spot.parse_save_every(req.save_every)
+    except ValueError as exc:
+        raise ClusterError(f"--save-every: {exc}; e.g. --save-every 10m or --save-every 200") from None
+    _parse_auto_int(req.ppn, "--ppn")
+    _parse_auto_int(req.threads, "--threads")
+    for flag, path in local_files(req.args):
+        if not Path(path).expanduser().is_file():
+            raise ClusterError(f"{flag} {path} does not exist; pass an existing data file (CSV, JSON or text)")
+
+
+def local_files(args: list[str]) -> list[tuple[str, str]]:
+    """(flag, path) for every data-file flag in the job arguments (both '--f x' and '--f=x')."""
+    out = []
+    for i, a in enumerate(args):
+        flag, eq, value = a.partition("=")
+        if flag in FILE_FLAGS:
+            if eq:
+                out.append((flag, value))
+            elif i + 1 < len(args):
+                out.append((flag, args[i + 1]))
+            else:
+                raise ClusterError(f"{flag} needs a file path")
+    return out
+
+
+def rewrite_files(args: list[str]) -> tuple[list[str], dict[str, Path]]:
+    """Point data-file flags at data/<name> inside the run folder; returns new args and name -> local path."""
+    ship: dict[str, Path] = {}
+    out = list(args)
+    for i, a in enumerate(out):
+        flag, eq, value = a.partition("=")
+        if flag not in FILE_FLAGS:
+            continue
+        idx, path = (i, value) if eq else (i + 1, out[i + 1])
+        local = Path(path).expanduser().resolve()
+        name = f"{len(ship)}-{local.name}"
+        ship[name] = local
+        out[idx] = f"{flag}=data/{name}" if eq else f"data/{name}"
+    return out, ship
+
+
+def new_run_id(label: str) -> str:
+    return f"{time.strftime('%Y%m%d-%H%M%S')}-{label}-{random.randbytes(2).hex()}"
+
+
+def plan_run(cluster: Cluster, req: TrainRequest, say) -> tuple[launcher.LaunchPlan, list[NodeFacts], list[str], dict]:
+    validate(req)
+    nodes = cluster.first(req.nodes)
+    say(f"cluster {cluster.spec}: {len(nodes)} of {len(cluster.nodes)} node(s): {', '.join(n.name for n in nodes)}")
+    facts = fan_out(nodes, probe, "probing nodes")
+    backend = resolve_backend(req.backend, facts)
+    precision = resolve_precision(req.precision, facts)
+    ppn = _parse_auto_int(req.ppn, "--ppn")
+    threads = _parse_auto_int(req.threads, "--threads")
+    if ppn is None:  # one rank per socket, the same on every node (mpirun -ppn is global)
+        ppn = min(len([s for s in f.topo.cores_by_socket if s]) for f in facts)
+    layouts = topology.derive_layouts([f.topo for f in facts], ppn, threads, backend)
+    node_plans = [launcher.NodePlan(name=f.node.name, layout=lay, malloc=f.topo.malloc)
+                  for f, lay in zip(facts, layouts)]
+    args, ship = rewrite_files(req.args)
+    if req.resume:
+        world = ppn * len(node_plans)
+        args, note = same_global_batch(args, int(req.resume["world_size"]), world)
+        if note:
+            say(note)
+    if req.script:
+        entry = (f"script/{Path(req.script).name}",)
+        label = "script"
+    else:
+        entry = launcher.JOBS[req.job]
+        label = req.job
+        if not any(a == "--output_dir" or a.startswith("--output_dir=") for a in args):
+            args += ["--output_dir", "output"]
+    plan = launcher.LaunchPlan(
+        run_id=req.run_id or new_run_id(label), nodes=tuple(node_plans), master_addr=nodes[0].private_host,
+        master_port=req.master_port or DEFAULT_MASTER_PORT, backend=backend, precision=precision, entry=tuple(entry),
+        args=tuple(args), env_overrides=run_env(req), pin=req.pin, timeout_s=req.timeout_s)
+    return plan, facts, args, ship
+
+
+def run_env(req: TrainRequest) -> dict[str, str]:
+    """The ranks' spot contract (training.spot) under the user's --env."""
+    env = {"XC_SAVE_EVERY": req.save_every}
+    if req.resume:
+        env["XC_RESUME_FROM"] = f"resume/step-{req.resume['step']}"
+    return {**env, **req.env}
+
+
+def describe(plan: launcher.LaunchPlan, facts: list[NodeFacts]) -> list[str]:
+    lines = []
+    for f, p in zip(facts, plan.nodes):
+        lines.append(f"{f.node.name}: {f.topo.summary()}; malloc {Path(p.malloc).name if p.malloc else 'default'}")
+    layout = plan.nodes[0].layout
+    lines.append(f"layout: {len(plan.nodes)} node(s) x {plan.ppn} rank(s) = {plan.world_size} ranks, "
+                 f"{layout.omp_threads} thread(s) per rank, {layout.ccl_workers} CCL worker(s) "
+                 f"(override with --ppn / --threads)")
+    for p in plan.nodes:
+        pins = "; ".join(f"rank {lr}: cpus {c}" for lr, c in launcher.rank_cpus(p))
+        lines.append(f"pinning {p.name}: {pins if plan.pin else 'off'}")
+        for note in p.layout.notes:
+            lines.append(f"note {p.name}: {note}")
+    lines.append(f"backend: {plan.backend}  precision: {plan.precision}  master: {plan.master_addr}:{plan.master_port}")
+    env = launcher.global_env(plan)
+    lines.append("env: " + " ".join(f"{k}={v}" for k, v in env.items() if not k.startswith(("MASTER_", "XC_"))))
+    return lines
+
+
+def file_digest(path: str) -> str:
+    import hashlib
+
+    h = hashlib.sha256()
+    with Path(path).expanduser().open("rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _flag(args: list[str], name: str) -> str | None:
+    for i, a in enumerate(args):
+        if a == name and i + 1 < len(args):
+            return args[i + 1]
+        if a.startswith(name + "="):
+            return a.split("=", 1)[1]
+    return None
+
+
+def _without(args: list[str], name: str) -> list[str]:
+    out, skip = [], False
+    for a in args:
+        if skip:
+            skip = False
+            continue
+        if a == name:
+            skip = True
+            continue
+        if not a.startswith(name + "="):
+            out.append(a)
+    return out
+
+
+def same_global_batch(args: list[str], old_world: int, new_world: int) -> tuple[list[str], str | None]:
+    """Job args whose gradient accumulation keeps the global batch of a run on old_world ranks."""
+    if old_world == new_world:
+        return args, None
+    per_device = int(_flag(args, "--per_device_train_batch_size") or 8)
+    accum = int(_flag(args, "--gradient_accumulation_steps") or 1)
+    global_batch = per_device * accum * old_world
+    if global_batch % (per_device * new_world):
+        raise ClusterError(f"--resume on {new_world} rank(s): the global batch {global_batch} ({per_device} x {accum} "
+                           f"x {old_world} ranks) is not a multiple of {per_device} x {new_world}; resume on a node "
+                           "count that divides it")
+    new_accum = global_batch // (per_device * new_world)
+    note = (f"resuming on {new_world} rank(s) instead of {old_world}: gradient accumulation {accum} -> {new_accum} "
+            f"keeps the global batch at {global_batch}")
+    return _without(args, "--gradient_accumulation_steps") + ["--gradient_accumulation_steps", str(new_accum)], note

@@ -1,0 +1,279 @@
+"""`fab train`: probe the nodes, derive the layout, ship code and data, run mpirun on node 0,
+stream every rank's output, collect results into runs/<run-id>/, and clean up after a failure.
+"""
+from __future__ import annotations
+
+import io
+import json
+import logging
+import re
+import shlex
+import sys
+import time
+from pathlib import Path
+from typing import TextIO
+
+from cluster import keys, shipping
+from cluster.node import Node
+from cluster.remote import connect, fan_out, run
+from cluster.resolve import Cluster
+from core.errors import ClusterError, NodeFailure, Preempted
+from core.render import render
+from launch import launcher, outputs
+from launch.cleanup import Sweep, sweep
+from launch.preflight import preflight
+from launch.probe import NodeFacts
+from launch.records import RunResult, finish_run, new_record, result_line
+from launch.request import TrainRequest, describe, plan_run
+from launch.stream import OutputRouter, failed_rank
+from training import spot
+
+log = logging.getLogger(__name__)
+
+
+
+
+def cleanup(nodes: list[Node], run_id: str) -> Sweep:
+    """Kill every process of this run on every node and check that none is left."""
+    result = sweep(nodes, run_id)
+    if not result.clean:
+        log.error("run %s: %s", run_id, result.claim())
+    return result
+
+
+def _stage(fact: NodeFacts, plan: launcher.LaunchPlan, node_plan: launcher.NodePlan, digest: str, tarball: bytes,
+           ship: dict[str, Path], script: str | None, is_master: bool, hostfile: str, resume: Path | None = None) -> str:
+    with connect(fact.node) as conn:
+        code_dir = shipping.ensure_code(conn, fact.home, digest, tarball)
+        run_dir = f"{fact.home}/runs/{plan.run_id}"
+        res = run(conn, f"mkdir -p {shlex.quote(run_dir)}/data {shlex.quote(run_dir)}/script")
+        if not res.ok:
+            raise ClusterError(f"{fact.node.name}: cannot create {run_dir}: {res.stderr.strip()}")
+        env_sh = render("node_env.sh.j2", run_id=plan.run_id, node=fact.node.name, python=fact.node.python,
+                        code_dir=code_dir, rank_cpus=launcher.rank_cpus(node_plan),
+                        env=sorted(launcher.node_env(plan, node_plan).items()))
+        rank_sh = render("rank.sh.j2", run_id=plan.run_id, pin="yes" if plan.pin else "no",
+                         entry=launcher.shell_join(list(plan.entry)))
+        conn.put(io.StringIO(env_sh), f"{run_dir}/node_env.sh")
+        conn.put(io.StringIO(rank_sh), f"{run_dir}/rank.sh")
+        run(conn, f"chmod 700 {shlex.quote(run_dir)}/rank.sh")
+        for name, local in ship.items():
+            conn.put(str(local), f"{run_dir}/data/{name}")
+        if script:
+            conn.put(script, f"{run_dir}/script/{Path(script).name}")
+        if is_master:
+            conn.put(io.StringIO(hostfile), f"{run_dir}/hostfile")
+        if resume:  # every rank loads the weights from its own node
+            target = f"{run_dir}/resume/{Path(resume).name}"
+            files = [f for f in Path(resume).rglob("*") if f.is_file()]
+            dirs = sorted({shlex.quote(f"{target}/{f.parent.relative_to(resume)}") for f in files})
+            run(conn, "mkdir -p " + " ".join(dirs or [shlex.quote(target)]))
+            for f in files:
+                conn.put(str(f), f"{target}/{f.relative_to(resume)}")
+        return code_dir
+
+
+def train(cluster: Cluster, req: TrainRequest, out: TextIO = sys.stdout) -> RunResult:
+    """Run a job across the first req.nodes nodes. Raises ClusterError / NodeFailure on failure."""
+    def say(msg: str) -> None:
+        out.write(msg + "\n")
+        out.flush()
+
+    plan, facts, args, ship = plan_run(cluster, req, say)
+    for line in describe(plan, facts):
+        say(line)
+    nodes = [f.node for f in facts]
+    # Cheap checks before anything is written (the mesh is verified below, after the keys).
+    preflight(cluster, nodes, mesh=False).raise_if_failed("preflight")
+    run_dir = Path(req.runs_dir) / plan.run_id
+    run_dir.mkdir(parents=True)
+    say(f"run {plan.run_id}: results in {run_dir}")
+
+    record = new_record(cluster, req, plan, facts, args)
+    if req.resume:
+        record["resumed_from"] = {"run_id": req.resume["run_id"], "step": req.resume["step"]}
+    try:
+        ks_dir, digest = _prepare(cluster, req, plan, facts, ship)
+    except BaseException as exc:  # the run folder exists: it gets its record
+        stopped = isinstance(exc, KeyboardInterrupt)
+        finish_run(run_dir, record, "interrupted" if stopped else "failed", 130 if stopped else 1, 0.0, None,
+                reason=f"before launch: {'interrupted' if stopped else exc}")
+        raise
+    say(f"code {digest} on every node")
+    master = facts[0]
+    mpirun = str(Path(master.node.python).parent / "mpirun")
+    argv = launcher.mpirun_argv(plan, ssh_config=f"{ks_dir}/config", mpirun=mpirun)
+    command = (f"cd {shlex.quote(master.home)}/runs/{plan.run_id} && "
+               f"PATH={shlex.quote(str(Path(mpirun).parent))}:$PATH exec {launcher.shell_join(argv)}")
+    record.update(command=argv, code=digest)
+    (run_dir / "command.sh").write_text(command + "\n")
+    say(f"launching {plan.world_size} rank(s) with mpirun on {master.node.name}")
+    started = time.monotonic()
+    exit_code = 1
+    remote_out = _remote_output_dir(master, plan, args)
+    mirror = None
+    if req.script is None:
+        mirror = outputs.CheckpointMirror(master.node, run_dir, remote_out, req.fetch_model)
+        mirror.start()
+    with (run_dir / "log.txt").open("w") as log_file:
+        router = OutputRouter(plan, out, log_file)
+        try:
+            with connect(master.node) as conn:
+                res = conn.run(command, hide=False, warn=True, pty=False, in_stream=False,
+                               out_stream=router, err_stream=router)
+                exit_code = res.exited
+        except Exception as exc:  # noqa: BLE001
+            # node 0 gone mid-run, or the output reader broke: a failed run like any other (clean-up, summary), not a traceback
+            router.write(f"\nlost the connection to {master.node.name}: {type(exc).__name__}: {exc}\n")
+            exit_code = -1
+        except KeyboardInterrupt:
+            router.flush_rest()
+            say("interrupted: stopping every rank")
+            swept = cleanup(nodes, plan.run_id)
+            say(f"run {plan.run_id} interrupted: {swept.claim()}")
+            finish_run(run_dir, record, "interrupted", 130, time.monotonic() - started, None, cleanup=swept.to_dict())
+            raise
+        finally:
+            router.flush_rest()
+            if mirror:
+                mirror.stop()
+            if req.script is None:
+                _bring_home(master, run_dir, remote_out, req, say)
+    wall = time.monotonic() - started
+    extra: dict = {}
+    notice = next((ln for ln in router.lines if spot.PREEMPTED_TAG in ln), None)
+    if exit_code != 0 and notice:
+        _preempted(nodes, plan, master, run_dir, remote_out, record, req, notice, exit_code, wall, say)
+    if exit_code != 0:
+        swept = cleanup(nodes, plan.run_id)
+        node, reason = failed_rank(router.lines, plan)
+        # oneCCL may abort a rank during interpreter shutdown: once every rank has finished its work
+        # and rank 0's results are written, the run counts, and the record says what happened after.
+        done = len(router.finished) == plan.world_size
+        results = _fetch_results(master, plan, args) if done and req.script is None else None
+        if not done or (req.script is None and results is None):
+            lost = sorted(swept.unchecked)
+            if lost and (node is None or node not in lost):
+                node, reason = lost[0], f"{lost[0]} stopped answering ({reason})"
+            finish_run(run_dir, record, "failed", exit_code, wall, None, failed_node=node, reason=reason,
+                    cleanup=swept.to_dict(), lost_nodes=lost)
+            hint = ""
+            if lost and req.script is None and outputs.home_checkpoints(run_dir):
+                hint = f"; resume with 'fab train --resume {plan.run_id}'"
+            raise NodeFailure(f"run {plan.run_id} failed after {wall:.0f}s: {reason}; {swept.claim()} "
+                              f"(log: {run_dir / 'log.txt'}){hint}", [node] if node else [], run_id=plan.run_id,
+                              lost=lost)
+        say(f"note: {reason} after every rank had finished its work; the results are kept ({swept.claim()})")
+        extra = {"crashed_after_finish": {"node": node, "reason": reason, "exit_code": exit_code},
+                 "cleanup": swept.to_dict()}
+    elif req.script is None:
+        results = _fetch_results(master, plan, args)
+    else:
+        results = None
+    finish_run(run_dir, record, "ok", 0, wall, results, **extra)
+    return RunResult(run_id=plan.run_id, run_dir=run_dir, exit_code=0, wall_s=wall, results=results)
+
+
+def _prepare(cluster: Cluster, req: TrainRequest, plan: launcher.LaunchPlan, facts: list[NodeFacts],
+             ship: dict[str, Path]) -> tuple[str, str]:
+    """Keys, the mesh check, and code, data and scripts on every node; returns (ssh dir on node 0, code hash)."""
+    nodes = [f.node for f in facts]
+    ks = keys.setup_keys(cluster, nodes)
+    problems = keys.verify_mesh(cluster, nodes)
+    if problems:
+        raise ClusterError("node 0 cannot reach " + "; ".join(f"{k}: {v}" for k, v in problems.items())
+                           + "; run 'fab keys' and check the security group allows traffic inside the cluster")
+    digest = shipping.code_hash()
+    tarball = shipping.code_tarball()
+    hostfile = render("hostfile.j2", nodes=nodes)
+    resume = Path(req.resume["checkpoint"]) if req.resume else None
+
+    def stage(node: Node):
+        i = nodes.index(node)
+        _stage(facts[i], plan, plan.nodes[i], digest, tarball, ship, req.script, i == 0, hostfile, resume)
+
+    fan_out(nodes, stage, "staging the run")
+    return ks.ssh_dir, digest
+
+
+def _remote_output_dir(master: NodeFacts, plan: launcher.LaunchPlan, args: list[str]) -> str:
+    out_dir = _output_dir(args)
+    return out_dir if out_dir.startswith("/") else f"{master.home}/runs/{plan.run_id}/{out_dir}"
+
+
+def _bring_home(master: NodeFacts, run_dir: Path, remote_out: str, req: TrainRequest, say) -> None:
+    """The job's output_dir into runs/<id>/output/, whatever the run's ending; never raises."""
+    try:
+        copied = outputs.fetch_output(master.node, remote_out, run_dir / "output", req.fetch_model, say)
+        if copied:
+            say(f"outputs: {len(copied)} file(s) from {master.node.name} in {run_dir / 'output'}"
+                + ("" if req.fetch_model else " (model weights left on the node: --no-fetch-model)"))
+    except Exception as exc:  # node 0 gone: what came home while the run went on is what there is
+        log.warning("could not bring the outputs home from %s: %s", master.node.name, exc, exc_info=log.isEnabledFor(logging.DEBUG))
+
+
+def _preempted(nodes, plan, master, run_dir, remote_out, record, req, notice, exit_code, wall, say) -> None:
+    m = re.search(r"rank=(\d+) step=(\d+)", notice)
+    rank, step = (int(m.group(1)), int(m.group(2))) if m else (0, -1)
+    node = plan.rank_host(rank) if rank < plan.world_size else "?"
+    swept = cleanup(nodes, plan.run_id)
+    try:
+        got = outputs.fetch_checkpoint(master.node, run_dir, remote_out, req.fetch_model)
+    except Exception as exc:
+        log.warning("the notice's checkpoint did not come home: %s", exc, exc_info=log.isEnabledFor(logging.DEBUG))
+        got = None
+    home = outputs.home_checkpoints(run_dir)
+    ckpt = run_dir / "checkpoints" / f"step-{step}"
+    if not home:
+        finish_run(run_dir, record, "failed", exit_code, wall, None, failed_node=node, cleanup=swept.to_dict(),
+                reason=f"spot notice on {node} at step {step}, but no checkpoint reached {run_dir}/checkpoints")
+        raise NodeFailure(f"run {plan.run_id} preempted on {node} at step {step} and no checkpoint came home; "
+                          f"{swept.claim()}", [node], run_id=plan.run_id, lost=sorted(swept.unchecked))
+    if got is None or got[0] != step:
+        step, ckpt = home[-1]
+    finish_run(run_dir, record, "preempted", spot.PREEMPTED_EXIT, wall, None, preempted={
+        "node": node, "rank": rank, "step": step, "checkpoint": str(ckpt)}, cleanup=swept.to_dict())
+    rel = ckpt.relative_to(run_dir.parent.parent) if run_dir.parent.parent in ckpt.parents else ckpt
+    raise Preempted(f"run {plan.run_id} preempted on {node} at step {step}: checkpoint saved ({rel}); "
+                    f"resume with 'fab train --resume {plan.run_id}'", run_id=plan.run_id, node=node)
+
+
+def _output_dir(args: list[str]) -> str:
+    for i, a in enumerate(args):
+        if a == "--output_dir":
+            return args[i + 1]
+        if a.startswith("--output_dir="):
+            return a.split("=", 1)[1]
+    return "output"
+
+
+def _fetch_results(master: NodeFacts, plan: launcher.LaunchPlan, args: list[str]) -> dict | None:
+    out_dir = _remote_output_dir(master, plan, args)
+    with connect(master.node) as conn:
+        res = run(conn, f"cat {shlex.quote(out_dir)}/results.json")
+    if not res.ok:
+        log.warning("the job wrote no results.json in %s", out_dir)
+        return None
+    return json.loads(res.stdout)
+
+
+# The demo's job flags: small enough for a 2-core machine, long enough to learn the task.
+DEMO_ARGS = ["--num_train_epochs", "2", "--per_device_train_batch_size", "8", "--learning_rate", "1e-4",
+             "--max_train_samples", "800", "--seed", "42"]
+
+
+def demo(nodes: int = 2, port: int | None = None, out: TextIO = sys.stdout) -> RunResult:
+    """Local cluster up, fine-tune on the bundled paraphrase set, cluster down (even on failure)."""
+    from cluster import local
+    from cluster.resolve import open_cluster
+
+    already = (local.state_dir() / "state.json").exists()
+    local.up(nodes, **({"port": port} if port else {}))
+    try:
+        result = train(open_cluster("local"), TrainRequest(nodes=nodes, job="glue", args=list(DEMO_ARGS)), out)
+        out.write(result_line(result) + "\n")
+        return result
+    finally:
+        if not already:
+            local.down()
+            out.write("local cluster stopped\n")

@@ -1,0 +1,93 @@
+"""The ranks' output as the operator sees it: [rank host] prefixes, a progress line, the log file; and which rank failed first."""
+from __future__ import annotations
+
+import io
+import logging
+import re
+import threading
+from typing import TextIO
+
+from launch import launcher
+from training.common import FINISHED_TAG
+
+log = logging.getLogger(__name__)
+
+
+class OutputRouter(io.TextIOBase):
+    """Turns mpirun's '[rank] line' output into '[rank host] line', logs everything, draws progress."""
+
+    RANK_LINE = re.compile(r"^\[(\d+)\] ?(.*)$")
+
+    def __init__(self, plan: launcher.LaunchPlan, out: TextIO, log_file: TextIO):
+        self.plan, self.out, self.log_file = plan, out, log_file
+        self.buffer = ""
+        self.lock = threading.Lock()
+        self.tty = hasattr(out, "isatty") and out.isatty()
+        self.progress_shown = False
+        self.lines: list[str] = []
+        self.finished: set[int] = set()  # ranks that printed FINISHED_TAG: their work is done
+
+    def write(self, text: str) -> int:
+        with self.lock:
+            self.buffer += text
+            *lines, self.buffer = self.buffer.split("\n")
+            for line in lines:
+                self._line(line.rstrip("\r"))
+        return len(text)
+
+    def flush_rest(self) -> None:
+        if self.buffer:
+            self._line(self.buffer)
+            self.buffer = ""
+        if self.progress_shown:
+            self.out.write("\n")
+            self.progress_shown = False
+        self.out.flush()
+
+    def _line(self, line: str) -> None:
+        self.log_file.write(line + "\n")
+        self.log_file.flush()
+        self.lines.append(line)
+        m = self.RANK_LINE.match(line)
+        if m:
+            rank = int(m.group(1))
+            host = self.plan.rank_host(rank) if rank < self.plan.world_size else "?"
+            text = m.group(2)
+            if text.startswith(FINISHED_TAG):
+                self.finished.add(rank)
+            shown = f"[{rank} {host}] {text}"
+            if self.tty and text.startswith("[progress]"):
+                self.out.write("\r\x1b[K" + shown)
+                self.out.flush()
+                self.progress_shown = True
+                return
+        else:
+            shown = line
+        if self.progress_shown:
+            self.out.write("\n")
+            self.progress_shown = False
+        self.out.write(shown + "\n")
+        self.out.flush()
+
+
+_BAD_RANK = re.compile(r"RANK (\d+) PID (\d+) RUNNING AT (\S+)")
+
+
+_EXIT = re.compile(r"(KILLED BY SIGNAL: \d+ \(\w+\)|EXIT CODE: \d+)")
+
+
+def failed_rank(lines: list[str], plan: launcher.LaunchPlan) -> tuple[str | None, str]:
+    """From Intel MPI's BAD TERMINATION block: the node and reason of the first failed rank."""
+    text = "\n".join(lines)
+    m = _BAD_RANK.search(text)
+    e = _EXIT.search(text)
+    reason = e.group(1).lower() if e else "failed"
+    if m:
+        return plan.rank_host(int(m.group(1))), f"rank {m.group(1)} on {plan.rank_host(int(m.group(1)))} {reason}"
+    for line in lines:  # a traceback or error line from one rank
+        r = OutputRouter.RANK_LINE.match(line)
+        if r and re.search(r"(Error|error:|Traceback)", r.group(2)):
+            rank = int(r.group(1))
+            if rank < plan.world_size:
+                return plan.rank_host(rank), f"rank {rank} on {plan.rank_host(rank)} failed: {r.group(2)[:200]}"
+    return None, "mpirun failed"

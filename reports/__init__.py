@@ -1,0 +1,1 @@
+"""Outputs made from runs: `fab bench` scaling reports and `fab kube` manifests."""

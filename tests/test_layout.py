@@ -1,0 +1,123 @@
+"""The layout keeps its promises: no import cycle among the project's modules, no module over 400
+lines, training/ imports only itself (it is what ships to the nodes), node_setup/ only sets nodes up."""
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGES = ("core", "cluster", "node_setup", "launch", "doctor", "reports", "infra", "training")
+TOP = ("fabfile", "__main__")
+MAX_LINES = 400
+
+
+def modules() -> dict[str, Path]:
+    found = {name: ROOT / f"{name}.py" for name in TOP}
+    for pkg in PACKAGES:
+        for path in (ROOT / pkg).rglob("*.py"):
+            parts = path.relative_to(ROOT).with_suffix("").parts
+            found[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return found
+
+
+def imports_of(name: str, path: Path, known: dict[str, Path]) -> set[str]:
+    """Project modules that `name` imports anywhere in its text (function-level imports count)."""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            targets = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join([*anchor, *([base] if base else [])])
+            targets = [base] + [f"{base}.{a.name}" for a in node.names]
+        else:
+            continue
+        for target in targets:
+            while target and target not in known:  # a.b.c -> a.b -> a: the deepest project module named
+                target = target.rpartition(".")[0]
+            if target and target != name:
+                out.add(target)
+    return out
+
+
+def graph() -> dict[str, set[str]]:
+    known = modules()
+    return {name: imports_of(name, path, known) for name, path in known.items()}
+
+
+def cycles(g: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components with more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on: set[str] = set()
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in g.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                found.append(sorted(comp))
+
+    for v in sorted(g):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_the_import_walker_sees_a_cycle_when_there_is_one():
+    g = graph()
+    assert "launch.request" in g["launch.run"]  # sees plain imports
+    assert "cluster.aws" in g["cluster.inventory"]  # and function-level ones
+    assert cycles({**g, "core.errors": {"cluster.inventory"}})  # a planted back edge is found
+
+
+def test_no_import_cycle_among_the_project_modules():
+    assert cycles(graph()) == []
+
+
+def test_packages_depend_one_way():
+    order = {"core": 0, "cluster": 1, "node_setup": 2, "infra": 3, "launch": 3, "doctor": 4, "reports": 4,
+             "fabfile": 5, "__main__": 5}
+    for name, deps in graph().items():
+        pkg = name.split(".")[0]
+        if pkg == "training":
+            continue
+        for dep in deps:
+            target = dep.split(".")[0]
+            if target not in (pkg, "training"):
+                assert order[target] < order[pkg], f"{name} imports {dep}"
+
+
+def test_training_imports_only_itself_because_only_it_ships_to_the_nodes():
+    for name, deps in graph().items():
+        if name.startswith("training"):
+            assert all(d.startswith("training") for d in deps), (name, deps)
+
+
+def test_no_module_over_400_lines():
+    long = {name: n for name, path in modules().items() if (n := len(path.read_text().splitlines())) > MAX_LINES}
+    assert long == {}
+
+
+def test_node_setup_holds_only_node_set_up():
+    assert {p.name for p in (ROOT / "node_setup").iterdir() if p.suffix in (".py", ".toml")} == {
+        "__init__.py", "profiles.py", "profiles.toml", "setup.py"}
