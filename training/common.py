@@ -235,6 +235,15 @@ def trainer_defaults(training_args_cls, group_by_length: bool = True, **extra) -
             **length_grouping_default(training_args_cls, group_by_length), **extra}
 
 
+def mean_loss_per_rank(model):
+    """For heads whose loss is the mean over the rank's batch (classification, QA). When a model's forward
+    takes **kwargs, the Trainer multiplies its loss by the world size, expecting a sum over the global token
+    count; for a mean loss that doubles loss and gradients on 2 nodes. Off, the loss and gradients do not
+    depend on the node count (DDP averages the ranks' gradients)."""
+    model.accepts_loss_kwargs = False
+    return model
+
+
 def take(dataset, limit: int | None):
     """The first ``limit`` rows (--max_train_samples / --max_eval_samples); all when None."""
     if dataset is None or not limit:

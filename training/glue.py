@@ -142,8 +142,8 @@ def main(argv: list[str] | None = None) -> int:
                                         cache_dir=model_args.cache_dir)
     tokenizer = AutoTokenizer.from_pretrained(model_path, use_fast=model_args.use_fast_tokenizer,
                                               cache_dir=model_args.cache_dir)
-    model = AutoModelForSequenceClassification.from_pretrained(model_path, config=config,
-                                                               cache_dir=model_args.cache_dir)
+    model = common.mean_loss_per_rank(
+        AutoModelForSequenceClassification.from_pretrained(model_path, config=config, cache_dir=model_args.cache_dir))
     label_to_id = None if is_regression or hasattr(label_feature, "names") else {v: i for i, v in enumerate(label_list)}
     max_len = min(data_args.max_seq_length, tokenizer.model_max_length)
     padding = "max_length" if data_args.pad_to_max_length else False

@@ -248,7 +248,8 @@ def main(argv: list[str] | None = None) -> int:
     tokenizer = AutoTokenizer.from_pretrained(model_path, use_fast=True, cache_dir=model_args.cache_dir)
     if not isinstance(tokenizer, PreTrainedTokenizerFast):
         raise ValueError(f"{model_args.model_name_or_path} has no fast tokenizer; run_qa needs its offset mapping")  # noqa: TRY004
-    model = AutoModelForQuestionAnswering.from_pretrained(model_path, config=config, cache_dir=model_args.cache_dir)
+    model = common.mean_loss_per_rank(
+        AutoModelForQuestionAnswering.from_pretrained(model_path, config=config, cache_dir=model_args.cache_dir))
     max_len = min(data_args.max_seq_length, tokenizer.model_max_length)
     padding = "max_length" if data_args.pad_to_max_length else False
 
