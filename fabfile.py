@@ -35,10 +35,10 @@ def _cluster(c, cluster):
 
 @task(help={"nodes": "number of nodes (default 2)", "port": "sshd port on every node (default 2222)"})
 @cli
-def local_up(c, nodes=2, port=local_lib.DEFAULT_PORT):
+def local_up(c, nodes="2", port=str(local_lib.DEFAULT_PORT)):
     """Start a local cluster: N sshd nodes on 127.0.0.2, 127.0.0.3, ... (the active cluster)."""
     started = local_lib.up(as_int(nodes, "--nodes"), port=as_int(port, "--port"))
-    print(f"local cluster up: {len(started)} node(s) on port {port}: "
+    print(f"local cluster up: {len(started)} node(s) on port {started[0].port}: "
           + ", ".join(f"{n.name}={n.host}" for n in started))
 
 
@@ -84,7 +84,7 @@ def keys(c, cluster=None):
         "precision": "auto | bf16 | fp32",
         "env": "extra or overriding variable for every rank, KEY=VALUE (repeatable)",
         "cluster": "local | hosts:PATH | aws[:NAME] | pulumi[:STACK]",
-        "master-port": "rendezvous port on node 0 (default 29500)",
+        "master-port": "rendezvous port on node 0 (default: a free port there, picked per run)",
         "no-pin": "do not pin ranks to cores",
         "timeout": "seconds a collective may wait before the job fails (default 300)",
         "save-every": "checkpoint every DURATION of training (10m, 600s) or N steps (default 10m; 0: only on a "
@@ -97,8 +97,8 @@ def keys(c, cluster=None):
 )
 @cli
 def train(c, nodes=None, job=None, script=None, ppn="auto", threads="auto", backend="auto", precision="auto",
-          env=None, cluster=None, master_port=None, no_pin=False, timeout=300, save_every=None, no_fetch_model=False,
-          resume=None, max_restarts=0, restart_wait=600):
+          env=None, cluster=None, master_port=None, no_pin=False, timeout="300", save_every=None, no_fetch_model=False,
+          resume=None, max_restarts="0", restart_wait="600"):
     """Run a training job across the cluster with mpirun; results land in runs/<run-id>/."""
     n = as_int(nodes, "--nodes") if nodes is not None else None
     if resume:
@@ -130,7 +130,7 @@ def train(c, nodes=None, job=None, script=None, ppn="auto", threads="auto", back
 
 @task(help={"nodes": "local nodes to start (default 2)", "port": "sshd port (default 2222)"})
 @cli
-def demo(c, nodes=2, port=local_lib.DEFAULT_PORT):
+def demo(c, nodes="2", port=str(local_lib.DEFAULT_PORT)):
     """Start a local cluster, fine-tune MiniLM on the bundled paraphrase set, print the result, stop it."""
     train_lib.demo(as_int(nodes, "--nodes"), port=as_int(port, "--port"))
 

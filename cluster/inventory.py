@@ -67,7 +67,10 @@ def parse_hosts_file(path: str | Path) -> list[Node]:
         line = raw.split("#", 1)[0].strip()
         if not line:
             continue
-        parts = shlex.split(line)
+        try:
+            parts = shlex.split(line)
+        except ValueError as exc:  # an unbalanced quote
+            raise ClusterError(f"{p}:{lineno}: {exc} in {raw.strip()!r}; fix the quoting") from None
         if len(parts) < 2:
             raise ClusterError(f"{p}:{lineno}: expected 'name address [key=value...]', got {raw.strip()!r}")
         name, host, *rest = parts
@@ -81,6 +84,8 @@ def parse_hosts_file(path: str | Path) -> list[Node]:
             port = int(opts.get("port", 22))
         except ValueError:
             raise ClusterError(f"{p}:{lineno}: port={opts['port']!r} is not a number") from None
+        if not 1 <= port <= 65535:
+            raise ClusterError(f"{p}:{lineno}: port={port} is not a TCP port; use 1..65535 (22 for sshd)")
         nodes.append(Node(
             name=name, host=host, private_host=opts.get("private", host),
             user=opts.get("user", getpass.getuser()), port=port, index=len(nodes),
@@ -90,6 +95,12 @@ def parse_hosts_file(path: str | Path) -> list[Node]:
     dupes = sorted({n for n in names if names.count(n) > 1})
     if dupes:
         raise ClusterError(f"{p}: node names must be unique; repeated: {', '.join(dupes)}")
+    seen: dict[tuple[str, int], str] = {}
+    for n in nodes:  # one machine under two names would get two ranks pinned to the same cores
+        other = seen.setdefault((n.host, n.port), n.name)
+        if other != n.name:
+            raise ClusterError(f"{p}: {other} and {n.name} are the same machine ({n.host}:{n.port}); list each "
+                               "machine once")
     return nodes
 
 

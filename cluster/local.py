@@ -74,11 +74,22 @@ def _alive(pid: int, marker: str) -> bool:
     return marker in cmdline
 
 
+class CorruptState(ClusterError):
+    """state.json cannot be read; 'fab local-down' still finds the nodes by their sshd config."""
+
+
 def _read_state(state: Path) -> dict | None:
     f = state / "state.json"
     if not f.is_file():
         return None
-    return json.loads(f.read_text())
+    try:
+        data = json.loads(f.read_text())
+        if not all(isinstance(n["pid"], int) and n["config"] and n["node"]["host"] for n in data["nodes"]):
+            raise ValueError("a node without pid, config or host")
+        return data
+    except (OSError, ValueError, KeyError, TypeError):
+        raise CorruptState(f"the local cluster's state file {f} is corrupt; run 'fab local-down' (it finds the "
+                           "nodes' sshd by their config files) and then 'fab local-up'") from None
 
 
 def nodes(state: Path | None = None, require_running: bool = True) -> list[Node]:
@@ -99,8 +110,8 @@ def up(count: int, port: int = DEFAULT_PORT, first_address: str = FIRST_ADDRESS,
     state = state or state_dir()
     if not 1 <= count <= MAX_NODES:
         raise ClusterError(f"--nodes {count} is out of range; a local cluster has 1..{MAX_NODES} nodes")
-    if not 1 <= port <= 65535:
-        raise ClusterError(f"--port {port} is not a TCP port; use 1024..65535")
+    if not 1024 <= port <= 65535:
+        raise ClusterError(f"--port {port} is not a port a local cluster can use; use 1024..65535")
     existing = _read_state(state)
     if existing:
         size = len(existing["nodes"])
@@ -202,22 +213,42 @@ def _default_python() -> str:
 
 
 def _wait_listening(proc: subprocess.Popen, address: str, port: int, log_file: Path, name: str) -> None:
-    import socket
-
+    """Until the sshd we started is the process listening on address:port: a reachable port alone may be
+    another process's (another cluster, a stale sshd), and then ours dies with 'Address already in use'."""
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             err = (proc.stderr.read() or b"").decode().strip()
             tail = err or (log_file.read_text().strip().splitlines() or [""])[-1]
             if "Address already in use" in tail or "Address already in use" in log_file.read_text():
-                raise ClusterError(f"{name}: port {address}:{port} is in use; pick another with --port")
+                raise ClusterError(f"{name}: port {address}:{port} is already in use by another process; pick "
+                                   "another with --port")
             raise ClusterError(f"{name}: sshd exited at start-up: {tail}")
-        with socket.socket() as s:
-            s.settimeout(0.2)
-            if s.connect_ex((address, port)) == 0:
-                return
+        if listens(proc.pid, address, port):
+            return
         time.sleep(0.05)
     raise ClusterError(f"{name}: sshd did not listen on {address}:{port} within 10 s; see {log_file}")
+
+
+def listens(pid: int, address: str, port: int) -> bool:
+    """Whether process pid holds the listening TCP socket on address:port (from /proc/net/tcp and its fds)."""
+    want = f"{int.from_bytes(ipaddress.IPv4Address(address).packed, 'little'):08X}:{port:04X}"
+    try:
+        rows = [line.split() for line in Path("/proc/net/tcp").read_text().splitlines()[1:]]
+    except OSError:
+        return False
+    inodes = {f"socket:[{r[9]}]" for r in rows if len(r) > 9 and r[1] == want and r[3] == "0A"}  # 0A: LISTEN
+    try:
+        fds = list(Path(f"/proc/{pid}/fd").iterdir())
+    except OSError:
+        return False
+    for fd in fds:
+        try:
+            if os.readlink(fd) in inodes:
+                return True
+        except OSError:
+            continue
+    return False
 
 
 def _children(pid: int) -> list[int]:
@@ -309,9 +340,26 @@ def kill_node(name: str, state: Path | None = None) -> int:
 def down(state: Path | None = None) -> int:
     """Stop exactly this cluster's sshd processes; returns how many nodes were stopped."""
     state = state or state_dir()
-    data = _read_state(state)
+    try:
+        data = _read_state(state)
+    except CorruptState:  # stop what can be identified: this cluster's sshd listeners, by their config path
+        configs = [str(c) for c in (state / "nodes").glob("*/sshd_config")]
+        found = [(pid, c) for pid, cmd in _cmdlines() if "[listener]" in cmd for c in configs if c + " " in cmd + " "]
+        _stop([pid for pid, _ in found], [c for _, c in found])
+        (state / "state.json").unlink()
+        return len(found)
     if not data:
         return 0
     _stop([n["pid"] for n in data["nodes"]], [n["config"] for n in data["nodes"]])
     (state / "state.json").unlink()
     return len(data["nodes"])
+
+
+def _cmdlines() -> list[tuple[int, str]]:
+    out = []
+    for f in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            out.append((int(f.parent.name), f.read_bytes().replace(b"\0", b" ").decode(errors="replace")))
+        except OSError:
+            continue
+    return out

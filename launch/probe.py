@@ -47,6 +47,34 @@ def probe(node: Node) -> NodeFacts:
                          has_ipex=m.group(2) == "1", python_ok=m.group(3))
 
 
+# The rendezvous port on node 0: the one asked for if nothing holds it (TIME_WAIT does not count, as
+# for torch's store), else a free one the kernel picks, so that runs and clusters sharing a machine
+# never meet on one port.
+PORT_PY = """
+import socket, sys
+s = socket.socket()
+s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+try:
+    s.bind(("", int(sys.argv[1])))
+except OSError as exc:
+    print("busy", exc.strerror)
+else:
+    print("free", s.getsockname()[1])
+"""
+
+
+def master_port(node: Node, wanted: int | None) -> int:
+    with connect(node) as conn:
+        res = run(conn, f"{shlex.quote(node.python)} -c {shlex.quote(PORT_PY)} {int(wanted or 0)}", timeout=30)
+    word, _, rest = res.stdout.strip().partition(" ")
+    if word == "busy":
+        raise ClusterError(f"--master-port {wanted} is in use on {node.name} ({rest}); leave --master-port out "
+                           "to get a free port, or pass another")
+    if word != "free":
+        raise ClusterError(f"{node.name}: could not check the rendezvous port: {(res.stderr or res.stdout).strip()[-200:]}")
+    return int(rest)
+
+
 def resolve_backend(requested: str, facts: list[NodeFacts]) -> str:
     missing = [f.node.name for f in facts if not f.has_ccl]
     if requested == "ccl" and missing:

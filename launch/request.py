@@ -10,10 +10,10 @@ from pathlib import Path
 
 from cluster.remote import fan_out
 from cluster.resolve import Cluster
-from core.constants import DEFAULT_MASTER_PORT, PROJECT_ROOT
+from core.constants import PROJECT_ROOT
 from core.errors import ClusterError
 from launch import launcher, topology
-from launch.probe import NodeFacts, probe, resolve_backend, resolve_precision
+from launch.probe import NodeFacts, master_port, probe, resolve_backend, resolve_precision
 from training import spot
 
 log = logging.getLogger(__name__)
@@ -79,6 +79,11 @@ def validate(req: TrainRequest) -> None:
         spot.parse_save_every(req.save_every)
     except ValueError as exc:
         raise ClusterError(f"--save-every: {exc}; e.g. --save-every 10m or --save-every 200") from None
+    if req.master_port is not None and not 1024 <= req.master_port <= 65535:
+        raise ClusterError(f"--master-port {req.master_port} is not a usable TCP port; use 1024..65535, or leave it "
+                           "out to get a free one")
+    if req.timeout_s < 1:
+        raise ClusterError(f"--timeout {req.timeout_s} must be at least 1 second (default 300)")
     _parse_auto_int(req.ppn, "--ppn")
     _parse_auto_int(req.threads, "--threads")
     for flag, path in local_files(req.args):
@@ -132,6 +137,7 @@ def plan_run(cluster: Cluster, req: TrainRequest, say) -> tuple[launcher.LaunchP
     threads = _parse_auto_int(req.threads, "--threads")
     if ppn is None:  # one rank per socket, the same on every node (mpirun -ppn is global)
         ppn = min(len([s for s in f.topo.cores_by_socket if s]) for f in facts)
+    fits(ppn, threads, facts)
     layouts = topology.derive_layouts([f.topo for f in facts], ppn, threads, backend)
     node_plans = [launcher.NodePlan(name=f.node.name, layout=lay, malloc=f.topo.malloc)
                   for f, lay in zip(facts, layouts)]
@@ -151,9 +157,22 @@ def plan_run(cluster: Cluster, req: TrainRequest, say) -> tuple[launcher.LaunchP
             args += ["--output_dir", "output"]
     plan = launcher.LaunchPlan(
         run_id=req.run_id or new_run_id(label), nodes=tuple(node_plans), master_addr=nodes[0].private_host,
-        master_port=req.master_port or DEFAULT_MASTER_PORT, backend=backend, precision=precision, entry=tuple(entry),
+        master_port=master_port(nodes[0], req.master_port), backend=backend, precision=precision, entry=tuple(entry),
         args=tuple(args), env_overrides=run_env(req), pin=req.pin, timeout_s=req.timeout_s)
     return plan, facts, args, ship
+
+
+def fits(ppn: int, threads: int | None, facts: list[NodeFacts]) -> None:
+    """Ranks and threads within the smallest node: more ranks than cores, or threads beyond its CPUs,
+    only thrash (a run of 99 ranks per 1-core node makes no progress at all)."""
+    small = min(facts, key=lambda f: f.topo.physical_cores)
+    cores, cpus = small.topo.physical_cores, small.topo.physical_cores * small.topo.threads_per_core
+    if ppn > cores:
+        raise ClusterError(f"--ppn {ppn} is more ranks than the {cores} physical core(s) of {small.node.name}; "
+                           f"use --ppn {cores} or fewer")
+    if threads is not None and threads * ppn > cpus:
+        raise ClusterError(f"--threads {threads} x --ppn {ppn} is more than the {cpus} CPU(s) of {small.node.name}; "
+                           f"use --threads {max(1, cpus // ppn)} or fewer")
 
 
 def run_env(req: TrainRequest) -> dict[str, str]:

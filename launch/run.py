@@ -86,7 +86,11 @@ def train(cluster: Cluster, req: TrainRequest, out: TextIO = sys.stdout) -> RunR
     # Cheap checks before anything is written (the mesh is verified below, after the keys).
     preflight(cluster, nodes, mesh=False).raise_if_failed("preflight")
     run_dir = Path(req.runs_dir) / plan.run_id
-    run_dir.mkdir(parents=True)
+    try:
+        run_dir.mkdir(parents=True)
+    except OSError as exc:
+        raise ClusterError(f"cannot create the run folder {run_dir}: {exc.strerror}; set XC_RUNS_DIR to a writable "
+                           "folder") from None
     say(f"run {plan.run_id}: results in {run_dir}")
 
     record = new_record(cluster, req, plan, facts, args)

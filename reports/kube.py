@@ -120,7 +120,13 @@ def render_kube(req: KubeRequest, out_dir: Path) -> dict[str, Path]:
     command = ["python", *launcher.JOBS[req.job], *req.args, "--output_dir", f"{MOUNT}/output/{name}"]
     roles = [("Master", 1)] + ([("Worker", req.nodes - 1)] if req.nodes > 1 else [])
     out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        probe = out_dir / ".xc-write-test"
+        probe.write_text("")
+        probe.unlink()
+    except OSError as exc:
+        raise ClusterError(f"--out {out_dir} is not a writable folder ({exc.strerror}); pass another with --out") from None
     manifest = render("pytorchjob.yaml.j2", name=name, namespace=req.namespace, job=req.job, nodes=req.nodes,
                       roles=roles, image=req.image, command=command, env=job_env(req, size, backend), cpu=size.cpu,
                       memory=size.memory, shm=size.shm, mount=MOUNT, pvc=req.pvc,

@@ -256,3 +256,11 @@ def test_bench_bad_input_is_one_line_and_runs_nothing(cluster2, tmp_path, args, 
     assert last.startswith("error: ") and message in last, res.stderr
     assert "Traceback" not in res.stderr
     assert not runs_dir.exists() or not any(runs_dir.iterdir())
+
+
+def test_kube_into_a_folder_it_cannot_write_is_one_line(tmp_path):
+    res = fab("kube", "--out", "/proc/xc-kube", timeout=120)
+    assert res.returncode == 1 and "Traceback" not in res.stderr
+    last = res.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: --out /proc/xc-kube is not a writable folder (") and last.endswith(
+        "pass another with --out"), last

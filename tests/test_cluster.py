@@ -79,6 +79,11 @@ def test_two_node_glue_run_learns_and_records_everything(cluster2):
     assert summary["command"][0].endswith("mpirun")
     assert (run_dir / "log.txt").read_text().count("[progress]") >= 5
     assert "mpirun" in (run_dir / "command.sh").read_text()
+    # two balanced classes start near ln 2 = 0.69 per example whatever the node count; the Trainer's
+    # world-size multiplication of a mean loss showed ~1.39 on 2 nodes (and doubled the gradients)
+    state = json.loads((run_dir / "output" / "trainer_state.json").read_text())
+    first = next(e["loss"] for e in state["log_history"] if "loss" in e)
+    assert 0.4 < first < 0.95, first
 
 
 def test_user_script_runs_unchanged_with_rank_variables(cluster2, tmp_path):
@@ -161,6 +166,11 @@ def test_killed_rank_fails_the_whole_job_quickly_and_leaves_nothing(cluster2):
     (["--", "--train_file", "/nonexistent/train.csv"], "--train_file /nonexistent/train.csv does not exist"),
     (["--script", "/nonexistent.py"], "--script /nonexistent.py does not exist"),
     (["--backend", "ccl"], "--backend ccl but oneccl_bindings_for_pytorch is missing on node0, node1"),
+    (["--master-port", "99999"], "--master-port 99999 is not a usable TCP port; use 1024..65535"),
+    (["--timeout", "0"], "--timeout 0 must be at least 1 second"),
+    (["--timeout", "abc"], "--timeout 'abc' is not a whole number"),
+    (["--ppn", "99"], "--ppn 99 is more ranks than the "),  # the core count depends on the machine
+    (["--threads", "100000000"], "--threads 100000000 x --ppn 1 is more than the "),
 ])
 def test_bad_input_is_one_line_and_starts_nothing(cluster2, args, message):
     before = cluster2.run_dirs()
@@ -171,6 +181,37 @@ def test_bad_input_is_one_line_and_starts_nothing(cluster2, args, message):
     assert "Traceback" not in res.stderr
     assert cluster2.run_dirs() == before
     assert processes_with_env("XC_RUN_ID=") == []  # no rank of any run is alive
+
+
+def test_master_port_is_free_per_run_and_a_held_one_is_refused_before_launch(cluster2, tmp_path):
+    import socket
+
+    script = tmp_path / "hello.py"
+    script.write_text("print('hello')\n")
+    with socket.socket() as held:  # another run, or another local cluster's node 0, on the default port
+        held.bind(("", 29500))
+        held.listen()
+        before = cluster2.run_dirs()
+        refused = cluster2.fab("train", "--script", str(script), "--master-port", "29500", timeout=120)
+        assert refused.returncode == 1
+        last = refused.stderr.strip().splitlines()[-1]
+        assert last.startswith("error: --master-port 29500 is in use on node0 (") and "leave --master-port out" in last
+        assert cluster2.run_dirs() == before  # refused before the run folder
+        ran = cluster2.fab("train", "--script", str(script), timeout=300)
+        assert ran.returncode == 0, ran.stdout[-2000:] + ran.stderr[-2000:]
+    summary = json.loads((cluster2.runs / (cluster2.run_dirs() - before).pop() / "summary.json").read_text())
+    assert summary["env"]["MASTER_PORT"] != "29500" and 1024 <= int(summary["env"]["MASTER_PORT"]) <= 65535
+
+
+def test_an_unwritable_runs_folder_is_one_line_before_anything_starts(cluster2, tmp_path):
+    script = tmp_path / "hello.py"
+    script.write_text("print('hello')\n")
+    res = cluster2.fab("train", "--script", str(script), env={"XC_RUNS_DIR": "/proc/xc-runs"}, timeout=120)
+    assert res.returncode == 1 and "Traceback" not in res.stderr
+    last = res.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: cannot create the run folder /proc/xc-runs/") and last.endswith(
+        "set XC_RUNS_DIR to a writable folder"), last
+    assert processes_with_env("XC_RUN_ID=") == []
 
 
 def test_unreachable_node_is_named(tmp_path):
@@ -234,3 +275,70 @@ def test_four_node_run(tmp_path):
         assert results["world_size"] == 4
     finally:
         lc.fab("local-down")
+
+
+def test_listens_names_the_process_that_holds_the_port():
+    import socket
+
+    from cluster.local import listens
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.5", 0))
+        port = s.getsockname()[1]
+        assert not listens(os.getpid(), "127.0.0.5", port)  # bound, not listening
+        s.listen()
+        assert listens(os.getpid(), "127.0.0.5", port)
+        assert not listens(os.getppid(), "127.0.0.5", port)  # another process
+        assert not listens(os.getpid(), "127.0.0.6", port)  # another address
+
+
+def test_local_up_on_a_port_another_process_holds_fails_naming_the_node(tmp_path):
+    import socket
+
+    from conftest import LocalCluster, fab, free_cluster_port
+
+    lc = LocalCluster(tmp_path / "state", tmp_path / "runs", 2, free_cluster_port(2))
+    with socket.socket() as held:  # node1's address and port, taken by someone else
+        held.bind(("127.0.0.3", lc.port))
+        held.listen()
+        res = fab("local-up", "--nodes", "2", "--port", str(lc.port), env=lc.env, timeout=60)
+    assert res.returncode == 1, res.stdout + res.stderr
+    assert res.stderr.strip().splitlines()[-1] == (f"error: node1: port 127.0.0.3:{lc.port} is already in use by "
+                                                    "another process; pick another with --port")
+    assert not (lc.state / "state.json").exists()
+    # node0's sshd, started before node1 failed, was stopped again
+    cfg = str(lc.state / "nodes" / "node0" / "sshd_config")
+    assert processes_with_cmdline(cfg) == []
+    assert fab("local-up", "--nodes", "2", "--port", "80", env=lc.env, timeout=60).stderr.strip().endswith(
+        "--port 80 is not a port a local cluster can use; use 1024..65535")
+    for flag in ("--nodes", "--port"):  # a word where a number goes: one line, not invoke's traceback
+        res = fab("local-up", flag, "abc", env=lc.env, timeout=60)
+        assert res.returncode == 1 and res.stderr.strip() == f"error: {flag} 'abc' is not a whole number", res.stderr
+
+
+def processes_with_cmdline(text: str) -> list[int]:
+    found = []
+    for p in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            if text.encode() in p.read_bytes():
+                found.append(int(p.parent.name))
+        except OSError:  # gone meanwhile
+            continue
+    return found
+
+
+def test_a_corrupt_state_file_is_one_line_and_local_down_still_stops_the_nodes(tmp_path):
+    from conftest import fab
+
+    lc = start_cluster(tmp_path, 2)
+    (lc.state / "state.json").write_text('{"port": 1, "nodes": [{"pid": ')  # a half-written file
+    res = lc.fab("train", "--nodes", "2", "--script", __file__, timeout=60)
+    assert res.returncode == 1 and "Traceback" not in res.stderr
+    assert res.stderr.strip().splitlines()[-1] == (
+        f"error: the local cluster's state file {lc.state / 'state.json'} is corrupt; run 'fab local-down' (it finds "
+        "the nodes' sshd by their config files) and then 'fab local-up'")
+    down = fab("local-down", env=lc.env, timeout=60)
+    assert down.returncode == 0 and down.stdout.strip() == "local cluster down: 2 node(s) stopped", down.stdout
+    assert processes_with_cmdline(str(lc.state / "nodes")) == []
+    assert fab("local-up", "--nodes", "2", "--port", str(lc.port), env=lc.env, timeout=60).returncode == 0
+    fab("local-down", env=lc.env, timeout=60)

@@ -49,3 +49,16 @@ def test_local_source_without_cluster(tmp_path, monkeypatch):
     monkeypatch.setenv("XC_STATE_DIR", str(tmp_path))
     with pytest.raises(ClusterError, match="fab local-up"):
         inventory.load_nodes("local")
+
+
+@pytest.mark.parametrize("text, message", [
+    ("node0 10.0.0.1 user='ubuntu\n", "No closing quotation in \"node0 10.0.0.1 user='ubuntu\"; fix the quoting"),
+    ("node0 10.0.0.1 port=99999\n", "port=99999 is not a TCP port; use 1..65535"),
+    ("node0 10.0.0.1\nnode1 10.0.0.1\n", "node0 and node1 are the same machine (10.0.0.1:22); list each machine once"),
+])
+def test_bad_hosts_files_are_one_line(tmp_path, text, message):
+    hosts = tmp_path / "hosts"
+    hosts.write_text(text)
+    with pytest.raises(ClusterError) as err:
+        inventory.parse_hosts_file(hosts)
+    assert message in str(err.value) and "\n" not in str(err.value)

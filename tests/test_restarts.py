@@ -160,20 +160,29 @@ def test_a_preempted_run_and_a_killed_node_are_resumed_by_themselves(tmp_path):
         first = out.wait_for(r"^run (\S+): results in", proc, 300).group(1)
         out.wait_for(r"\[progress\] step (1\d|[2-9]\d)/", proc, 400)
         imds.interrupt()  # a notice on every node: the run checkpoints and ends, the restart waits
+        noticed = time.monotonic()
         out.wait_for(r"waiting for 2 node\(s\): node\d has a spot interruption notice", proc, 200)
+        waiting = time.monotonic()
         imds.clear()  # the nodes are 'replaced': no notice any more
         second = out.wait_for(rf"^run (?!{first})(\S+): results in", proc, 300).group(1)
+        print(f"notice -> waiting for nodes {waiting - noticed:.1f}s; notice withdrawn -> resumed run "
+              f"{time.monotonic() - waiting:.1f}s")
         # the resumed run loses node1 outright once a checkpoint of its own is home
         deadline = time.monotonic() + 400
         while not _home_steps(lc.runs / second) and time.monotonic() < deadline and proc.poll() is None:
             time.sleep(0.5)
         assert _home_steps(lc.runs / second), "".join(out.lines)[-4000:]
+        killed_at = time.monotonic()
         killed = lc.fab("local-kill", "--node", "node1", timeout=60)
         assert killed.returncode == 0 and killed.stdout.startswith("node1 killed"), killed.stdout + killed.stderr
         out.wait_for(r"waiting for 2 node\(s\): .*node1", proc, 200)
+        lost_at = time.monotonic()
         back = lc.fab("local-up", "--nodes", "2", "--port", str(lc.port), timeout=60)
         assert back.returncode == 0, back.stderr
+        back_at = time.monotonic()
         third = out.wait_for(rf"^run (?!{first}|{second})(\S+): results in", proc, 300).group(1)
+        print(f"node killed -> run ended and waiting {lost_at - killed_at:.1f}s; node back -> resumed run "
+              f"{time.monotonic() - back_at:.1f}s")
         proc.wait(timeout=900)
         out.thread.join(10)
     finally:
