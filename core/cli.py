@@ -39,6 +39,8 @@ def cli(fn):
             logging.getLogger(noisy).setLevel(logging.WARNING)
         try:
             return fn(c, *args, **kwargs)
+        except KeyboardInterrupt:  # before a run's own handler is in place, or in a task without one
+            raise Exit("interrupted", code=130) from None
         except ClusterError as exc:
             raise Exit(f"{getattr(exc, 'prefix', 'error: ')}{exc}", code=getattr(exc, "exit_code", 1)) from None
     return wrapper

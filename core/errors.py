@@ -16,6 +16,13 @@ class NodeFailure(ClusterError):
         self.lost = list(lost or [])  # nodes that no longer answered SSH when the run was cleaned up
 
 
+class Interrupted(ClusterError):
+    """Ctrl-C ended the run after its clean-up: exit 130, one line saying what is left."""
+
+    exit_code = 130
+    prefix = ""
+
+
 class Preempted(ClusterError):
     """A spot notice ended the run after a checkpoint came home: exit 75, one line saying how to resume."""
 

@@ -3,12 +3,15 @@ stream every rank's output, collect results into runs/<run-id>/, and clean up af
 """
 from __future__ import annotations
 
+import dataclasses
 import io
 import json
 import logging
 import re
 import shlex
+import signal
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import TextIO
@@ -17,7 +20,7 @@ from cluster import keys, shipping
 from cluster.node import Node
 from cluster.remote import connect, fan_out, run
 from cluster.resolve import Cluster
-from core.errors import ClusterError, NodeFailure, Preempted
+from core.errors import ClusterError, Interrupted, NodeFailure, Preempted
 from core.render import render
 from launch import launcher, outputs
 from launch.cleanup import Sweep, sweep
@@ -121,14 +124,17 @@ def train(cluster: Cluster, req: TrainRequest, out: TextIO = sys.stdout) -> RunR
         mirror.start()
     with (run_dir / "log.txt").open("w") as log_file:
         router = OutputRouter(plan, out, log_file)
+        ctrl_c = CtrlC(nodes, plan.run_id, say)
         try:
-            with connect(master.node) as conn:
+            with ctrl_c, connect(master.node) as conn:
+                ctrl_c.conn = conn
                 res = conn.run(command, hide=False, warn=True, pty=False, in_stream=False,
                                out_stream=router, err_stream=router)
                 exit_code = res.exited
         except Exception as exc:  # noqa: BLE001
-            # node 0 gone mid-run, or the output reader broke: a failed run like any other (clean-up, summary), not a traceback
-            router.write(f"\nlost the connection to {master.node.name}: {type(exc).__name__}: {exc}\n")
+            # node 0 gone mid-run, or the output reader broke: a failed run like any other (clean-up, summary)
+            if not ctrl_c.pressed:
+                router.write(f"\nlost the connection to {master.node.name}: {type(exc).__name__}: {exc}\n")
             exit_code = -1
         except KeyboardInterrupt:
             router.flush_rest()
@@ -141,9 +147,14 @@ def train(cluster: Cluster, req: TrainRequest, out: TextIO = sys.stdout) -> RunR
             router.flush_rest()
             if mirror:
                 mirror.stop()
-            if req.script is None:
-                _bring_home(master, run_dir, remote_out, req, say)
+            if req.script is None:  # after Ctrl-C without the weights: the user asked to stop, not to wait
+                _bring_home(master, run_dir, remote_out, dataclasses.replace(req, fetch_model=False)
+                            if ctrl_c.pressed else req, say)
     wall = time.monotonic() - started
+    if ctrl_c.pressed:
+        swept = cleanup(nodes, plan.run_id)  # the second look: what the first sweep left, if anything
+        finish_run(run_dir, record, "interrupted", 130, wall, None, cleanup=swept.to_dict())
+        raise Interrupted(f"run {plan.run_id} interrupted after {wall:.0f}s: {swept.claim()} (log: {run_dir / 'log.txt'})")
     extra: dict = {}
     notice = next((ln for ln in router.lines if spot.PREEMPTED_TAG in ln), None)
     if exit_code != 0 and notice:
@@ -198,6 +209,35 @@ def _prepare(cluster: Cluster, req: TrainRequest, plan: launcher.LaunchPlan, fac
 
     fan_out(nodes, stage, "staging the run")
     return ks.ssh_dir, digest
+
+
+class CtrlC:
+    """One Ctrl-C ends the run: the ranks are killed on every node, so mpirun ends within seconds, and the
+    run is recorded as interrupted; a second one stops waiting for mpirun. (invoke only forwards it to a
+    terminal the command does not have, and keeps waiting for the end of training.)"""
+
+    def __init__(self, nodes: list[Node], run_id: str, say):
+        self.nodes, self.run_id, self.say = nodes, run_id, say
+        self.pressed = 0
+        self.conn = None
+        self.previous = None
+
+    def __enter__(self):
+        if threading.current_thread() is threading.main_thread():  # doctor runs jobs from a worker thread
+            self.previous = signal.signal(signal.SIGINT, self._handle)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.previous is not None:
+            signal.signal(signal.SIGINT, self.previous)
+
+    def _handle(self, signum, frame) -> None:
+        self.pressed += 1
+        if self.pressed == 1:
+            self.say("interrupted: stopping every rank (Ctrl-C again to stop waiting for mpirun)")
+            threading.Thread(target=cleanup, args=(self.nodes, self.run_id), name="ctrl-c", daemon=True).start()
+        elif self.conn is not None:
+            self.conn.close()
 
 
 def _remote_output_dir(master: NodeFacts, plan: launcher.LaunchPlan, args: list[str]) -> str:

@@ -342,3 +342,32 @@ def test_a_corrupt_state_file_is_one_line_and_local_down_still_stops_the_nodes(t
     assert processes_with_cmdline(str(lc.state / "nodes")) == []
     assert fab("local-up", "--nodes", "2", "--port", str(lc.port), env=lc.env, timeout=60).returncode == 0
     fab("local-down", env=lc.env, timeout=60)
+
+
+def test_one_ctrl_c_stops_the_run_within_seconds_and_leaves_nothing(cluster2):
+    before = cluster2.run_dirs()
+    proc = subprocess.Popen([*FAB, "train", "--nodes", "2", "--save-every", "0", "--", *DEMO_ARGS], cwd=ROOT,
+                            text=True, env={**os.environ, **cluster2.env}, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, stdin=subprocess.DEVNULL)
+    try:
+        seen = ""
+        while "[progress] step" not in seen and proc.poll() is None:
+            seen += proc.stdout.readline()
+        proc.send_signal(signal.SIGINT)
+        pressed = time.monotonic()
+        out, err = proc.communicate(timeout=120)
+        took = time.monotonic() - pressed
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    print(f"Ctrl-C to exit: {took:.1f}s")
+    assert proc.returncode == 130, seen + out + err
+    assert took < 10, f"{took:.1f}s from Ctrl-C to exit"
+    run_id = (cluster2.run_dirs() - before).pop()
+    assert "interrupted: stopping every rank" in out
+    last = err.strip().splitlines()[-1]
+    assert last.startswith(f"run {run_id} interrupted after ") and "nothing is left running (checked on every node)" in last
+    summary = json.loads((cluster2.runs / run_id / "summary.json").read_text())
+    assert summary["status"] == "interrupted" and summary["exit_code"] == 130
+    assert not (cluster2.runs / run_id / "results.json").exists()
+    assert processes_with_env(f"XC_RUN_ID={run_id}") == []
