@@ -76,8 +76,32 @@ _BAD_RANK = re.compile(r"RANK (\d+) PID (\d+) RUNNING AT (\S+)")
 _EXIT = re.compile(r"(KILLED BY SIGNAL: \d+ \(\w+\)|EXIT CODE: \d+)")
 
 
+_EXCEPTION = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception|Exit|Interrupt)\b(: .*)?$")
+
+
+def raised(lines: list[str], plan: launcher.LaunchPlan) -> tuple[int, str] | None:
+    """(rank, 'ValueError: ...') of the first rank that printed a traceback: its exception's own line."""
+    first: int | None = None
+    found: str | None = None
+    for line in lines:
+        r = OutputRouter.RANK_LINE.match(line)
+        if not r or int(r.group(1)) >= plan.world_size:
+            continue
+        rank, text = int(r.group(1)), r.group(2)
+        if first is None and text.startswith("Traceback (most recent call last)"):
+            first = rank
+        elif rank == first and _EXCEPTION.match(text):
+            found = text  # the last one wins: chained exceptions end with the one that escaped
+    return (first, found[:300]) if first is not None and found else None
+
+
 def failed_rank(lines: list[str], plan: launcher.LaunchPlan) -> tuple[str | None, str]:
-    """From Intel MPI's BAD TERMINATION block: the node and reason of the first failed rank."""
+    """The node and reason of the first failed rank: its exception's own line when it printed a
+    traceback, else Intel MPI's BAD TERMINATION block, else its first error line."""
+    exc = raised(lines, plan)
+    if exc:
+        rank, line = exc
+        return plan.rank_host(rank), f"rank {rank} on {plan.rank_host(rank)} failed: {line}"
     text = "\n".join(lines)
     m = _BAD_RANK.search(text)
     e = _EXIT.search(text)

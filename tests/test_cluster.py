@@ -371,3 +371,20 @@ def test_one_ctrl_c_stops_the_run_within_seconds_and_leaves_nothing(cluster2):
     assert summary["status"] == "interrupted" and summary["exit_code"] == 130
     assert not (cluster2.runs / run_id / "results.json").exists()
     assert processes_with_env(f"XC_RUN_ID={run_id}") == []
+
+
+def test_a_rank_that_raises_is_named_with_its_exception_not_traceback(cluster2, tmp_path):
+    script = tmp_path / "fails.py"
+    script.write_text("import os\nif os.environ['RANK'] == '1':\n    raise ValueError('the CSV has no rows')\n"
+                      "import time\ntime.sleep(60)\n")
+    before = cluster2.run_dirs()
+    started = time.monotonic()
+    res = cluster2.fab("train", "--nodes", "2", "--script", str(script), timeout=300)
+    took = time.monotonic() - started
+    assert res.returncode == 1
+    last = res.stderr.strip().splitlines()[-1]
+    assert "rank 1 on node1 failed: ValueError: the CSV has no rows" in last, last
+    assert took < 60, f"{took:.0f}s: rank 0 was not stopped when rank 1 died"
+    summary = json.loads((cluster2.runs / (cluster2.run_dirs() - before).pop() / "summary.json").read_text())
+    assert summary["reason"] == "rank 1 on node1 failed: ValueError: the CSV has no rows"
+    assert summary["failed_node"] == "node1"

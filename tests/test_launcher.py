@@ -155,3 +155,22 @@ def test_ccl_plan_sends_the_local_size_for_rank_sh_to_pair():
     p = plan(backend="ccl", ppn=2)
     env = genv(launcher.mpirun_argv(p, ssh_config="c"))
     assert env["CCL_PROCESS_LAUNCHER"] == "none" and env["CCL_LOCAL_SIZE"] == "2"
+
+
+def test_a_failed_rank_is_named_with_its_exceptions_own_line():
+    from launch.stream import failed_rank
+
+    p = plan(nodes=2, ppn=1)
+    lines = ["[0] [progress] step 1/10", "[1] Traceback (most recent call last):",
+             '[1]   File "/x/training/glue.py", line 90, in load', "[1]     raise ValueError(msg)",
+             "[1] KeyError: 'label'", "[1] ", "[1] During handling of the above exception, another exception occurred:",
+             "[1] Traceback (most recent call last):", '[1]   File "/x/training/glue.py", line 95, in load',
+             "[1] ValueError: data/0-train.csv has no column 'label'; name the label column --label_column",
+             "[0] Traceback (most recent call last):", "[0] RuntimeError: Connection closed by peer",
+             "===================================================================================",
+             "=   RANK 1 PID 4321 RUNNING AT node1", "=   EXIT CODE: 1"]
+    reason = ("rank 1 on node1 failed: ValueError: data/0-train.csv has no column 'label'; name the label column "
+              "--label_column")
+    assert failed_rank(lines, p) == ("node1", reason)
+    # without a traceback: Intel MPI's block
+    assert failed_rank(lines[-3:], p) == ("node1", "rank 1 on node1 exit code: 1")
