@@ -23,6 +23,7 @@ from launch import request as request_lib
 from launch import restarts as restarts_lib
 from launch import resume as resume_lib
 from launch import run as train_lib
+from launch import stop as stop_lib
 from node_setup import setup as setup_lib
 from reports import bench as bench_lib
 from reports import kube as kube_lib
@@ -93,12 +94,13 @@ def keys(c, cluster=None):
         "resume": "continue RUN_ID from its latest checkpoint at home: same job, flags and data",
         "max-restarts": "after a preemption or a lost node, resume by itself up to K times (default 0)",
         "restart-wait": "seconds to wait for the cluster to have its nodes again before a restart (default 600)",
+        "concurrent": "run even while another run holds the cluster (by default one run at a time)",
     },
 )
 @cli
 def train(c, nodes=None, job=None, script=None, ppn="auto", threads="auto", backend="auto", precision="auto",
           env=None, cluster=None, master_port=None, no_pin=False, timeout="300", save_every=None, no_fetch_model=False,
-          resume=None, max_restarts="0", restart_wait="600"):
+          resume=None, max_restarts="0", restart_wait="600", concurrent=False):
     """Run a training job across the cluster with mpirun; results land in runs/<run-id>/."""
     n = as_int(nodes, "--nodes") if nodes is not None else None
     if resume:
@@ -120,12 +122,20 @@ def train(c, nodes=None, job=None, script=None, ppn="auto", threads="auto", back
         req.env.update(env_pairs(env))
     req.master_port = as_int(master_port, "--master-port") if master_port else None
     req.pin = req.pin and not no_pin
+    req.concurrent = bool(concurrent)
     if not resume or int(as_int(timeout, "--timeout")) != 300:
         req.timeout_s = as_int(timeout, "--timeout")
     spec = open_cluster(_cluster(c, cluster)).spec
     result = restarts_lib.train_with_restarts(spec, req, as_int(max_restarts, "--max-restarts"),
                                               as_int(restart_wait, "--restart-wait"))
     print(records.result_line(result))
+
+
+@task(help={"cluster": "local | hosts:PATH | aws[:NAME] | pulumi[:STACK]"})
+@cli
+def stop(c, run, cluster=None):
+    """End RUN on every node (the clean-up a failure gets) and record it as stopped; frees the cluster."""
+    print(stop_lib.stop(open_cluster(_cluster(c, cluster)), run, request_lib.RUNS))
 
 
 @task(help={"nodes": "local nodes to start (default 2)", "port": "sshd port (default 2222)"})
@@ -212,4 +222,4 @@ def kube(c, nodes=None, job="glue", out=None, image="xeon-cluster-train:latest",
           f"docker build -t {image} {paths['manifest'].parent} && kubectl create -f {paths['manifest']}")
 
 
-ns = Collection(local_up, local_down, local_kill, keys, setup, doctor, train, demo, bench, kube)
+ns = Collection(local_up, local_down, local_kill, keys, setup, doctor, train, stop, demo, bench, kube)

@@ -7,6 +7,7 @@ from cluster.node import Node
 from core.report import CLUSTER, Row
 from doctor import checks
 from launch import topology
+from launch.cleanup import runs_alive
 from launch.preflight import Facts
 from node_setup import profiles
 
@@ -102,3 +103,13 @@ def clock_row(facts: list[Facts]) -> Row:
     offsets = {f.node.name: f.clock_offset for f in facts if f.clock_offset is not None}
     res = checks.clock_skew_check(offsets)
     return Row(CLUSTER, res.name, res.ok, res.detail, res.fix)
+
+
+def runs_rows(nodes: list[Node]) -> list[Row]:
+    """Processes of runs still on the nodes: a run going on, or one whose fab died (kill -9, a closed
+    laptop) and left its ranks training with nobody to end them."""
+    alive = runs_alive(nodes)
+    if not alive:
+        return [Row(CLUSTER, "runs", True, "no process of any run on the nodes")]
+    return [Row(CLUSTER, "runs", False, f"run {run_id} has processes on " + ", ".join(f"{n} ({c})" for n, c in where.items()),
+                f"if no fab is watching it, end it with 'fab stop {run_id}'") for run_id, where in sorted(alive.items())]

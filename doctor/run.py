@@ -18,7 +18,7 @@ from core.constants import DEFAULT_MASTER_PORT
 from core.errors import ClusterError
 from core.report import CLUSTER, Report, Row
 from doctor.collective import allreduce_row, rendezvous_rows
-from doctor.rows import clock_row, hardware_rows, package_rows
+from doctor.rows import clock_row, hardware_rows, package_rows, runs_rows
 from launch.preflight import STACK, gather_all, mesh_rows, preflight_rows
 from node_setup import profiles
 from node_setup.setup import default_venv, venv_python
@@ -51,6 +51,7 @@ def doctor(cluster: Cluster, nodes: list[Node], profile: str | profiles.Profile 
     report.rows += package_rows(facts, p, venv)
     report.rows.append(clock_row([f for f in facts if not f.error]))
     report.rows += mesh_rows(cluster, nodes, facts)
+    report.rows += runs_rows([f.node for f in facts if not f.error])
     down = [f.node.name for f in facts if f.error]
     if not full:
         report.rows.append(Row(CLUSTER, "port, all-reduce", True, "not run (--quick)", skipped=True))

@@ -28,6 +28,34 @@ def sweep_script(run_id: str) -> str:
             "echo \"left $p $(tr '\\0' ' ' < /proc/$p/cmdline 2>/dev/null | cut -c1-100)\"; done; true")
 
 
+# Every run id with a live process on the node, with its process count: "run <id> <count>".
+RUNS_ALIVE = ("for e in /proc/[0-9]*/environ; do { tr '\\0' '\\n' < \"$e\"; } 2>/dev/null | grep -m1 '^XC_RUN_ID='; "
+              "done | sort | uniq -c | while read n kv; do echo \"run ${kv#XC_RUN_ID=} $n\"; done; true")
+
+
+def runs_alive(nodes: list[Node]) -> dict[str, dict[str, int]]:
+    """run id -> {node: live processes carrying it}; a node that cannot be asked is left out."""
+    found: dict[str, dict[str, int]] = {}
+
+    def one(node: Node) -> None:
+        try:
+            with connect(node) as conn:
+                res = run(conn, RUNS_ALIVE, timeout=60)
+        except Exception:  # an unreachable node has nothing we could find
+            log.debug("listing runs on %s", node.name, exc_info=True)
+            return
+        for line in res.stdout.splitlines():
+            word, _, rest = line.partition(" ")
+            run_id, _, count = rest.partition(" ")
+            if word == "run" and run_id and count.isdigit():
+                found.setdefault(run_id, {})[node.name] = int(count)
+
+    with ThreadPoolExecutor(max_workers=min(32, max(1, len(nodes)))) as pool:
+        list(pool.map(one, nodes))
+    order = [n.name for n in nodes]
+    return {run_id: dict(sorted(where.items(), key=lambda kv: order.index(kv[0]))) for run_id, where in found.items()}
+
+
 @dataclass
 class Sweep:
     """What a clean-up did on each node, and what it could not check."""

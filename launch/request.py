@@ -50,7 +50,8 @@ class TrainRequest:
     save_every: str = spot.DEFAULT_SAVE_EVERY
     fetch_model: bool = True
     resume: dict | None = None  # set by launch.resume: run_id, step, checkpoint (local folder)
-    run_id: str | None = None  # chosen by the caller (doctor) so it can end the run by id; default: a new one
+    run_id: str | None = None
+    concurrent: bool = False  # run even while another run holds the cluster's lock  # chosen by the caller (doctor) so it can end the run by id; default: a new one
 
 
 def _parse_auto_int(value: str, flag: str) -> int | None:

@@ -22,7 +22,7 @@ from cluster.remote import connect, fan_out, run
 from cluster.resolve import Cluster
 from core.errors import ClusterError, Interrupted, NodeFailure, Preempted
 from core.render import render
-from launch import launcher, outputs
+from launch import launcher, lock, outputs
 from launch.cleanup import Sweep, sweep
 from launch.preflight import preflight
 from launch.probe import NodeFacts
@@ -88,6 +88,18 @@ def train(cluster: Cluster, req: TrainRequest, out: TextIO = sys.stdout) -> RunR
     nodes = [f.node for f in facts]
     # Cheap checks before anything is written (the mesh is verified below, after the keys).
     preflight(cluster, nodes, mesh=False).raise_if_failed("preflight")
+    if req.concurrent:
+        return _run(cluster, req, plan, facts, args, ship, say, out)
+    lock.take(nodes, plan.run_id, say, Path(req.runs_dir))
+    try:
+        return _run(cluster, req, plan, facts, args, ship, say, out)
+    finally:
+        lock.release(nodes, plan.run_id)
+
+
+def _run(cluster: Cluster, req: TrainRequest, plan: launcher.LaunchPlan, facts: list[NodeFacts], args: list[str],
+         ship: dict[str, Path], say, out: TextIO) -> RunResult:
+    nodes = [f.node for f in facts]
     run_dir = Path(req.runs_dir) / plan.run_id
     try:
         run_dir.mkdir(parents=True)

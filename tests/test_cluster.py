@@ -388,3 +388,47 @@ def test_a_rank_that_raises_is_named_with_its_exception_not_traceback(cluster2, 
     summary = json.loads((cluster2.runs / (cluster2.run_dirs() - before).pop() / "summary.json").read_text())
     assert summary["reason"] == "rank 1 on node1 failed: ValueError: the CSV has no rows"
     assert summary["failed_node"] == "node1"
+
+
+def test_one_run_at_a_time_and_an_orphaned_run_is_found_and_stopped(cluster2, tmp_path):
+    import re
+
+    from conftest import free_cluster_port
+
+    hello = tmp_path / "hello.py"
+    hello.write_text("print('hello')\n")
+    quiet = tmp_path / "quiet.py"  # a long step that prints nothing: nothing tells mpirun its reader is gone
+    quiet.write_text("import time\nprint('started', flush=True)\ntime.sleep(600)\n")
+    before = cluster2.run_dirs()
+    proc = subprocess.Popen([*FAB, "train", "--nodes", "2", "--script", str(quiet)], cwd=ROOT, text=True,
+                            env={**os.environ, **cluster2.env}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            stdin=subprocess.DEVNULL)
+    try:
+        seen = ""
+        while seen.count("started") < 2 and proc.poll() is None:
+            seen += proc.stdout.readline()
+        run_a = (cluster2.run_dirs() - before).pop()
+        second = cluster2.fab("train", "--script", str(hello), timeout=120)
+        assert second.returncode == 1
+        last = second.stderr.strip().splitlines()[-1]
+        assert last.startswith(f"error: run {run_a} holds this cluster (node0 (") and f"'fab stop {run_a}'" in last, last
+        assert cluster2.run_dirs() - before == {run_a}  # refused before its run folder
+        proc.kill()  # fab dies as on a closed laptop: its ranks train on with nobody to end them
+        proc.wait(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    time.sleep(2)
+    assert processes_with_env(f"XC_RUN_ID={run_a}"), "the orphaned ranks should still be running"
+    doc = cluster2.fab("doctor", "--quick", "--master-port", str(free_cluster_port(1)), timeout=300)
+    assert doc.returncode == 1
+    assert re.search(rf"run {run_a} has processes on node0 \(\d+\), node1 \(\d+\)", doc.stdout), doc.stdout[-3000:]
+    assert f"fab stop {run_a}" in doc.stdout
+    stopped = cluster2.fab("stop", run_a, timeout=120)
+    assert stopped.returncode == 0, stopped.stderr
+    assert stopped.stdout.startswith(f"run {run_a} stopped: killed its processes on node0")
+    assert "nothing is left running (checked on every node)" in stopped.stdout
+    assert processes_with_env(f"XC_RUN_ID={run_a}") == []
+    assert json.loads((cluster2.runs / run_a / "summary.json").read_text())["status"] == "stopped"
+    after = cluster2.fab("train", "--script", str(hello), timeout=300)  # the cluster is free again
+    assert after.returncode == 0, after.stdout[-2000:] + after.stderr[-2000:]

@@ -356,9 +356,15 @@ def finish(info, args, results: dict, started: float, line: str | None = None, t
         log.info("results written to %s", path)
         if line:
             print(f"[result] {line}", flush=True)
+    # A rank may crash while tearing down (gloo and oneCCL threads, now and then), and mpirun then kills
+    # the others: every rank waits here until rank 0's files are written, says it is finished, and waits
+    # again until every rank has said so, so that such a crash costs neither results nor the record.
     if torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()
+        torch.distributed.barrier()
     print(f"{FINISHED_TAG} rank {info.rank}", flush=True)
+    if torch.distributed.is_initialized():
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
 
 
 def cli(main) -> None:
