@@ -270,18 +270,21 @@ def _stop(pids: list[int], markers: list[str]) -> list[int]:
         if _alive(pid, marker):
             victims.append(pid)
             victims.extend(_children(pid))
-    for pid in victims:
+    _signal_and_wait(victims, signal.SIGTERM)
+    _signal_and_wait([p for p in victims if _exists(p)], signal.SIGKILL, wait_s=0)
+    return victims
+
+
+def _signal_and_wait(pids: list[int], sig: int, wait_s: float = 5) -> None:
+    """Send sig to every pid, then wait up to wait_s for all of them to be gone."""
+    for pid in pids:
         try:
-            os.kill(pid, signal.SIGTERM)
+            os.kill(pid, sig)
         except ProcessLookupError:
             pass
-    deadline = time.monotonic() + 5
-    while time.monotonic() < deadline and any(_exists(p) for p in victims):
+    deadline = time.monotonic() + wait_s
+    while time.monotonic() < deadline and any(_exists(p) for p in pids):
         time.sleep(0.05)
-    for pid in victims:
-        if _exists(pid):
-            os.kill(pid, signal.SIGKILL)
-    return victims
 
 
 def _exists(pid: int) -> bool:
@@ -313,14 +316,7 @@ def _node_pids(entry: dict) -> list[int]:
 
 def _kill_tree(entry: dict) -> int:
     pids = _node_pids(entry)
-    for pid in pids:
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-    deadline = time.monotonic() + 5
-    while time.monotonic() < deadline and any(_exists(p) for p in pids):
-        time.sleep(0.05)
+    _signal_and_wait(pids, signal.SIGKILL)
     return len(pids)
 
 

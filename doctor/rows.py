@@ -111,5 +111,9 @@ def runs_rows(nodes: list[Node]) -> list[Row]:
     alive = runs_alive(nodes)
     if not alive:
         return [Row(CLUSTER, "runs", True, "no process of any run on the nodes")]
-    return [Row(CLUSTER, "runs", False, f"run {run_id} has processes on " + ", ".join(f"{n} ({c})" for n, c in where.items()),
-                f"if no fab is watching it, end it with 'fab stop {run_id}'") for run_id, where in sorted(alive.items())]
+    rows = []
+    for run_id, where in sorted(alive.items()):
+        on = ", ".join(f"{n} ({c})" for n, c in where.items())
+        rows.append(Row(CLUSTER, "runs", False, f"run {run_id} has processes on {on}",
+                        f"if no fab is watching it, end it with 'fab stop {run_id}'"))
+    return rows

@@ -47,12 +47,13 @@ def take(nodes: list[Node], run_id: str, say, runs_dir: Path | None = None) -> N
         held = _holder(nodes) or {"run_id": "?", "since": 0}
         other = held.get("run_id", "?")
         alive = runs_alive(nodes).get(other)
-        age = time.time() - float(held.get("since") or 0)
+        since = float(held.get("since") or 0)
         ended = runs_dir is not None and (runs_dir / other / "summary.json").is_file()
-        if alive or (age < STALE_S and not ended):
+        if alive or (time.time() - since < STALE_S and not ended):
             where = ", ".join(f"{n} ({c} process(es))" for n, c in (alive or {}).items()) or "starting"
-            raise ClusterError(f"run {other} holds this cluster ({where}, since {time.strftime('%H:%M:%S', time.localtime(float(held.get('since') or 0)))}); "
-                               f"wait for it to end, end it with 'fab stop {other}', or pass --concurrent")
+            raise ClusterError(f"run {other} holds this cluster ({where}, since "
+                               f"{time.strftime('%H:%M:%S', time.localtime(since))}); wait for it to end, end it "
+                               f"with 'fab stop {other}', or pass --concurrent")
         say(f"note: run {other} held the cluster but has no process left on any node: taking over its lock")
         release(nodes, other)
     raise ClusterError(f"could not take the run lock {LOCK} on {nodes[0].name}; remove it by hand if no run is going")
