@@ -95,17 +95,27 @@ def fetch_checkpoint(node: Node, run_dir: Path, remote_dir: str, with_model: boo
         step, folder = latest
         dest = run_dir / "checkpoints" / f"step-{step}"
         if not (dest / COMPLETE_MARKER).is_file():
-            partial = dest.with_name(dest.name + ".partial")
-            shutil.rmtree(partial, ignore_errors=True)
-            files = _listing(conn, folder)
-            for size, rel in sorted(files, key=lambda f: f[1] == COMPLETE_MARKER):  # the marker last
-                if not with_model and rel.endswith(MODEL_SUFFIXES):
-                    continue
-                _get(conn, f"{folder}/{rel}", partial / rel, size, say)
-            if not (partial / COMPLETE_MARKER).is_file():
-                raise ClusterError(f"{node.name}: checkpoint-{step} lost its completion marker while copying")
-            shutil.rmtree(dest, ignore_errors=True)
-            partial.rename(dest)
+            # The Trainer deletes all but its newest checkpoints; with frequent saves one can go while it
+            # is being copied. A tree of hard links beside the output folder keeps its files for the copy.
+            snap = f"{remote_dir.rstrip('/')}.xc-home-step-{step}"
+            q = shlex.quote
+            run(conn, f"rm -rf {q(snap)} && cp -al {q(folder)} {q(snap)}", timeout=60)
+            try:
+                partial = dest.with_name(dest.name + ".partial")
+                shutil.rmtree(partial, ignore_errors=True)
+                files = _listing(conn, snap)
+                for size, rel in sorted(files, key=lambda f: f[1] == COMPLETE_MARKER):  # the marker last
+                    if not with_model and rel.endswith(MODEL_SUFFIXES):
+                        continue
+                    _get(conn, f"{snap}/{rel}", partial / rel, size, say)
+                if not (partial / COMPLETE_MARKER).is_file():
+                    raise ClusterError(f"{node.name}: checkpoint-{step} lost its completion marker while copying")
+                shutil.rmtree(dest, ignore_errors=True)
+                partial.rename(dest)
+            finally:
+                run(conn, f"rm -rf {q(snap)}", timeout=60)
+    for stale in (run_dir / "checkpoints").glob("step-*.partial"):  # copies cut short by an earlier round
+        shutil.rmtree(stale, ignore_errors=True)
     for _, old in home_checkpoints(run_dir)[:-KEEP_CHECKPOINTS]:
         shutil.rmtree(old, ignore_errors=True)
     return step, dest
