@@ -8,10 +8,10 @@ import pulumi
 import pulumi_aws as aws
 
 from core.errors import ClusterError
-from infra import cost
+from infra import checks, cost
 from infra.image import Image
 from infra.network import Network
-from infra.nodes import Nodes
+from infra.nodes import MIN_HEALTHY_PERCENT, ROLLING_KEYS, Nodes
 from infra.settings import CONFIG_KEYS, ClusterSettings
 
 
@@ -27,11 +27,14 @@ def main() -> dict:
         # mark every resource as this cluster's.
         provider = aws.Provider("aws", region=settings.region, default_tags={"tags": settings.tags})
         opts = pulumi.ResourceOptions(providers=[provider])
+        checks.check_zone(settings, provider)
         network = Network(settings.cluster_name, settings, opts)
-        image = Image(settings.cluster_name, settings, network, opts)
+        image = Image(settings.cluster_name, settings, network, checks.partition(provider), opts)
         nodes = Nodes(settings.cluster_name, settings, network, image.ami_id, opts)
     except ClusterError as exc:
         raise pulumi.RunError(str(exc)) from None  # one line, no traceback
+    pulumi.log.info(checks.quota_line(settings))
+    pulumi.log.info(checks.rolling_line(ROLLING_KEYS, settings.node_count, MIN_HEALTHY_PERCENT))
 
     estimate = cost.estimate(
         settings.instance_type, settings.node_count, availability_zone=settings.availability_zone,
@@ -39,26 +42,33 @@ def main() -> dict:
         region=settings.region)
     pulumi.log.info(f"estimated cost: {estimate.summary()}")
 
-    master = nodes.instances[0]
     outputs = {
         "clusterName": settings.cluster_name,
         "region": settings.region,
         "availabilityZone": settings.availability_zone,
         "instanceType": settings.instance_type,
-        "nodes": nodes.nodes,
-        "masterPrivateIp": master.private_ip,
-        "masterPublicIp": master.public_ip,
+        "instanceTypes": list(settings.instance_types),
+        "nodeCount": settings.node_count,
+        "spot": settings.spot,
+        # The nodes come and go with spot capacity: 'fab status' lists the live ones (node 0 first).
+        "autoScalingGroup": nodes.group.name,
         "sshUser": settings.ssh_user,
-        "sshCommand": pulumi.Output.concat("ssh ", settings.ssh_user, "@", master.public_ip),
-        "amiId": image.ami_id,
-        # mpirun's hostfile as the seeds write it: private addresses, master first.
-        "hostfile": nodes.nodes.apply(lambda ns: "".join(f"{n['privateIp']}\n" for n in ns)),
+        "amiId": nodes.launch_template.image_id,  # the pinned one for image=base
         "hourlyCostUsd": estimate.total_usd_h,
         "costEstimate": estimate.summary(),
     }
+    if settings.image == "base":
+        outputs["latestBaseAmiId"] = image.ami_id
+        pulumi.Output.all(nodes.launch_template.image_id, image.ami_id).apply(lambda ids: _pinned_note(*ids))
     for key, value in outputs.items():
         pulumi.export(key, value)
     return outputs
+
+
+def _pinned_note(pinned: str | None, latest: str | None) -> None:
+    if pinned and latest and pinned != latest:
+        pulumi.log.info(f"image=base: the nodes stay on {pinned}; Canonical's current AMI is {latest}: "
+                        f"'pulumi config set image {latest}' rolls the nodes onto it")
 
 
 if __name__ == "__main__":

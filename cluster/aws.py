@@ -5,17 +5,18 @@ cluster.inventory imports this module only when a task names one of them.
 """
 from __future__ import annotations
 
-import contextlib
+import functools
 import json
 import logging
 import os
+import shutil
 import subprocess
 from pathlib import Path
 
 from cluster import hostkeys
 from cluster.node import Node
-from core.constants import PROJECT_ROOT, REMOTE_PYTHON, TAG_CLUSTER, TAG_INDEX, TAG_ROLE, TAG_SSH_USER
-from core.ec2 import ec2_client
+from core.constants import PROJECT_ROOT, REMOTE_PYTHON, TAG_CLUSTER, TAG_ROLE, TAG_SSH_USER
+from core.ec2 import aws_errors, ec2_client
 from core.errors import ClusterError
 
 log = logging.getLogger(__name__)
@@ -26,38 +27,21 @@ DEFAULT_USER = "ubuntu"
 
 # -- aws --------------------------------------------------------------------------------------
 def aws_nodes(cluster: str = "", region: str | None = None, client=None) -> list[Node]:
-    """Running instances of ``cluster`` (default: $XC_AWS_CLUSTER, else the only cluster running)."""
+    """Running instances of ``cluster`` (default: $XC_AWS_CLUSTER, else the only cluster running), node 0
+    first: the one holding the master role tag, then the others oldest first."""
     name = cluster or os.environ.get("XC_AWS_CLUSTER", "")
-    with _aws_errors():
+    with aws_errors():
         client = client or ec2_client(region)
         if not name:
             name = _only_cluster(client)
         instances = _running(client, [{"Name": f"tag:{TAG_CLUSTER}", "Values": [name]},
-                                      {"Name": "tag-key", "Values": [TAG_INDEX]}])
-    if not instances:
-        raise ClusterError(f"no running instances of cluster {name!r} in {client.meta.region_name}; "
-                           "run 'pulumi up' (or check AWS_REGION and the cluster name)")
-    by_index: dict[int, dict] = {}
-    for inst in instances:
-        tags = _tags(inst)
-        try:
-            index = int(tags[TAG_INDEX])
-        except (KeyError, ValueError):
-            raise ClusterError(f"instance {inst['InstanceId']} of cluster {name!r} has no numeric {TAG_INDEX} tag; "
-                               "terminate it or tag it") from None
-        if index in by_index:
-            raise ClusterError(f"instances {by_index[index]['InstanceId']} and {inst['InstanceId']} both claim index "
-                               f"{index} of cluster {name!r}; give each stack its own clusterName")
-        by_index[index] = inst
-    if 0 not in by_index:
-        raise ClusterError(f"node 0 (the master) of cluster {name!r} is not running (spot interruption?); "
-                           "run 'pulumi up' to replace it")
-    missing = sorted(set(range(max(by_index) + 1)) - set(by_index))
-    if missing:
-        log.warning("cluster %s: nodes %s are not running (spot interruption?); 'pulumi up' replaces them",
-                    name, ", ".join(map(str, missing)))
-    nodes = [_aws_node(by_index[i], position, name) for position, i in enumerate(sorted(by_index))]
-    with _aws_errors():
+                                      {"Name": "tag-key", "Values": [TAG_ROLE]}])
+        if not instances:
+            raise ClusterError(f"no running instances of cluster {name!r} in {client.meta.region_name}; "
+                               "run 'pulumi up' (or check AWS_REGION and the cluster name)")
+        ordered = order_nodes(client, instances, name)
+    nodes = [_aws_node(inst, position, name) for position, inst in enumerate(ordered)]
+    with aws_errors():
         try:
             hostkeys.record_host_keys(nodes, client, hostkeys.known_hosts_path(name))
         except hostkeys.HostKeysPending as exc:
@@ -66,11 +50,39 @@ def aws_nodes(cluster: str = "", region: str | None = None, client=None) -> list
     return nodes
 
 
+def order_nodes(client, instances: list[dict], cluster: str) -> list[dict]:
+    """Master first, then by launch time: survivors keep their order and a replacement comes last.
+    When no running node holds the master tag (node 0 was reclaimed), the oldest survivor takes it."""
+    by_age = sorted(instances, key=lambda i: (str(i.get("LaunchTime", "")), i["InstanceId"]))
+    masters = [i for i in by_age if _tags(i).get(TAG_ROLE) == "master"]
+    if masters:
+        master = masters[0]
+        extra = [i["InstanceId"] for i in masters[1:]]
+        if extra:  # two fab processes promoted at once: the older master keeps the role
+            client.create_tags(Resources=extra, Tags=[{"Key": TAG_ROLE, "Value": "worker"}])
+    else:
+        master = by_age[0]
+        client.create_tags(Resources=[master["InstanceId"]], Tags=[{"Key": TAG_ROLE, "Value": "master"}])
+        log.warning("cluster %s: no running node held the master tag; %s (the oldest) is node 0 now",
+                    cluster, master["InstanceId"])
+    return [master, *[i for i in by_age if i is not master]]
+
+
+def starting_nodes(cluster: str, region: str | None = None) -> list[dict]:
+    """Instances of the cluster that are not running yet or any more (a replacement booting, a node
+    being reclaimed): 'fab status' shows them beside the nodes."""
+    with aws_errors():
+        pages = ec2_client(region).get_paginator("describe_instances").paginate(Filters=[
+            {"Name": f"tag:{TAG_CLUSTER}", "Values": [cluster]}, {"Name": "tag-key", "Values": [TAG_ROLE]},
+            {"Name": "instance-state-name", "Values": ["pending", "shutting-down", "stopping", "stopped"]}])
+        return [inst for page in pages for res in page["Reservations"] for inst in res["Instances"]]
+
+
 def _aws_node(inst: dict, position: int, cluster: str) -> Node:
     tags = _tags(inst)
     private = inst.get("PrivateIpAddress", "")
     return Node(
-        name=tags.get("Name") or f"{cluster}-{tags[TAG_INDEX]}",
+        name=f"{cluster}-{position}",
         host=inst.get("PublicIpAddress") or private,
         private_host=private,
         user=tags.get(TAG_SSH_USER, DEFAULT_USER),
@@ -78,7 +90,9 @@ def _aws_node(inst: dict, position: int, cluster: str) -> Node:
         python=REMOTE_PYTHON,
         labels={"instance_id": inst["InstanceId"], "instance_type": inst.get("InstanceType", ""),
                 "availability_zone": inst.get("Placement", {}).get("AvailabilityZone", ""),
-                "role": tags.get(TAG_ROLE, ""), "cluster": cluster},
+                "role": "master" if position == 0 else "worker", "cluster": cluster,
+                "lifecycle": inst.get("InstanceLifecycle", "on-demand"),
+                "launch_time": str(inst.get("LaunchTime", ""))},
     )
 
 
@@ -103,43 +117,35 @@ def _tags(inst: dict) -> dict[str, str]:
     return {t["Key"]: t["Value"] for t in inst.get("Tags", [])}
 
 
-@contextlib.contextmanager
-def _aws_errors():
-    """Turn botocore's failures into the one-line errors the CLI shows."""
-    from botocore import exceptions as err
-
-    try:
-        yield
-    except (err.NoCredentialsError, err.PartialCredentialsError):
-        raise ClusterError("no AWS credentials for --cluster aws; run 'aws configure' or export AWS_PROFILE "
-                           "(or AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY)") from None
-    except err.NoRegionError:
-        raise ClusterError("no AWS region for --cluster aws; export AWS_REGION=<the stack's region>") from None
-    except err.EndpointConnectionError as exc:
-        raise ClusterError(f"cannot reach the EC2 API ({exc}); check the network or XC_AWS_ENDPOINT_URL") from None
-    except err.ClientError as exc:
-        error = exc.response.get("Error", {})
-        raise ClusterError(f"AWS refused {exc.operation_name} ({error.get('Code')}: {error.get('Message')}); check that "
-                           f"the credentials are valid and allow ec2:{exc.operation_name}") from None
-
-
 # -- pulumi -----------------------------------------------------------------------------------
 def pulumi_nodes(stack: str = "") -> list[Node]:
     """The nodes of the stack's cluster: its clusterName and region from ``pulumi stack output --json``, then
     the running instances as --cluster aws:NAME sees them (host keys, instance type, replacements included)."""
     outputs = stack_outputs(stack)
     where = f"stack {stack!r}" if stack else "the selected stack"
-    if not outputs.get("nodes"):
-        raise ClusterError(f"{where} has no 'nodes' output; run 'pulumi up' first")
+    if not outputs:
+        raise ClusterError(f"{where} has no outputs; run 'pulumi up' first")
     if not outputs.get("clusterName"):
         raise ClusterError(f"{where} has no 'clusterName' output (made by an older version); run 'pulumi up' to "
                            "refresh its outputs")
     return aws_nodes(outputs["clusterName"], region=outputs.get("region") or None)
 
 
-def stack_outputs(stack: str = "") -> dict:
+def selected_stack_cluster() -> str:
+    """The clusterName of the stack selected in the project, or "" when there is no Pulumi CLI, no
+    Pulumi.yaml, no selected stack or no cluster in it: the caller then falls back to 'local'."""
     project = Path(os.environ.get("XC_PULUMI_DIR") or PROJECT_DIR)
-    argv = ["pulumi", "stack", "output", "--json", "--cwd", str(project)] + (["--stack", stack] if stack else [])
+    if not shutil.which("pulumi") or not (project / "Pulumi.yaml").is_file():
+        return ""
+    try:
+        return str(stack_outputs().get("clusterName") or "")
+    except ClusterError:
+        return ""
+
+
+@functools.lru_cache(maxsize=8)
+def _stack_outputs(project: str, stack: str, cli: str | None) -> str:
+    argv = [cli or "pulumi", "stack", "output", "--json", "--cwd", project] + (["--stack", stack] if stack else [])
     try:
         proc = subprocess.run(argv, check=False, capture_output=True, text=True, timeout=120)
     except FileNotFoundError:
@@ -152,8 +158,14 @@ def stack_outputs(stack: str = "") -> dict:
             raise ClusterError(f"Pulumi stack {stack or '(none selected)'} not found in {project} ({reason}); "
                                "see 'pulumi stack ls' and use --cluster pulumi:STACK")
         raise ClusterError(f"'pulumi stack output' failed in {project}: {reason}")
+    return proc.stdout or "{}"
+
+
+def stack_outputs(stack: str = "") -> dict:
+    """The stack's outputs (asked once per process: fab resolves a cluster more than once)."""
+    project = str(Path(os.environ.get("XC_PULUMI_DIR") or PROJECT_DIR))
+    text = _stack_outputs(project, stack, shutil.which("pulumi"))
     try:
-        return json.loads(proc.stdout or "{}")
+        return json.loads(text)
     except json.JSONDecodeError:
         raise ClusterError(f"'pulumi stack output --json' printed no JSON in {project}; run it by hand") from None
-

@@ -54,6 +54,15 @@ CATALOG: dict[str, InstanceType] = {t.name: t for t in (
 )}
 
 
+# us-east-1 list prices of what else a cluster leaves billed; a month bills as 730 hours.
+HOURS_PER_MONTH = 730
+EBS_USD_PER_GIB_MONTH = {"gp3": 0.08, "gp2": 0.10}
+GP3_USD_PER_GIB_MONTH = EBS_USD_PER_GIB_MONTH["gp3"]
+SNAPSHOT_USD_PER_GIB_MONTH = 0.05  # standard tier, full size: an upper bound, snapshots are incremental
+PUBLIC_IPV4_USD_H = 0.005  # every public IPv4 address, charged since 2024
+LOG_USD_PER_GIB_MONTH = 0.03  # CloudWatch Logs storage
+
+
 def lookup(name: str) -> InstanceType:
     try:
         return CATALOG[name]

@@ -22,6 +22,6 @@ TAG_PREFIX = "xeon-cluster:"
 TAG_CLUSTER = TAG_PREFIX + "cluster"
 TAG_STACK = TAG_PREFIX + "stack"
 TAG_ROLE = TAG_PREFIX + "role"
-TAG_INDEX = TAG_PREFIX + "index"
 TAG_SSH_USER = TAG_PREFIX + "ssh-user"
 TAG_PROFILE = TAG_PREFIX + "profile"
+TAG_IMAGE_BUILD = TAG_PREFIX + "image-build"  # on Image Builder's build instance, which is no node

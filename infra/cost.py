@@ -6,15 +6,10 @@ from dataclasses import asdict, dataclass
 from datetime import datetime, timezone
 
 from core import catalog
+from core.catalog import GP3_USD_PER_GIB_MONTH, HOURS_PER_MONTH, PUBLIC_IPV4_USD_H
 from core.ec2 import ec2_client
 
 log = logging.getLogger(__name__)
-
-# us-east-1 list prices: gp3 storage per GiB-month (a month bills as 730 hours), and the public
-# IPv4 address every node has (charged since 2024).
-GP3_USD_PER_GIB_MONTH = 0.08
-HOURS_PER_MONTH = 730
-PUBLIC_IPV4_USD_H = 0.005
 
 
 @dataclass(frozen=True)

@@ -16,6 +16,7 @@ import pulumi_aws as aws
 from core.constants import TAG_PREFIX
 from core.errors import ClusterError
 from core.render import render
+from infra.amis import AmiCleanup
 from infra.settings import MIN_ROOT_GIB, ClusterSettings
 from node_setup import profiles
 
@@ -23,6 +24,7 @@ SCRIPT_PATH = "/opt/xeon-cluster/setup.sh"
 MAX_COMPONENT_CHARS = 16000  # Image Builder's limit for an inline component document
 BUILD_POLICIES = ("AmazonSSMManagedInstanceCore", "EC2InstanceProfileForImageBuilder")
 UBUNTU_ROOT_DEVICE = "/dev/sda1"
+BUILD_LOG_DAYS = 30  # Image Builder's own log group never expires; ours does
 
 
 def component_document(profile: str) -> str:
@@ -44,10 +46,13 @@ def component_document(profile: str) -> str:
 class Image(pulumi.ComponentResource):
     ami_id: pulumi.Output[str]
 
-    def __init__(self, name: str, settings: ClusterSettings, network, opts: pulumi.ResourceOptions | None = None):
+    def __init__(self, name: str, settings: ClusterSettings, network, partition: str = "aws",
+                 opts: pulumi.ResourceOptions | None = None):
         super().__init__("xeon-cluster:infra:Image", name, None, opts)
+        self.partition = partition
         if settings.image == "bake":
             self.ami_id = self._bake(name, settings, network)
+            AmiCleanup(f"{name}-ami", self.ami_id, settings.region, opts=pulumi.ResourceOptions(parent=self))
         elif settings.image == "base":
             self.ami_id = aws.ssm.get_parameter_output(
                 name=settings.ubuntu_ami_parameter, opts=pulumi.InvokeOutputOptions(parent=self)).value
@@ -67,8 +72,9 @@ class Image(pulumi.ComponentResource):
             f"{name}-setup", name=f"{settings.cluster_name}-{settings.profile}-{digest}", version="1.0.0",
             platform="Linux", data=document, description=f"xeon-cluster setup, profile {settings.profile}",
             tags=tags, opts=child)
+        recipe_name = f"{settings.cluster_name}-{digest}"
         recipe = aws.imagebuilder.ImageRecipe(
-            f"{name}-recipe", name=f"{settings.cluster_name}-{digest}", version="1.0.0", parent_image=parent_image,
+            f"{name}-recipe", name=recipe_name, version="1.0.0", parent_image=parent_image,
             components=[{"component_arn": component.arn}],
             block_device_mappings=[{"device_name": UBUNTU_ROOT_DEVICE, "ebs": {
                 "volume_size": MIN_ROOT_GIB, "volume_type": "gp3", "encrypted": "true",
@@ -82,7 +88,7 @@ class Image(pulumi.ComponentResource):
             "Statement": [{"Effect": "Allow", "Principal": {"Service": "ec2.amazonaws.com"},
                            "Action": "sts:AssumeRole"}]}))
         attachments = [aws.iam.RolePolicyAttachment(f"{name}-build-{policy}", role=role.name, opts=child,
-                                                    policy_arn=f"arn:aws:iam::aws:policy/{policy}")
+                                                    policy_arn=f"arn:{self.partition}:iam::aws:policy/{policy}")
                        for policy in BUILD_POLICIES]
         instance_profile = aws.iam.InstanceProfile(f"{name}-build", role=role.name, tags=tags, opts=child)
         infrastructure = aws.imagebuilder.InfrastructureConfiguration(
@@ -93,8 +99,13 @@ class Image(pulumi.ComponentResource):
             # not the cluster tag: discovery must never take the build instance for a node
             resource_tags={f"{TAG_PREFIX}image-build": settings.cluster_name}, tags=tags,
             opts=pulumi.ResourceOptions(parent=self, depends_on=attachments))  # no build before the policies
+        # Image Builder logs a build to /aws/imagebuilder/<recipe name>; made first, it is the stack's
+        # own (deleted with it) and expires.
+        logs = aws.cloudwatch.LogGroup(f"{name}-build-logs", name=f"/aws/imagebuilder/{recipe_name}",
+                                       retention_in_days=BUILD_LOG_DAYS, tags=tags, opts=child)
         image = aws.imagebuilder.Image(
             f"{name}-image", image_recipe_arn=recipe.arn, infrastructure_configuration_arn=infrastructure.arn,
             image_tests_configuration={"image_tests_enabled": True, "timeout_minutes": 60}, tags=tags,
-            opts=pulumi.ResourceOptions(parent=self, custom_timeouts=pulumi.CustomTimeouts(create="120m")))
+            opts=pulumi.ResourceOptions(parent=self, depends_on=[logs],
+                                        custom_timeouts=pulumi.CustomTimeouts(create="120m")))
         return image.output_resources.apply(lambda resources: resources[0].amis[0].image)

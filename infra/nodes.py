@@ -1,6 +1,11 @@
-"""The nodes: one launch template (IMDSv2 only, encrypted gp3 root, spot, placement group, the
-cluster's subnet and security group) and N instances from it, tagged with role and index so
-that cluster.aws finds them in order.
+"""The nodes: one launch template (IMDSv2 only, encrypted gp3 root, the cluster's security group)
+and one Auto Scaling group over it, in the placement group, holding the stack's node count.
+
+Why an Auto Scaling group and not an EC2 Fleet of type maintain: both replace a reclaimed spot node
+by themselves, but only the group rolls a changed launch template (instance refresh) with a cap of
+100% healthy capacity, so a new AMI or user data never doubles the spot vCPU quota or the placement
+group; it also replaces nodes ahead of reclaim (capacity rebalancing). Node order is not the
+group's business: cluster.aws makes the node holding the master role tag node 0.
 """
 from __future__ import annotations
 
@@ -9,25 +14,45 @@ import base64
 import pulumi
 import pulumi_aws as aws
 
-from core.constants import TAG_INDEX, TAG_PROFILE, TAG_ROLE, TAG_SSH_USER
+from core.constants import TAG_PROFILE, TAG_ROLE, TAG_SSH_USER
 from core.render import render
 from infra.settings import ClusterSettings
+
+# Stack config keys whose change makes a new launch template version, which the group rolls out.
+ROLLING_KEYS = ("image", "ubuntuVersion", "profile", "instanceType", "fallbackInstanceTypes", "rootVolumeGib",
+                "sshPublicKey", "sshUser", "maxSpotPrice", "spot")
+MIN_HEALTHY_PERCENT = 50  # a roll replaces at most half the nodes at a time, and never adds any
 
 
 def user_data(settings: ClusterSettings) -> str:
     return render("cloud-init.yaml.j2", cluster=settings.cluster_name, stack=settings.stack,
-                  profile=settings.profile, image_mode=settings.image, index_tag=TAG_INDEX)
+                  profile=settings.profile, image_mode=settings.image)
 
 
-def node_tags(settings: ClusterSettings, index: int) -> dict[str, str]:
-    return {**settings.tags, "Name": f"{settings.cluster_name}-{index}", TAG_INDEX: str(index),
-            TAG_ROLE: "master" if index == 0 else "worker", TAG_SSH_USER: settings.ssh_user,
-            TAG_PROFILE: settings.profile}
+def node_tags(settings: ClusterSettings) -> dict[str, str]:
+    """Tags every node is launched with; discovery moves the role tag to 'master' on node 0."""
+    return {**settings.tags, "Name": f"{settings.cluster_name}-node", TAG_ROLE: "worker",
+            TAG_SSH_USER: settings.ssh_user, TAG_PROFILE: settings.profile}
+
+
+def template_options(settings: ClusterSettings, parent: pulumi.Resource) -> pulumi.ResourceOptions:
+    # image=base resolves Canonical's current AMI on every run: without the pin a new Ubuntu
+    # release would roll every node on the next unrelated 'pulumi up'.
+    ignore = ["imageId"] if settings.image == "base" else []
+    return pulumi.ResourceOptions(parent=parent, ignore_changes=ignore)
+
+
+def instances_distribution(settings: ClusterSettings) -> dict:
+    if not settings.spot:
+        return {"on_demand_base_capacity": settings.node_count, "on_demand_percentage_above_base_capacity": 100}
+    spot = {"on_demand_base_capacity": 0, "on_demand_percentage_above_base_capacity": 0,
+            "spot_allocation_strategy": "capacity-optimized"}
+    if settings.max_spot_price:
+        spot["spot_max_price"] = settings.max_spot_price
+    return spot
 
 
 class Nodes(pulumi.ComponentResource):
-    instances: list[aws.ec2.Instance]
-
     def __init__(self, name: str, settings: ClusterSettings, network, ami_id: pulumi.Input[str],
                  opts: pulumi.ResourceOptions | None = None):
         super().__init__("xeon-cluster:infra:Nodes", name, None, opts)
@@ -40,40 +65,39 @@ class Nodes(pulumi.ComponentResource):
         root_device = aws.ec2.get_ami_output(
             filters=[{"name": "image-id", "values": [ami_id]}], opts=pulumi.InvokeOutputOptions(parent=self),
         ).root_device_name
-        market = None
-        if settings.spot:
-            spot = {"instance_interruption_behavior": "terminate", "spot_instance_type": "one-time"}
-            if settings.max_spot_price:
-                spot["max_price"] = settings.max_spot_price
-            market = {"market_type": "spot", "spot_options": spot}
 
         self.launch_template = aws.ec2.LaunchTemplate(
             f"{name}-lt", image_id=ami_id, instance_type=settings.instance_type, key_name=key.key_name,
             user_data=base64.b64encode(user_data(settings).encode()).decode(),
-            # hop limit 1: containers on a node cannot borrow its credentials; tags feed cloud-init.
+            # hop limit 1: containers on a node cannot borrow its credentials
             metadata_options={"http_endpoint": "enabled", "http_tokens": "required",
-                              "http_put_response_hop_limit": 1, "instance_metadata_tags": "enabled"},
+                              "http_put_response_hop_limit": 1},
             block_device_mappings=[{"device_name": root_device, "ebs": {
                 "volume_size": settings.root_volume_gib, "volume_type": "gp3", "encrypted": "true",
                 "delete_on_termination": "true"}}],
-            network_interfaces=[{"device_index": 0, "subnet_id": network.subnet.id,
-                                 "security_groups": [network.security_group.id],
+            # no subnet here: the group places nodes in its own subnet list
+            network_interfaces=[{"device_index": 0, "security_groups": [network.security_group.id],
                                  "associate_public_ip_address": "true", "delete_on_termination": "true"}],
-            placement={"group_name": network.placement_group.name},
-            instance_market_options=market,
             tag_specifications=[{"resource_type": "volume", "tags": tags}],
-            update_default_version=True, tags=tags, opts=child)
+            update_default_version=True, tags=tags, opts=template_options(settings, self))
 
-        version = self.launch_template.latest_version.apply(str)
-        self.instances = [
-            aws.ec2.Instance(f"{name}-{i}", launch_template={"id": self.launch_template.id, "version": version},
-                             tags=node_tags(settings, i), opts=child)
-            for i in range(settings.node_count)
-        ]
-        self.nodes = pulumi.Output.all(*[
-            pulumi.Output.all(inst.public_ip, inst.private_ip).apply(
-                lambda ips, i=i: {"name": f"{settings.cluster_name}-{i}", "index": i,
-                                  "role": "master" if i == 0 else "worker", "publicIp": ips[0], "privateIp": ips[1]})
-            for i, inst in enumerate(self.instances)
-        ])
-        self.register_outputs({"nodes": self.nodes, "launch_template_id": self.launch_template.id})
+        self.group = aws.autoscaling.Group(
+            f"{name}-nodes", name=f"{settings.cluster_name}-nodes",
+            min_size=settings.node_count, max_size=settings.node_count, desired_capacity=settings.node_count,
+            vpc_zone_identifiers=[network.subnet.id], placement_group=network.placement_group.name,
+            health_check_type="EC2", health_check_grace_period=120,
+            capacity_rebalance=settings.spot,
+            mixed_instances_policy={
+                "instances_distribution": instances_distribution(settings),
+                "launch_template": {
+                    "launch_template_specification": {
+                        "launch_template_id": self.launch_template.id,
+                        "version": self.launch_template.latest_version.apply(str)},
+                    "overrides": [{"instance_type": t} for t in settings.instance_types]}},
+            instance_refresh={"strategy": "Rolling", "preferences": {
+                "min_healthy_percentage": MIN_HEALTHY_PERCENT, "max_healthy_percentage": 100,
+                "skip_matching": True}},
+            wait_for_capacity_timeout="20m",
+            tags=[{"key": k, "value": v, "propagate_at_launch": True} for k, v in node_tags(settings).items()],
+            opts=child)
+        self.register_outputs({"group": self.group.name, "launch_template_id": self.launch_template.id})

@@ -35,6 +35,7 @@ class ClusterSettings:
     region: str = "us-east-1"
     availability_zone: str = ""  # "" = <region>a
     instance_type: str = "r7iz.16xlarge"
+    fallback_instance_types: str = ""  # comma-separated, same vCPUs/cores/memory as instance_type
     node_count: int = 4
     spot: bool = True
     max_spot_price: str = ""  # USD per hour per node; "" = pay up to the on-demand price
@@ -101,7 +102,18 @@ class ClusterSettings:
             raise ClusterError(f"sshUser {self.ssh_user!r} is not a Linux user name; {_fix('sshUser', 'ubuntu')}")
 
     def _check_nodes(self):
-        catalog.lookup(self.instance_type)
+        main = catalog.lookup(self.instance_type)
+        for name in self.instance_types[1:]:
+            other = catalog.lookup(name)
+            if (other.vcpus, other.cores, other.memory_gib) != (main.vcpus, main.cores, main.memory_gib):
+                raise ClusterError(
+                    f"fallbackInstanceTypes: {name} ({other.vcpus} vCPUs, {other.memory_gib} GiB) is not the shape of "
+                    f"{self.instance_type} ({main.vcpus} vCPUs, {main.memory_gib} GiB), so ranks and threads would "
+                    f"not fit every node; list only types of the same shape or run "
+                    f"'pulumi config rm fallbackInstanceTypes'")
+        if len(set(self.instance_types)) != len(self.instance_types):
+            raise ClusterError(f"fallbackInstanceTypes {self.fallback_instance_types!r} repeats a type or instanceType; "
+                               "list each other type once")
         if not 1 <= self.node_count <= MAX_NODES:
             raise ClusterError(f"nodeCount {self.node_count} must be between 1 and {MAX_NODES}; "
                                f"{_fix('nodeCount', '4')}")
@@ -151,6 +163,12 @@ class ClusterSettings:
     def tags(self) -> dict[str, str]:
         """Tags on every resource: how discovery, cost reports and cleanup find the cluster."""
         return {TAG_CLUSTER: self.cluster_name, TAG_STACK: self.stack}
+
+    @property
+    def instance_types(self) -> tuple[str, ...]:
+        """instanceType first, then the fallbacks the spot allocation may take when it is scarce."""
+        extra = [t.strip() for t in self.fallback_instance_types.split(",") if t.strip()]
+        return (self.instance_type, *extra)
 
     @property
     def instance(self) -> catalog.InstanceType:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 
@@ -24,22 +25,26 @@ def _free_port() -> int:
 def moto_server():
     """URL of a moto server process, shared by the session and stopped at its end."""
     port = _free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 30
-    while True:
-        try:
-            urllib.request.urlopen(f"{url}/moto-api/", timeout=1).close()
-            break
-        except OSError:
-            if proc.poll() is not None or time.monotonic() > deadline:
-                proc.kill()
-                pytest.fail(f"moto server did not start: {proc.stderr.read().decode()[-2000:]}")
-            time.sleep(0.1)
-    yield url
-    proc.kill()  # holds nothing worth a graceful stop, which takes werkzeug seconds
-    proc.wait()
+    # a file, not a pipe: nobody reads moto's request log, and a full pipe would freeze the server
+    # (a call moto lacks, e.g. Image Builder's, logs a whole traceback)
+    with tempfile.TemporaryFile() as log:
+        proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+                                stdout=subprocess.DEVNULL, stderr=log)
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                urllib.request.urlopen(f"{url}/moto-api/", timeout=1).close()
+                break
+            except OSError:
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    proc.kill()
+                    log.seek(0)
+                    pytest.fail(f"moto server did not start: {log.read().decode()[-2000:]}")
+                time.sleep(0.1)
+        yield url
+        proc.kill()  # holds nothing worth a graceful stop, which takes werkzeug seconds
+        proc.wait()
 
 
 @pytest.fixture
@@ -64,3 +69,12 @@ def isolate_aws(monkeypatch, tmp_path):
     monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
     monkeypatch.setenv("AWS_REGION", REGION)
     monkeypatch.setenv("AWS_DEFAULT_REGION", REGION)
+
+
+def client(service: str):
+    """A boto3 client of any service on the moto server the aws_env fixture points at."""
+    import os
+
+    import boto3
+
+    return boto3.client(service, region_name=REGION, endpoint_url=os.environ["XC_AWS_ENDPOINT_URL"])

@@ -9,6 +9,7 @@ import stat
 import subprocess
 import sys
 import textwrap
+import time
 
 import moto_fixture
 import pytest
@@ -16,7 +17,7 @@ import pytest
 from cluster import aws as discovery
 from cluster.inventory import load_nodes, select
 from core import catalog
-from core.constants import REMOTE_PYTHON, TAG_CLUSTER, TAG_INDEX, TAG_ROLE, TAG_SSH_USER
+from core.constants import REMOTE_PYTHON, TAG_CLUSTER, TAG_ROLE, TAG_SSH_USER
 from core.ec2 import ec2_client
 from core.errors import ClusterError
 from infra import cost
@@ -31,44 +32,103 @@ def ec2():
     return ec2_client(REGION)  # honours XC_AWS_ENDPOINT_URL: the moto server
 
 
-def launch(cluster: str, index: int | None, *, user: str | None = None) -> str:
-    tags = {"Name": f"{cluster}-{index}", TAG_CLUSTER: cluster}
-    if index is not None:
-        tags.update({TAG_INDEX: str(index), TAG_ROLE: "master" if index == 0 else "worker"})
+def launch(cluster: str, role: str | None = "worker", *, user: str | None = None) -> str:
+    tags = {"Name": f"{cluster}-node", TAG_CLUSTER: cluster}
+    if role is not None:
+        tags[TAG_ROLE] = role
     if user:
         tags[TAG_SSH_USER] = user
     reply = ec2().run_instances(ImageId=AMI, MinCount=1, MaxCount=1, InstanceType="c6i.16xlarge",
                                 TagSpecifications=[{"ResourceType": "instance",
                                                     "Tags": [{"Key": k, "Value": v} for k, v in tags.items()]}])
+    time.sleep(1.1)  # EC2 reports launch times in whole seconds: one second apart, their order is known
     return reply["Instances"][0]["InstanceId"]
 
 
-def test_aws_source_lists_running_nodes_of_the_cluster_in_index_order(aws_env):
-    ids = {i: launch("bert", i, user="ubuntu") for i in (2, 0, 3, 1)}  # launched out of order
-    launch("other", 0)
-    launch("bert", None)  # tagged with the cluster but no index: not a node
-    ec2().stop_instances(InstanceIds=[ids[3]])
+def role_tags(ids) -> dict[str, str]:
+    described = ec2().describe_instances(InstanceIds=list(ids))["Reservations"]
+    return {i["InstanceId"]: {t["Key"]: t["Value"] for t in i["Tags"]}.get(TAG_ROLE)
+            for r in described for i in r["Instances"]}
+
+
+def test_aws_source_lists_the_master_first_then_the_others_oldest_first(aws_env):
+    first = launch("bert", user="ubuntu")
+    master = launch("bert", "master", user="ubuntu")  # not the oldest: the tag decides
+    second, stopped = launch("bert", user="ubuntu"), launch("bert")
+    launch("other", "master")
+    launch("bert", None)  # the cluster's tag but no role (the image build instance): not a node
+    ec2().stop_instances(InstanceIds=[stopped])
 
     nodes = load_nodes("aws:bert")  # through cluster.inventory, as 'fab --cluster aws:bert' does
 
+    assert [n.labels["instance_id"] for n in nodes] == [master, first, second]
     assert [n.name for n in nodes] == ["bert-0", "bert-1", "bert-2"]
     assert [n.index for n in nodes] == [0, 1, 2]
-    assert [n.labels["instance_id"] for n in nodes] == [ids[0], ids[1], ids[2]]
-    described = {i["InstanceId"]: i for r in ec2().describe_instances(InstanceIds=list(ids.values()))["Reservations"]
-                 for i in r["Instances"]}
+    assert [n.labels["role"] for n in nodes] == ["master", "worker", "worker"]
+    described = {i["InstanceId"]: i for r in ec2().describe_instances(InstanceIds=[master, first, second])[
+        "Reservations"] for i in r["Instances"]}
     for node in nodes:
         inst = described[node.labels["instance_id"]]
         assert node.host == inst["PublicIpAddress"] and node.private_host == inst["PrivateIpAddress"]
         assert (node.user, node.port, node.python) == ("ubuntu", 22, REMOTE_PYTHON)
-    assert nodes[0].labels["role"] == "master"
     with pytest.raises(ClusterError, match=r"--nodes 4 but the cluster 'aws:bert' has 3 nodes; run 'pulumi up'"):
         select(nodes, 4, "aws:bert")
 
 
+def test_a_lost_master_hands_its_tag_to_the_oldest_survivor(aws_env, caplog):
+    master, older, newer = launch("bert", "master"), launch("bert"), launch("bert")
+    ec2().terminate_instances(InstanceIds=[master])  # node 0 reclaimed
+    with caplog.at_level("WARNING"):
+        nodes = load_nodes("aws:bert")
+    assert [n.labels["instance_id"] for n in nodes] == [older, newer]
+    assert role_tags([older, newer]) == {older: "master", newer: "worker"}  # the tag moved in EC2
+    assert f"{older} (the oldest) is node 0 now" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING"):
+        again = load_nodes("aws:bert")
+    assert [n.labels["instance_id"] for n in again] == [older, newer] and "node 0 now" not in caplog.text
+
+
+def test_two_masters_leave_the_role_with_the_older_one(aws_env):
+    older, newer = launch("bert", "master"), launch("bert", "master")  # two operators promoted at once
+    nodes = load_nodes("aws:bert")
+    assert [n.labels["instance_id"] for n in nodes] == [older, newer]
+    assert role_tags([older, newer]) == {older: "master", newer: "worker"}
+
+
+def test_an_auto_scaling_group_node_lost_is_replaced_and_the_order_holds(aws_env):
+    """The group as infra/nodes.py declares it (launch template, propagated tags), run by moto."""
+    from infra.nodes import node_tags
+    from infra.settings import ClusterSettings
+
+    settings = ClusterSettings(admin_cidr="203.0.113.7/32", cluster_name="bert", ssh_public_key=(
+        "ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIOp9fX1kZXZlbG9wZXIta2V5LWZvci10ZXN0cw op@laptop"), image="base")
+    template = ec2().create_launch_template(LaunchTemplateName="bert-lt", LaunchTemplateData={
+        "ImageId": AMI, "InstanceType": "c6i.16xlarge"})["LaunchTemplate"]["LaunchTemplateId"]
+    subnet = ec2().describe_subnets()["Subnets"][0]["SubnetId"]
+    scaling = moto_fixture.client("autoscaling")
+    scaling.create_auto_scaling_group(
+        AutoScalingGroupName="bert-nodes", MinSize=3, MaxSize=3, DesiredCapacity=3, VPCZoneIdentifier=subnet,
+        LaunchTemplate={"LaunchTemplateId": template, "Version": "$Latest"},
+        Tags=[{"Key": k, "Value": v, "PropagateAtLaunch": True} for k, v in node_tags(settings).items()])
+    first = load_nodes("aws:bert")
+    assert len(first) == 3 and first[0].labels["role"] == "master"
+    assert role_tags([n.labels["instance_id"] for n in first])[first[0].labels["instance_id"]] == "master"
+    time.sleep(1.1)
+    lost = first[0].labels["instance_id"]
+    scaling.terminate_instance_in_auto_scaling_group(InstanceId=lost, ShouldDecrementDesiredCapacity=False)
+    after = load_nodes("aws:bert")
+    ids = [n.labels["instance_id"] for n in after]
+    assert len(ids) == 3 and lost not in ids  # the group replaced the node by itself
+    assert ids[:2] == [first[1].labels["instance_id"], first[2].labels["instance_id"]]  # survivors keep order
+    assert ids[2] not in {n.labels["instance_id"] for n in first}  # the replacement comes last
+    assert role_tags(ids)[ids[0]] == "master"
+
+
 def test_cluster_name_comes_from_env_or_from_the_only_running_cluster(aws_env, monkeypatch):
-    launch("solo", 0, user="ec2-user")
+    launch("solo", "master", user="ec2-user")
     assert [n.user for n in load_nodes("aws")] == ["ec2-user"]  # the only cluster; user from its tag
-    launch("bert", 0)
+    launch("bert", "master")
     with pytest.raises(ClusterError, match=r"2 clusters are running \(bert, solo\); pick one with --cluster aws:NAME"):
         load_nodes("aws")
     monkeypatch.setenv("XC_AWS_CLUSTER", "bert")
@@ -81,21 +141,6 @@ def test_no_running_nodes_is_a_clear_error(aws_env):
         load_nodes("aws:bert")
     with pytest.raises(ClusterError, match=r"no running xeon-cluster instances in us-east-1"):
         load_nodes("aws")
-
-
-def test_a_cluster_without_its_master_is_refused(aws_env):
-    master = launch("bert", 0)
-    launch("bert", 1)
-    ec2().terminate_instances(InstanceIds=[master])
-    with pytest.raises(ClusterError, match=r"node 0 \(the master\) of cluster 'bert' is not running"):
-        load_nodes("aws:bert")
-
-
-def test_two_instances_claiming_one_index_are_refused(aws_env):
-    launch("bert", 0)
-    launch("bert", 0)
-    with pytest.raises(ClusterError, match="both claim index 0 of cluster 'bert'; give each stack its own clusterName"):
-        load_nodes("aws:bert")
 
 
 def test_missing_credentials_is_a_clear_error(moto_server, monkeypatch, tmp_path):
@@ -165,12 +210,7 @@ def test_catalog_matches_the_instance_specs_aws_publishes(aws_env):
 
 
 # -- pulumi (fake CLI) ------------------------------------------------------------------------
-STACK_OUTPUT = {
-    "clusterName": "bert", "sshUser": "ubuntu", "masterPrivateIp": "10.42.0.11",
-    "nodes": [{"name": "bert-1", "index": 1, "role": "worker", "publicIp": "198.51.100.12", "privateIp": "10.42.0.12"},
-              {"name": "bert-0", "index": 0, "role": "master", "publicIp": "198.51.100.11",
-               "privateIp": "10.42.0.11"}],
-}
+STACK_OUTPUT = {"clusterName": "bert", "sshUser": "ubuntu", "nodeCount": 2, "autoScalingGroup": "bert-nodes"}
 
 
 def fake_pulumi(tmp_path, monkeypatch, script: str):
@@ -186,7 +226,7 @@ def fake_pulumi(tmp_path, monkeypatch, script: str):
 
 
 def test_pulumi_source_reads_the_stack_outputs_with_a_fake_cli(aws_env, tmp_path, monkeypatch):
-    ids = {i: launch("bert", i, user="ubuntu") for i in (1, 0)}
+    ids = {0: launch("bert", "master", user="ubuntu"), 1: launch("bert", user="ubuntu")}
     argv = fake_pulumi(tmp_path, monkeypatch, f"print(json.dumps({dict(STACK_OUTPUT, region=REGION)!r}))\n")
     nodes = load_nodes("pulumi:prod")
     assert json.loads(argv.read_text()) == ["stack", "output", "--json", "--cwd", str(discovery.PROJECT_DIR),
@@ -201,8 +241,8 @@ def test_pulumi_source_reads_the_stack_outputs_with_a_fake_cli(aws_env, tmp_path
 def test_one_cluster_has_one_state_folder_and_key_whichever_way_it_is_named(aws_env, tmp_path, monkeypatch):
     from cluster.resolve import open_cluster
 
-    for i in (0, 1):
-        launch("bert", i)
+    launch("bert", "master")
+    launch("bert")
     fake_pulumi(tmp_path, monkeypatch, f"print(json.dumps({dict(STACK_OUTPUT, region=REGION)!r}))\n")
     monkeypatch.setenv("XC_STATE_DIR", str(tmp_path / "state"))
     folders = {spec: open_cluster(spec).state for spec in ("aws", "aws:bert", "pulumi", "pulumi:prod")}
@@ -221,9 +261,9 @@ def test_pulumi_source_errors_name_the_stack_and_the_fix(tmp_path, monkeypatch):
         load_nodes("pulumi:prod")
 
 
-def test_pulumi_source_without_nodes_output_says_run_pulumi_up(tmp_path, monkeypatch):
+def test_pulumi_source_without_outputs_says_run_pulumi_up(tmp_path, monkeypatch):
     fake_pulumi(tmp_path, monkeypatch, "print('{}')\n")
-    with pytest.raises(ClusterError, match=r"stack 'dev' has no 'nodes' output; run 'pulumi up' first"):
+    with pytest.raises(ClusterError, match=r"stack 'dev' has no outputs; run 'pulumi up' first"):
         load_nodes("pulumi:dev")
 
 

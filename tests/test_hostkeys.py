@@ -22,7 +22,7 @@ from cluster import aws as discovery
 from cluster import hostkeys
 from cluster.node import Node
 from cluster.remote import connect
-from core.constants import TAG_CLUSTER, TAG_INDEX
+from core.constants import TAG_CLUSTER, TAG_ROLE
 from core.ec2 import ec2_client
 from core.errors import ClusterError
 
@@ -225,7 +225,7 @@ def test_latest_output_unsupported_falls_back_to_the_buffered_output(tmp_path):
 
 # -- the aws source against the real moto server ----------------------------------------------
 def launch(index: int) -> str:
-    tags = {"Name": f"bert-{index}", TAG_CLUSTER: "bert", TAG_INDEX: str(index)}
+    tags = {"Name": "bert-node", TAG_CLUSTER: "bert", TAG_ROLE: "master" if index == 0 else "worker"}
     reply = ec2_client(moto_fixture.REGION).run_instances(
         ImageId="ami-0123456789abcdef0", MinCount=1, MaxCount=1, InstanceType="c6i.16xlarge",
         TagSpecifications=[{"ResourceType": "instance", "Tags": [{"Key": k, "Value": v} for k, v in tags.items()]}])
@@ -360,7 +360,10 @@ def test_connect_accepts_the_host_key_from_the_console_and_refuses_others(sshd, 
 
     wrong = tmp_path / "wrong"
     hostkeys.record_host_keys([node("i-0b")], FakeEC2({"i-0b": console([ED25519])}), wrong)
-    with pytest.raises(ClusterError, match=r"host key CHANGED"):
+    with pytest.raises(ClusterError, match=r"host key CHANGED") as changed:
         connect(Node(**{**ok.to_dict(), "labels": {**ok.labels, "known_hosts": str(wrong)}}), timeout=5)
+    # the fix names the file this cluster records its keys in, not ~/.ssh/known_hosts
+    assert f"recorded in {wrong};" in str(changed.value)
+    assert f"'ssh-keygen -f {wrong} -R \"[127.0.0.1]:{port}\"'" in str(changed.value)
     with pytest.raises(ClusterError, match=r"host key unknown"):
         connect(Node(**{**ok.to_dict(), "labels": {"identity": str(identity)}}), timeout=5)

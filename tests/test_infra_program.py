@@ -34,9 +34,10 @@ class Res:
 class Recorder(pulumi.runtime.Mocks):
     """Records every resource and invoke; answers with the computed outputs AWS would return."""
 
-    def __init__(self):
+    def __init__(self, offered_zones=("us-east-1a", "us-east-1b", "us-east-1c"), partition="aws"):
         self.resources: list[Res] = []
         self.calls: list[tuple[str, dict, str]] = []
+        self.offered_zones, self.partition = offered_zones, partition
 
     def new_resource(self, args: pulumi.runtime.MockResourceArgs):
         outputs = dict(args.inputs)
@@ -44,9 +45,6 @@ class Recorder(pulumi.runtime.Mocks):
             outputs["outputResources"] = [{"amis": [{"image": BAKED_AMI, "region": "us-east-1"}]}]
         elif args.typ == "aws:ec2/launchTemplate:LaunchTemplate":
             outputs["latestVersion"] = 3
-        elif args.typ == "aws:ec2/instance:Instance":
-            n = len(self.of("aws:ec2/instance:Instance"))
-            outputs.update(publicIp=f"198.51.100.{10 + n}", privateIp=f"10.42.0.{10 + n}")
         elif args.typ == "aws:ec2/keyPair:KeyPair":
             outputs["keyName"] = args.name
         outputs.setdefault("name", args.name)
@@ -60,6 +58,13 @@ class Recorder(pulumi.runtime.Mocks):
             return {"name": args.args["name"], "value": BASE_AMI, "type": "String", "id": args.args["name"]}
         if args.token == "aws:ec2/getAmi:getAmi":
             return {"id": "ami", "rootDeviceName": "/dev/sda1"}
+        if args.token == "aws:ec2/getInstanceTypeOfferings:getInstanceTypeOfferings":
+            (types,) = [f["values"] for f in args.args["filters"] if f["name"] == "instance-type"]
+            pairs = [(t, z) for t in types for z in self.offered_zones]
+            return {"id": "offerings", "instanceTypes": [t for t, _ in pairs], "locations": [z for _, z in pairs],
+                    "locationTypes": ["availability-zone"] * len(pairs)}
+        if args.token == "aws:index/getPartition:getPartition":
+            return {"id": self.partition, "partition": self.partition, "dnsSuffix": "amazonaws.com"}
         return {}
 
     def of(self, typ: str) -> list[Res]:
@@ -97,8 +102,8 @@ def program(monkeypatch, tmp_path):
     """Run __main__.py's main() with the given stack config; returns resources, invokes and outputs."""
     isolate_aws(monkeypatch, tmp_path)  # the cost lookup finds no credentials: catalog hint, no network
 
-    def run(**config) -> Run:
-        mocks = Recorder()
+    def run(mocks: Recorder | None = None, **config) -> Run:
+        mocks = mocks or Recorder()
         monitor = pulumi.runtime.mocks.MockMonitor(mocks)
         pulumi.runtime.set_mocks(mocks, project="xeon-cluster", stack="dev", preview=False, monitor=monitor)
         pulumi.runtime.set_all_config({f"xeon-cluster:{k}": str(v) for k, v in {**REQUIRED, **config}.items()})
@@ -142,7 +147,10 @@ def test_world_ssh_only_when_explicitly_allowed_and_nothing_else_opens(program):
     assert [(r["fromPort"], r["toPort"], r["protocol"]) for r in open_rules] == [(22, 22, "tcp")]
 
 
-def test_launch_template_requires_imdsv2_encrypts_root_and_uses_spot(program):
+GROUP = "aws:autoscaling/group:Group"
+
+
+def test_launch_template_requires_imdsv2_and_encrypts_root_and_the_group_buys_spot(program):
     run = program(rootVolumeGib="200", maxSpotPrice="3.10")
     lt = run.mocks.one("aws:ec2/launchTemplate:LaunchTemplate").inputs
     assert lt["metadataOptions"]["httpTokens"] == "required"
@@ -150,9 +158,12 @@ def test_launch_template_requires_imdsv2_encrypts_root_and_uses_spot(program):
     (root,) = lt["blockDeviceMappings"]
     assert root["deviceName"] == "/dev/sda1"  # the AMI's own root device, looked up
     assert root["ebs"] == {"volumeSize": 200, "volumeType": "gp3", "encrypted": "true", "deleteOnTermination": "true"}
-    assert lt["instanceMarketOptions"] == {"marketType": "spot", "spotOptions": {
-        "instanceInterruptionBehavior": "terminate", "spotInstanceType": "one-time", "maxPrice": "3.10"}}
+    assert "instanceMarketOptions" not in lt  # an Auto Scaling group with a mixed policy refuses it
     assert lt["instanceType"] == "r7iz.16xlarge"
+    policy = run.mocks.one(GROUP).inputs["mixedInstancesPolicy"]
+    assert policy["instancesDistribution"] == {
+        "onDemandBaseCapacity": 0, "onDemandPercentageAboveBaseCapacity": 0,
+        "spotAllocationStrategy": "capacity-optimized", "spotMaxPrice": "3.10"}
     cloud_config = base64.b64decode(lt["userData"]).decode()
     assert cloud_config.startswith("#cloud-config\n")
     parsed = yaml.safe_load(cloud_config)
@@ -162,32 +173,75 @@ def test_launch_template_requires_imdsv2_encrypts_root_and_uses_spot(program):
     assert ami_lookup[1]["filters"] == [{"name": "image-id", "values": [BAKED_AMI]}]
 
 
-def test_on_demand_has_no_market_options(program):
-    lt = program(spot="false").mocks.one("aws:ec2/launchTemplate:LaunchTemplate").inputs
-    assert "instanceMarketOptions" not in lt
+def test_on_demand_has_no_spot_in_the_group(program):
+    run = program(spot="false", nodeCount="3")
+    assert "instanceMarketOptions" not in run.mocks.one("aws:ec2/launchTemplate:LaunchTemplate").inputs
+    group = run.mocks.one(GROUP).inputs
+    assert group["mixedInstancesPolicy"]["instancesDistribution"] == {
+        "onDemandBaseCapacity": 3, "onDemandPercentageAboveBaseCapacity": 100}
+    assert group["capacityRebalance"] is False
 
 
-def test_all_nodes_share_one_zone_one_placement_group_and_carry_their_tags(program):
-    run = program(nodeCount="3", availabilityZone="us-east-1c", clusterName="bert")
+def test_one_self_replacing_group_holds_the_nodes_in_one_zone_and_placement_group(program):
+    run = program(nodeCount="3", availabilityZone="us-east-1c", clusterName="bert",
+                  fallbackInstanceTypes="r7iz.metal-16xl")
     m = run.mocks
     subnet = m.one("aws:ec2/subnet:Subnet")
     assert subnet.inputs["availabilityZone"] == "us-east-1c"
     group = m.one("aws:ec2/placementGroup:PlacementGroup")
     assert group.inputs["strategy"] == "cluster"
+    assert not m.of("aws:ec2/instance:Instance") and not m.of("aws:ec2/fleet:Fleet")
     lt = m.one("aws:ec2/launchTemplate:LaunchTemplate")
-    assert lt.inputs["placement"] == {"groupName": group.name}
     (nic,) = lt.inputs["networkInterfaces"]
-    assert nic["subnetId"] == subnet.id
+    assert "subnetId" not in nic  # the group's subnet list places the nodes
     assert nic["securityGroups"] == [m.one("aws:ec2/securityGroup:SecurityGroup").id]
-    instances = m.of("aws:ec2/instance:Instance")
-    assert len(instances) == 3
-    for i, inst in enumerate(instances):
-        assert inst.inputs["launchTemplate"] == {"id": lt.id, "version": "3"}
-        assert not {"subnetId", "availabilityZone", "placementGroup", "vpcSecurityGroupIds"} & set(inst.inputs)
-        assert inst.inputs["tags"] == {
-            "Name": f"bert-{i}", "xeon-cluster:cluster": "bert", "xeon-cluster:stack": "dev",
-            "xeon-cluster:role": "master" if i == 0 else "worker", "xeon-cluster:index": str(i),
-            "xeon-cluster:ssh-user": "ubuntu", "xeon-cluster:profile": "oneccl"}
+    asg = m.one(GROUP).inputs
+    assert (asg["minSize"], asg["maxSize"], asg["desiredCapacity"]) == (3, 3, 3)
+    assert asg["vpcZoneIdentifiers"] == [subnet.id] and asg["placementGroup"] == group.name
+    assert asg["healthCheckType"] == "EC2" and asg["capacityRebalance"] is True
+    template = asg["mixedInstancesPolicy"]["launchTemplate"]
+    assert template["launchTemplateSpecification"] == {"launchTemplateId": lt.id, "version": "3"}
+    assert template["overrides"] == [{"instanceType": "r7iz.16xlarge"}, {"instanceType": "r7iz.metal-16xl"}]
+    # a changed template rolls the nodes without ever running more than the target count
+    assert asg["instanceRefresh"] == {"strategy": "Rolling", "preferences": {
+        "minHealthyPercentage": 50, "maxHealthyPercentage": 100, "skipMatching": True}}
+    assert {t["key"]: (t["value"], t["propagateAtLaunch"]) for t in asg["tags"]} == {
+        "Name": ("bert-node", True), "xeon-cluster:cluster": ("bert", True), "xeon-cluster:stack": ("dev", True),
+        "xeon-cluster:role": ("worker", True), "xeon-cluster:ssh-user": ("ubuntu", True),
+        "xeon-cluster:profile": ("oneccl", True)}
+
+
+def test_fallback_types_of_another_shape_are_refused(program):
+    with pytest.raises(pulumi.RunError, match=r"fallbackInstanceTypes: c6i.16xlarge \(64 vCPUs, 128 GiB\) is not the "
+                                              r"shape of r7iz.16xlarge \(64 vCPUs, 512 GiB\)"):
+        program(fallbackInstanceTypes="c6i.16xlarge")
+
+
+def test_a_zone_without_the_instance_type_is_refused_naming_the_zones_that_offer_it(program):
+    with pytest.raises(pulumi.RunError) as err:
+        program(Recorder(offered_zones=("us-east-1b", "us-east-1d")))
+    assert str(err.value) == ("r7iz.16xlarge is not offered in us-east-1a (offered in: us-east-1b, us-east-1d); "
+                              "run 'pulumi config set availabilityZone us-east-1b'")
+    with pytest.raises(pulumi.RunError, match="offered in: no zone of us-east-1"):
+        program(Recorder(offered_zones=()))
+
+
+def test_policy_arns_follow_the_partition(program):
+    run = program(Recorder(offered_zones=("us-gov-west-1a",), partition="aws-us-gov"), region="us-gov-west-1")
+    arns = sorted(a.inputs["policyArn"] for a in run.mocks.of("aws:iam/rolePolicyAttachment:RolePolicyAttachment"))
+    assert arns == sorted(f"arn:aws-us-gov:iam::aws:policy/{p}" for p in BUILD_POLICIES)
+
+
+def test_quota_and_rolling_lines_name_the_figures():
+    from infra import checks
+    from infra.settings import ClusterSettings
+
+    settings = ClusterSettings(admin_cidr="203.0.113.7/32", ssh_public_key=KEY, node_count=4,
+                               instance_type="c6i.16xlarge", fallback_instance_types="c7i.16xlarge")
+    assert checks.quota_line(settings).startswith(
+        "the nodes need 256 spot vCPUs of quota L-34B43A08 in us-east-1;")
+    assert checks.rolling_line(("image",), 4, 50).startswith(
+        "changing any of image rolls the nodes (instance refresh: 2 of 4 at a time, never more than 4 running)")
 
 
 def test_bake_mode_feeds_the_image_builder_ami_into_the_launch_template(program):
@@ -216,6 +270,11 @@ def test_bake_mode_feeds_the_image_builder_ami_into_the_launch_template(program)
         sorted(f"arn:aws:iam::aws:policy/{p}" for p in BUILD_POLICIES)
     assert m.one("aws:ec2/launchTemplate:LaunchTemplate").inputs["imageId"] == BAKED_AMI
     assert run.outputs["amiId"] == BAKED_AMI
+    # nothing left billed: the build log expires, and the AMI (with its snapshot) leaves with the stack
+    logs = m.one("aws:cloudwatch/logGroup:LogGroup").inputs
+    assert logs["name"] == f"/aws/imagebuilder/{recipe.inputs['name']}" and logs["retentionInDays"] == 30
+    (cleanup,) = [r for r in m.resources if r.type == "pulumi-python:dynamic:Resource"]
+    assert cleanup.inputs["ami_id"] == BAKED_AMI and cleanup.inputs["region"] == "us-east-1"
 
 
 def test_base_mode_uses_ubuntu_from_ssm_and_builds_no_image(program):
@@ -224,6 +283,20 @@ def test_base_mode_uses_ubuntu_from_ssm_and_builds_no_image(program):
     (lookup,) = [c for c in run.mocks.calls if c[0] == "aws:ssm/getParameter:getParameter"]
     assert lookup[1]["name"] == "/aws/service/canonical/ubuntu/server/22.04/stable/current/amd64/hvm/ebs-gp2/ami-id"
     assert run.mocks.one("aws:ec2/launchTemplate:LaunchTemplate").inputs["imageId"] == BASE_AMI
+    assert not run.mocks.of("pulumi-python:dynamic:Resource")  # Canonical's AMI is not ours to delete
+    assert run.outputs["latestBaseAmiId"] == BASE_AMI
+
+
+def test_base_mode_pins_the_ami_it_first_resolved():
+    from infra.nodes import template_options
+    from infra.settings import ClusterSettings
+
+    def opts(image):
+        settings = ClusterSettings(admin_cidr="203.0.113.7/32", ssh_public_key=KEY, image=image)
+        return template_options(settings, None).ignore_changes
+
+    assert opts("base") == ["imageId"]  # a new Canonical AMI does not roll the nodes by itself
+    assert opts("bake") == [] and opts("ami-0123456789abcdef0") == []
 
 
 def test_explicit_ami_is_used_as_is(program):
@@ -238,7 +311,8 @@ def test_components_own_their_children_and_one_provider_serves_all(program):
     owners = {"aws:ec2/vpc:Vpc": "Network", "aws:ec2/securityGroup:SecurityGroup": "Network",
               "aws:ec2/placementGroup:PlacementGroup": "Network", "aws:imagebuilder/image:Image": "Image",
               "aws:iam/role:Role": "Image", "aws:ec2/launchTemplate:LaunchTemplate": "Nodes",
-              "aws:ec2/instance:Instance": "Nodes", "aws:ec2/keyPair:KeyPair": "Nodes"}
+              GROUP: "Nodes", "aws:ec2/keyPair:KeyPair": "Nodes",
+              "aws:cloudwatch/logGroup:LogGroup": "Image"}
     for typ, component in owners.items():
         urns = [u for u in run.urns() if f"::{typ}::" in u or f"${typ}::" in u]
         assert urns and all(f"xeon-cluster:infra:{component}${typ}::" in u for u in urns), (typ, urns)
@@ -251,15 +325,12 @@ def test_components_own_their_children_and_one_provider_serves_all(program):
     assert all("pulumi:providers:aws::aws" in (c[2] or "") for c in run.mocks.calls)
 
 
-def test_outputs_list_nodes_hostfile_and_cost(program):
-    run = program(nodeCount="2", instanceType="c6i.16xlarge", rootVolumeGib="100")
+def test_outputs_name_the_cluster_and_its_group_and_cost(program):
+    run = program(nodeCount="2", instanceType="c6i.16xlarge", rootVolumeGib="100", clusterName="bert")
     out = run.outputs
-    assert out["nodes"] == [
-        {"name": "dev-0", "index": 0, "role": "master", "publicIp": "198.51.100.10", "privateIp": "10.42.0.10"},
-        {"name": "dev-1", "index": 1, "role": "worker", "publicIp": "198.51.100.11", "privateIp": "10.42.0.11"}]
-    assert out["masterPrivateIp"] == "10.42.0.10" and out["sshUser"] == "ubuntu"
-    assert out["sshCommand"] == "ssh ubuntu@198.51.100.10"
-    assert out["hostfile"] == "10.42.0.10\n10.42.0.11\n"
+    assert (out["clusterName"], out["region"], out["nodeCount"], out["spot"]) == ("bert", "us-east-1", 2, True)
+    assert out["autoScalingGroup"] == "bert-nodes" and out["sshUser"] == "ubuntu"
+    assert out["instanceTypes"] == ["c6i.16xlarge"]
     # no AWS credentials here: the estimate falls back to the catalog's on-demand price
     extras = 2 * (100 * cost.GP3_USD_PER_GIB_MONTH / cost.HOURS_PER_MONTH + cost.PUBLIC_IPV4_USD_H)
     assert out["hourlyCostUsd"] == pytest.approx(2 * catalog.lookup("c6i.16xlarge").on_demand_usd_h + extras, abs=1e-3)

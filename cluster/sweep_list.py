@@ -1,0 +1,259 @@
+"""What ``fab sweep`` lists, one function per kind: every resource that carries a cluster tag (of any
+cluster; cluster.sweep picks one), with what deleting it needs and its cost per month where known.
+"""
+from __future__ import annotations
+
+import concurrent.futures
+from dataclasses import dataclass, field
+
+from core import catalog
+from core.constants import TAG_CLUSTER, TAG_IMAGE_BUILD
+
+KEYS = (TAG_CLUSTER, TAG_IMAGE_BUILD)
+# One server-side filter per key (moto ANDs a filter's values where AWS ORs them); each match is checked again here.
+ONLY_CLUSTER = (TAG_CLUSTER,)
+LIVE_INSTANCES = ["pending", "running", "stopping", "stopped", "shutting-down"]
+BILLED_STATES = ("pending", "running")
+
+
+@dataclass
+class Orphan:
+    kind: str  # one of cluster.sweep_delete.ORDER
+    id: str
+    name: str = ""
+    usd_month: float | None = 0.0  # None: not known
+    cluster: str = ""  # the tag's value; "" for a build log group found by its name
+    ref: dict = field(default_factory=dict)  # what deleting it needs besides its id
+
+
+def _pages(client, op: str, key: str, **kwargs) -> list[dict]:
+    if client.can_paginate(op):
+        return [item for page in client.get_paginator(op).paginate(**kwargs) for item in page.get(key, [])]
+    return getattr(client, op)(**kwargs).get(key, [])
+
+
+def _tags(tags) -> dict[str, str]:
+    """EC2's [{'Key', 'Value'}] or Image Builder's and CloudWatch's {key: value}."""
+    return dict(tags) if isinstance(tags, dict) else {t["Key"]: t["Value"] for t in tags or []}
+
+
+def _cluster(tags: dict[str, str]) -> str:
+    return tags.get(TAG_CLUSTER) or tags.get(TAG_IMAGE_BUILD) or ""
+
+
+def tagged(key: str) -> dict:
+    return {"Name": "tag-key", "Values": [key]}
+
+
+def _ec2(c, op: str, key: str, kind: str, id_key: str, name=None, cost=None, ref=None, keep=None,
+         keys=ONLY_CLUSTER, **kwargs) -> list[Orphan]:
+    """Tagged EC2 resources of one kind; ``name``, ``cost``, ``ref`` and ``keep`` take the item."""
+    extra = kwargs.pop("Filters", [])
+    out, seen = [], set()
+    for item in [i for k in keys for i in _pages(c["ec2"], op, key, Filters=[tagged(k), *extra], **kwargs)]:
+        tags = _tags(item.get("Tags"))
+        if not _cluster(tags) or (keep and not keep(item)) or item[id_key] in seen:
+            continue
+        seen.add(item[id_key])
+        out.append(Orphan(kind, item[id_key], tags.get("Name") or (name(item) if name else ""),
+                          cost(item) if cost else 0.0, _cluster(tags), ref(item) if ref else {}))
+    return out
+
+
+def instance_usd_month(instance_type: str, state: str) -> float | None:
+    if state not in BILLED_STATES:
+        return 0.0  # a stopped instance bills only its volumes, listed on their own
+    entry = catalog.CATALOG.get(instance_type)
+    return round(entry.on_demand_usd_h * catalog.HOURS_PER_MONTH, 2) if entry else None
+
+
+def volume_usd_month(volume_type: str, gib: int) -> float | None:
+    price = catalog.EBS_USD_PER_GIB_MONTH.get(volume_type)
+    return round(price * gib, 2) if price is not None else None
+
+
+def _instances(c) -> list[Orphan]:
+    # the image build's instance carries only the image-build tag
+    live = {"Name": "instance-state-name", "Values": LIVE_INSTANCES}
+    out, seen = [], set()
+    for key in KEYS:
+        for inst in [i for r in _pages(c["ec2"], "describe_instances", "Reservations", Filters=[tagged(key), live])
+                     for i in r["Instances"]]:
+            tags = _tags(inst.get("Tags"))
+            if _cluster(tags) and inst["InstanceId"] not in seen:
+                seen.add(inst["InstanceId"])
+                state, itype = inst["State"]["Name"], inst.get("InstanceType", "")
+                label = ", ".join(filter(None, [tags.get("Name"), f"{itype} {state}"]))
+                out.append(Orphan("instance", inst["InstanceId"], label, instance_usd_month(itype, state),
+                                  _cluster(tags)))
+    return out
+
+
+def _spot_requests(c) -> list[Orphan]:
+    return _ec2(c, "describe_spot_instance_requests", "SpotInstanceRequests", "spot request", "SpotInstanceRequestId",
+                name=lambda r: r.get("InstanceId", ""), Filters=[{"Name": "state", "Values": ["open", "active"]}])
+
+
+def _fleets(c) -> list[Orphan]:
+    # neither fleet API filters by tag
+    out = []
+    for fleet in _pages(c["ec2"], "describe_fleets", "Fleets"):
+        tags = _tags(fleet.get("Tags"))
+        if _cluster(tags) and fleet.get("FleetState") in ("submitted", "active", "modifying"):
+            out.append(Orphan("ec2 fleet", fleet["FleetId"], tags.get("Name", ""), 0.0, _cluster(tags)))
+    for config in _pages(c["ec2"], "describe_spot_fleet_requests", "SpotFleetRequestConfigs"):
+        tags = _tags(config.get("Tags"))
+        if _cluster(tags) and config.get("SpotFleetRequestState") in ("submitted", "active", "modifying"):
+            out.append(Orphan("spot fleet", config["SpotFleetRequestId"], tags.get("Name", ""), 0.0, _cluster(tags)))
+    return out
+
+
+def _groups(c) -> list[Orphan]:
+    out = []
+    for group in _pages(c["autoscaling"], "describe_auto_scaling_groups", "AutoScalingGroups",
+                        Filters=[tagged(TAG_CLUSTER)]):
+        tags = {t["Key"]: t["Value"] for t in group.get("Tags", [])}
+        if _cluster(tags):
+            status = f" ({group['Status']})" if group.get("Status") else ""
+            out.append(Orphan("auto scaling group", group["AutoScalingGroupName"],
+                              f"{len(group.get('Instances', []))} instance(s){status}", 0.0, _cluster(tags)))
+    return out
+
+
+def _storage(c) -> list[Orphan]:
+    return [
+        *_ec2(c, "describe_launch_templates", "LaunchTemplates", "launch template", "LaunchTemplateId",
+              name=lambda t: t["LaunchTemplateName"]),
+        *_ec2(c, "describe_images", "Images", "ami", "ImageId", name=lambda i: i.get("Name", ""), Owners=["self"],
+              ref=lambda i: {"snapshots": _snapshots_of(i)}),
+        *_ec2(c, "describe_snapshots", "Snapshots", "snapshot", "SnapshotId", OwnerIds=["self"],
+              name=lambda s: f"{s.get('VolumeSize', 0)} GiB",
+              cost=lambda s: round(s.get("VolumeSize", 0) * catalog.SNAPSHOT_USD_PER_GIB_MONTH, 2)),
+        *_ec2(c, "describe_volumes", "Volumes", "volume", "VolumeId", keys=KEYS,
+              name=lambda v: f"{v['Size']} GiB {v.get('VolumeType', '')} {v.get('State', '')}".strip(),
+              cost=lambda v: volume_usd_month(v.get("VolumeType", ""), v["Size"])),
+        *_ec2(c, "describe_key_pairs", "KeyPairs", "key pair", "KeyPairId", name=lambda k: k["KeyName"],
+              ref=lambda k: {"name": k["KeyName"]}),
+    ]
+
+
+def _placement_groups(c) -> list[Orphan]:
+    return _ec2(c, "describe_placement_groups", "PlacementGroups", "placement group", "GroupName",
+                name=lambda g: g.get("Strategy", ""))
+
+
+def _network(c) -> list[Orphan]:
+    ipv4 = round(catalog.PUBLIC_IPV4_USD_H * catalog.HOURS_PER_MONTH, 2)
+    return [
+        *_ec2(c, "describe_network_interfaces", "NetworkInterfaces", "network interface", "NetworkInterfaceId",
+              name=lambda n: n.get("Status", "")),
+        *_ec2(c, "describe_addresses", "Addresses", "elastic ip", "AllocationId", name=lambda a: a.get("PublicIp", ""),
+              cost=lambda a: ipv4, ref=lambda a: {"association": a.get("AssociationId", "")}),
+        # a VPC's default group goes with the VPC and cannot be deleted before
+        *_ec2(c, "describe_security_groups", "SecurityGroups", "security group", "GroupId",
+              name=lambda g: g["GroupName"], keep=lambda g: g["GroupName"] != "default",
+              ref=lambda g: {"ingress": g.get("IpPermissions", []), "egress": g.get("IpPermissionsEgress", [])}),
+        *_ec2(c, "describe_subnets", "Subnets", "subnet", "SubnetId", name=lambda s: s.get("CidrBlock", "")),
+        # the main route table goes with its VPC too
+        *_ec2(c, "describe_route_tables", "RouteTables", "route table", "RouteTableId",
+              keep=lambda t: not any(a.get("Main") for a in t.get("Associations", [])),
+              ref=lambda t: {"associations": [a["RouteTableAssociationId"] for a in t.get("Associations", [])
+                                              if not a.get("Main") and a.get("RouteTableAssociationId")]}),
+        *_ec2(c, "describe_internet_gateways", "InternetGateways", "internet gateway", "InternetGatewayId",
+              ref=lambda g: {"vpcs": [a["VpcId"] for a in g.get("Attachments", [])]}),
+        *_ec2(c, "describe_vpcs", "Vpcs", "vpc", "VpcId", name=lambda v: v.get("CidrBlock", "")),
+    ]
+
+
+def _snapshots_of(image: dict) -> dict[str, int]:
+    """The AMI's snapshots and their GiB: the AMI's storage bills on them."""
+    ebs = [m["Ebs"] for m in image.get("BlockDeviceMappings", []) if m.get("Ebs", {}).get("SnapshotId")]
+    return {e["SnapshotId"]: e.get("VolumeSize", 0) for e in ebs}
+
+
+def _each(fn, items: list) -> list:
+    """One API call per item (tags that the list calls do not return), eight at a time."""
+    with concurrent.futures.ThreadPoolExecutor(max_workers=8) as pool:
+        return list(pool.map(fn, items))
+
+
+def _iam(c) -> list[Orphan]:
+    iam = c["iam"]
+    # AWS's own roles (/aws-service-role/, /aws-reserved/) are not ours; list_roles returns no tags
+    roles = [r for r in _pages(iam, "list_roles", "Roles") if not r.get("Path", "/").startswith("/aws-")]
+    out = []
+    for role, tags in zip(roles, _each(lambda r: _tags(iam.list_role_tags(RoleName=r["RoleName"])["Tags"]), roles)):
+        if _cluster(tags):
+            out.append(Orphan("iam role", role["RoleName"], tags.get("Name", ""), 0.0, _cluster(tags)))
+    # get_instance_profile, not list_instance_profile_tags: it also names the roles to take out first
+    profiles = _each(lambda p: iam.get_instance_profile(InstanceProfileName=p["InstanceProfileName"]),
+                     _pages(iam, "list_instance_profiles", "InstanceProfiles"))
+    profiles = [p["InstanceProfile"] for p in profiles]
+    for profile in profiles:
+        tags = _tags(profile.get("Tags"))
+        if _cluster(tags):
+            roles_in = [r["RoleName"] for r in profile.get("Roles", [])]
+            out.append(Orphan("instance profile", profile["InstanceProfileName"], ", ".join(roles_in), 0.0,
+                              _cluster(tags), {"roles": roles_in}))
+    return out
+
+
+def _log_groups(c) -> list[Orphan]:
+    logs = c["logs"]
+    groups = _pages(logs, "describe_log_groups", "logGroups")
+
+    def tags(g: dict) -> dict[str, str]:
+        arn = g.get("logGroupArn") or g["arn"].removesuffix(":*")
+        return _tags(logs.list_tags_for_resource(resourceArn=arn).get("tags", {}))
+
+    out = []
+    for group, tagged in zip(groups, _each(tags, groups)):
+        name = group["logGroupName"]
+        if _cluster(tagged) or name.startswith("/aws/imagebuilder/"):
+            gib = group.get("storedBytes", 0) / 2**30
+            out.append(Orphan("log group", name, f"{gib:.2f} GiB stored", round(gib * catalog.LOG_USD_PER_GIB_MONTH, 2),
+                              _cluster(tagged)))
+    return out
+
+
+IMAGEBUILDER = (  # kind, list call, its result key, its arguments, and the call listing each item's builds
+    ("imagebuilder pipeline", "list_image_pipelines", "imagePipelineList", {}, None),
+    ("imagebuilder image", "list_images", "imageVersionList", {"owner": "Self"},
+     ("list_image_build_versions", "imageSummaryList", "imageVersionArn")),
+    ("imagebuilder recipe", "list_image_recipes", "imageRecipeSummaryList", {"owner": "Self"}, None),
+    ("imagebuilder component", "list_components", "componentVersionList", {"owner": "Self"},
+     ("list_component_build_versions", "componentSummaryList", "componentVersionArn")),
+    ("imagebuilder infra config", "list_infrastructure_configurations", "infrastructureConfigurationSummaryList", {},
+     None),
+    ("imagebuilder distribution", "list_distribution_configurations", "distributionConfigurationSummaryList", {},
+     None),
+)
+
+
+def _imagebuilder(c) -> list[Orphan]:
+    ib = c["imagebuilder"]
+    out = []
+    for kind, op, key, kwargs, builds in IMAGEBUILDER:
+        items = _pages(ib, op, key, **kwargs)
+        if builds:  # versions carry no tags; their builds do
+            items = [b for v in items for b in _pages(ib, builds[0], builds[1], **{builds[2]: v["arn"]})]
+        for item in items:
+            tags = _tags(item.get("tags"))
+            if _cluster(tags):
+                short = item["arn"].split(":", 5)[-1]  # image-recipe/NAME/1.0.0
+                out.append(Orphan(kind, short, item.get("name", ""), 0.0, _cluster(tags), {"arn": item["arn"]}))
+    return out
+
+
+SOURCES = (  # what it lists (for the warning), the lister, and whether a failure there is only a warning
+    ("Auto Scaling groups", _groups, True),
+    ("EC2 Fleets and spot fleets", _fleets, True),
+    ("spot requests", _spot_requests, False),
+    ("instances", _instances, False),
+    ("launch templates, AMIs, snapshots, volumes and key pairs", _storage, False),
+    ("placement groups", _placement_groups, True),
+    ("Image Builder resources", _imagebuilder, True),
+    ("IAM roles and instance profiles", _iam, True),
+    ("log groups", _log_groups, True),
+    ("network pieces", _network, False),
+)

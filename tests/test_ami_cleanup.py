@@ -1,0 +1,44 @@
+"""The baked AMI's clean-up step (infra/amis.py) against a real moto EC2 server on 127.0.0.1: what
+'pulumi destroy' and a superseding rebuild run when they delete the AMI's resource."""
+from __future__ import annotations
+
+import moto_fixture
+import pytest
+
+from infra.amis import AmiCleanupProvider, delete_ami
+
+moto_server, aws_env = moto_fixture.moto_server, moto_fixture.aws_env
+pytestmark = pytest.mark.filterwarnings("ignore:.*EncryptionControl has been deprecated:DeprecationWarning")
+
+
+def baked_ami(ec2, name: str) -> tuple[str, list[str]]:
+    """An AMI made as Image Builder makes one: CreateImage of a build instance (moto snapshots it)."""
+    build = ec2.run_instances(ImageId="ami-0123456789abcdef0", MinCount=1, MaxCount=1)["Instances"][0]["InstanceId"]
+    ami = ec2.create_image(InstanceId=build, Name=name)["ImageId"]
+    ec2.terminate_instances(InstanceIds=[build])
+    mappings = ec2.describe_images(ImageIds=[ami])["Images"][0]["BlockDeviceMappings"]
+    snapshots = [m["Ebs"]["SnapshotId"] for m in mappings]
+    assert snapshots
+    return ami, snapshots
+
+
+def test_deleting_the_resource_deregisters_the_ami_and_deletes_its_snapshot(aws_env):
+    ec2 = moto_fixture.client("ec2")
+    ami, snapshots = baked_ami(ec2, "bert-oneccl")
+    other, other_snapshots = baked_ami(ec2, "someone-else")
+
+    AmiCleanupProvider().delete(ami, {"ami_id": ami, "region": moto_fixture.REGION})
+
+    assert ec2.describe_images(Filters=[{"Name": "image-id", "Values": [ami]}])["Images"] == []
+    left = {s["SnapshotId"] for s in ec2.describe_snapshots(OwnerIds=["self"])["Snapshots"]}
+    assert not set(snapshots) & left
+    assert set(other_snapshots) <= left and ec2.describe_images(ImageIds=[other])["Images"]  # only its own
+    assert delete_ami(ec2, ami) == []  # gone already (deleted by hand): nothing to do, no error
+
+
+def test_a_new_ami_replaces_the_resource_and_an_unchanged_one_does_not():
+    provider = AmiCleanupProvider()
+    old = {"ami_id": "ami-0aaaaaaaaaaaaaaaa", "region": "us-east-1"}
+    assert provider.diff("x", old, dict(old)).changes is False
+    diff = provider.diff("x", old, {**old, "ami_id": "ami-0bbbbbbbbbbbbbbbb"})
+    assert diff.replaces == ["ami_id"] and diff.delete_before_replace is False  # nodes move first, then delete
