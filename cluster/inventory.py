@@ -20,7 +20,18 @@ from core.errors import ClusterError
 log = logging.getLogger(__name__)
 
 def default_cluster() -> str:
-    return os.environ.get("XC_CLUSTER") or "local"
+    """XC_CLUSTER; else the local cluster when one is started; else the cluster of the Pulumi stack selected
+    in the project (so 'pulumi up' then 'fab train' works as written); else 'local', whose error says how
+    to start one."""
+    if os.environ.get("XC_CLUSTER"):
+        return os.environ["XC_CLUSTER"]
+    from cluster import local
+
+    if (local.state_dir() / "state.json").exists():
+        return "local"
+    from cluster import aws  # light: boto3 and the Pulumi CLI are used only when called
+
+    return "pulumi" if aws.selected_stack_cluster() else "local"
 
 
 def load_nodes(cluster: str | None = None) -> list[Node]:
@@ -72,7 +83,8 @@ def parse_hosts_file(path: str | Path) -> list[Node]:
         except ValueError as exc:  # an unbalanced quote
             raise ClusterError(f"{p}:{lineno}: {exc} in {raw.strip()!r}; fix the quoting") from None
         if len(parts) < 2:
-            raise ClusterError(f"{p}:{lineno}: expected 'name address [key=value...]', got {raw.strip()!r}")
+            raise ClusterError(f"{p}:{lineno}: expected 'name address [key=value...]', got {raw.strip()!r}; write "
+                               "one node per line: name address [private=..] [user=..] [port=..]")
         name, host, *rest = parts
         opts = {}
         for item in rest:
@@ -83,7 +95,8 @@ def parse_hosts_file(path: str | Path) -> list[Node]:
         try:
             port = int(opts.get("port", 22))
         except ValueError:
-            raise ClusterError(f"{p}:{lineno}: port={opts['port']!r} is not a number") from None
+            raise ClusterError(f"{p}:{lineno}: port={opts['port']!r} is not a number; use 1..65535 (22 for "
+                               "sshd)") from None
         if not 1 <= port <= 65535:
             raise ClusterError(f"{p}:{lineno}: port={port} is not a TCP port; use 1..65535 (22 for sshd)")
         nodes.append(Node(
@@ -94,7 +107,8 @@ def parse_hosts_file(path: str | Path) -> list[Node]:
     names = [n.name for n in nodes]
     dupes = sorted({n for n in names if names.count(n) > 1})
     if dupes:
-        raise ClusterError(f"{p}: node names must be unique; repeated: {', '.join(dupes)}")
+        raise ClusterError(f"{p}: node name(s) {', '.join(dupes)} appear more than once; give every node its own "
+                           "name")
     seen: dict[tuple[str, int], str] = {}
     for n in nodes:  # one machine under two names would get two ranks pinned to the same cores
         other = seen.setdefault((n.host, n.port), n.name)
@@ -106,7 +120,7 @@ def parse_hosts_file(path: str | Path) -> list[Node]:
 
 def _hosts_source(arg: str) -> list[Node]:
     if not arg:
-        raise ClusterError("--cluster hosts needs a file: use --cluster hosts:PATH")
+        raise ClusterError("--cluster hosts needs a file; use --cluster hosts:PATH")
     return parse_hosts_file(arg)
 
 

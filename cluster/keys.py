@@ -66,6 +66,16 @@ def _write_private(conn, path: str, data: bytes) -> None:
         fh.write(data)
 
 
+def _kept_lines(conn, ssh_dir: str, others: list[Node]) -> str:
+    """The lines of node 0's known_hosts that record the nodes a smaller run leaves out."""
+    if not others:
+        return ""
+    hosts = {known_hosts_line(n, "").strip() for n in others}
+    res = run(conn, f"cat {shlex.quote(ssh_dir)}/known_hosts")
+    return "".join(line + "\n" for line in (res.stdout.splitlines() if res.ok else [])
+                   if line.split(" ", 1)[0] in hosts)
+
+
 def setup_keys(cluster: Cluster, nodes: list[Node] | None = None) -> KeysResult:
     """Idempotent: re-running changes nothing on a node that is already set up."""
     nodes = list(nodes or cluster.nodes)
@@ -82,9 +92,13 @@ def setup_keys(cluster: Cluster, nodes: list[Node] | None = None) -> KeysResult:
             raise ClusterError(f"{master.name}: cannot create {ssh_dir}: {res.stderr.strip()}")
         _write_private(conn, f"{ssh_dir}/id_ed25519", key.read_bytes())
         conn.put(io.StringIO(pub + "\n"), f"{ssh_dir}/id_ed25519.pub")
+        # A run on the first N nodes keeps node 0's view of the rest of the cluster (their aliases and the
+        # host keys recorded before): fab doctor and a later run on all nodes go on reaching them.
+        chosen = {n.name for n in nodes}
+        others = [n for n in cluster.nodes if n.name not in chosen]
         lines = "".join(known_hosts_line(n, host_keys[n.name]) + "\n" for n in nodes)
-        conn.put(io.StringIO(lines), f"{ssh_dir}/known_hosts")
-        conn.put(io.StringIO(render("ssh_config.j2", cluster=cluster.name, nodes=nodes, ssh_dir=ssh_dir)),
+        conn.put(io.StringIO(lines + _kept_lines(conn, ssh_dir, others)), f"{ssh_dir}/known_hosts")
+        conn.put(io.StringIO(render("ssh_config.j2", cluster=cluster.name, nodes=nodes + others, ssh_dir=ssh_dir)),
                  f"{ssh_dir}/config")
         run(conn, f"chmod 600 {shlex.quote(ssh_dir)}/config {shlex.quote(ssh_dir)}/known_hosts")
     log.info("cluster key authorized on %d node(s) (%d new); ssh config on %s", len(nodes), len(added), master.name)

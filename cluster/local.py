@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 
 from cluster.node import Node
+from core.cli import writable_dir
 from core.constants import MAX_NODES, PROJECT_ROOT
 from core.errors import ClusterError
 from core.render import render
@@ -126,7 +127,7 @@ def up(count: int, port: int = DEFAULT_PORT, first_address: str = FIRST_ADDRESS,
     if not base.is_loopback or not (base + count - 1).is_loopback:
         raise ClusterError(f"local nodes must live on 127.0.0.0/8; {first_address} + {count} leaves it")
     user = getpass.getuser()
-    state.mkdir(parents=True, exist_ok=True)
+    writable_dir(state, "the local cluster's state folder", "set XC_STATE_DIR to a writable folder")
     state.chmod(0o700)
     _keygen(operator_key(state), "xeon-cluster local operator")
     op_pub = operator_key(state).with_suffix(".pub").read_text()
@@ -359,3 +360,26 @@ def _cmdlines() -> list[tuple[int, str]]:
         except OSError:
             continue
     return out
+
+
+def node_status(state: Path | None = None) -> list[dict]:
+    """Each node's name, address, sshd pid, whether it runs and since when (epoch seconds), for 'fab status'."""
+    data = _read_state(state or state_dir())
+    if not data:
+        raise ClusterError("no local cluster is running; start one with 'fab local-up --nodes 2'")
+    out = []
+    for entry in data["nodes"]:
+        running = _alive(entry["pid"], entry["config"])
+        out.append({"name": entry["name"], "host": entry["node"]["host"], "port": entry["node"]["port"],
+                    "pid": entry["pid"], "running": running, "since": _started(entry["pid"]) if running else None})
+    return out
+
+
+def _started(pid: int) -> float | None:
+    try:
+        after_comm = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+        boot = next(float(line.split()[1]) for line in Path("/proc/stat").read_text().splitlines()
+                    if line.startswith("btime "))
+        return boot + int(after_comm[19]) / os.sysconf("SC_CLK_TCK")  # field 22: start time in ticks
+    except (OSError, ValueError, IndexError, StopIteration):
+        return None

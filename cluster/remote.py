@@ -30,6 +30,23 @@ def known_hosts_files(node: Node) -> list[Path]:
     return [f for f in files if f.is_file()]
 
 
+def _key_known(client: paramiko.SSHClient, node: Node) -> bool:
+    name = node.host if node.port == 22 else f"[{node.host}]:{node.port}"
+    return bool(client.get_host_keys().lookup(name))
+
+
+def recorded_in(node: Node, spec: str) -> Path | None:
+    """The known_hosts file (of those this cluster uses) that holds the node's entry: the one to edit."""
+    files = known_hosts_files(node)
+    for f in files:
+        try:
+            if paramiko.HostKeys(str(f)).lookup(spec):
+                return f
+        except (OSError, paramiko.SSHException):
+            continue
+    return files[0] if files else None
+
+
 def connect(node: Node, timeout: float = 10.0) -> Connection:
     """An open Connection; unknown or changed host keys are refused, never added."""
     kwargs: dict = {"timeout": timeout, "banner_timeout": timeout, "auth_timeout": timeout}
@@ -44,11 +61,18 @@ def connect(node: Node, timeout: float = 10.0) -> Connection:
     for f in known_hosts_files(node):
         conn.client.load_host_keys(str(f))
     where = f"{node.name} ({node.host}:{node.port})"
+    if node.labels.get("instance_id") and not _key_known(conn.client, node):
+        # a cloud node's key comes only from its console output: without it, do not even dial
+        raise ClusterError(f"{where}: host key not yet known; its keys are read from the instance's console "
+                           "output once it has booted: retry in a minute")
     try:
         conn.open()
     except paramiko.BadHostKeyException:
-        raise ClusterError(f"{where}: host key CHANGED since it was recorded; if the node was replaced, remove its "
-                           f"old entry with 'ssh-keygen -R [{node.host}]:{node.port}' and verify the new key") from None
+        spec = node.host if node.port == 22 else f"[{node.host}]:{node.port}"
+        file = recorded_in(node, spec)
+        raise ClusterError(f"{where}: host key CHANGED since it was recorded in {file}; if the node was replaced, "
+                           f"remove its old entry with 'ssh-keygen -f {file} -R \"{spec}\"' and verify the new "
+                           "key") from None
     except paramiko.AuthenticationException:
         raise ClusterError(f"{where}: SSH login as {node.user!r} refused; check the key (XC_SSH_KEY) "
                            "and that it is in the node's authorized_keys") from None

@@ -7,6 +7,7 @@ from pathlib import Path
 
 from cluster import local
 from cluster.inventory import Node, default_cluster, load_nodes, select
+from core.cli import writable_dir
 
 
 @dataclass(frozen=True)
@@ -45,5 +46,5 @@ def open_cluster(spec: str | None = None, require_running: bool = True) -> Clust
     else:
         nodes = load_nodes(spec)
         state = local.state_dir().parent / state_name(spec, nodes)
-    state.mkdir(parents=True, exist_ok=True, mode=0o700)
+    writable_dir(state, f"the state folder of cluster {spec!r}", "set XC_STATE_DIR to a writable folder", mode=0o700)
     return Cluster(spec=spec, nodes=tuple(nodes), state=state)

@@ -108,10 +108,13 @@ def clock_row(facts: list[Facts]) -> Row:
 def runs_rows(nodes: list[Node]) -> list[Row]:
     """Processes of runs still on the nodes: a run going on, or one whose fab died (kill -9, a closed
     laptop) and left its ranks training with nobody to end them."""
-    alive = runs_alive(nodes)
+    unasked: dict[str, str] = {}
+    alive = runs_alive(nodes, unasked)
+    rows = [Row(CLUSTER, "runs", False, f"could not ask {name} for runs: {why}", "check the node with 'fab doctor'")
+            for name, why in unasked.items()]
     if not alive:
-        return [Row(CLUSTER, "runs", True, "no process of any run on the nodes")]
-    rows = []
+        asked = "the nodes" if not unasked else "the nodes that answered"
+        return [*rows, Row(CLUSTER, "runs", True, f"no process of any run on {asked}")]
     for run_id, where in sorted(alive.items()):
         on = ", ".join(f"{n} ({c})" for n, c in where.items())
         rows.append(Row(CLUSTER, "runs", False, f"run {run_id} has processes on {on}",

@@ -48,7 +48,7 @@ def take(nodes: list[Node], run_id: str, say, runs_dir: Path | None = None) -> N
         other = held.get("run_id", "?")
         alive = runs_alive(nodes).get(other)
         since = float(held.get("since") or 0)
-        ended = runs_dir is not None and (runs_dir / other / "summary.json").is_file()
+        ended = runs_dir is not None and _ended(runs_dir / other / "summary.json")
         if alive or (time.time() - since < STALE_S and not ended):
             where = ", ".join(f"{n} ({c} process(es))" for n, c in (alive or {}).items()) or "starting"
             raise ClusterError(f"run {other} holds this cluster ({where}, since "
@@ -57,6 +57,14 @@ def take(nodes: list[Node], run_id: str, say, runs_dir: Path | None = None) -> N
         say(f"note: run {other} held the cluster but has no process left on any node: taking over its lock")
         release(nodes, other)
     raise ClusterError(f"could not take the run lock {LOCK} on {nodes[0].name}; remove it by hand if no run is going")
+
+
+def _ended(summary: Path) -> bool:
+    """A run that wrote its final record; a detached or attached run records 'running' while it goes on."""
+    try:
+        return json.loads(summary.read_text()).get("status") != "running"
+    except (OSError, ValueError):
+        return False
 
 
 def release(nodes: list[Node], run_id: str) -> None:

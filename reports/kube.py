@@ -17,7 +17,7 @@ from cluster.shipping import PROJECT_ROOT
 from core.constants import REMOTE_VENV
 from core.errors import ClusterError
 from core.render import render
-from launch import launcher
+from launch import jobdata, launcher
 from node_setup import profiles
 
 log = logging.getLogger(__name__)
@@ -76,9 +76,19 @@ def validate(req: KubeRequest) -> None:
     if not re.fullmatch(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?", name):
         raise ClusterError(f"--name {name!r} is not a Kubernetes name; use lower-case letters, digits and '-' "
                            "(at most 63 characters)")
+    if not re.fullmatch(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?", req.namespace):
+        raise ClusterError(f"--namespace {req.namespace!r} is not a Kubernetes namespace; use lower-case letters, "
+                           "digits and '-' (at most 63 characters)")
+    if not re.fullmatch(r"[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?", req.pvc):
+        raise ClusterError(f"--pvc {req.pvc!r} is not a PersistentVolumeClaim name; use lower-case letters, digits, "
+                           "'-' and '.'")
+    if not re.fullmatch(r"[A-Za-z0-9][\w.:/@-]*", req.image):
+        raise ClusterError(f"--image {req.image!r} is not an image reference; pass e.g. "
+                           "registry.example.com/xeon-cluster-train:latest")
     for flag in ("--output_dir",):
         if any(a == flag or a.startswith(flag + "=") for a in req.args):
             raise ClusterError(f"{flag} is set by fab kube (under {MOUNT}/output/<name> on the PVC); drop it")
+    jobdata.check(req.job, req.args, [])  # the job's numbers; its data files are on the PVC, not here
 
 
 def default_name(req: KubeRequest) -> str:

@@ -84,3 +84,15 @@ def processes_with_env(needle: str) -> list[int]:
         if any(e.startswith(key) for e in entries) if needle.endswith("=") else key in entries:
             found.append(int(env.parent.name))
     return found
+
+
+def processes_with_cmdline(text: str) -> list[int]:
+    """PIDs whose command line holds `text` (an sshd config path names the local cluster it belongs to)."""
+    found = []
+    for p in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            if text.encode() in p.read_bytes():
+                found.append(int(p.parent.name))
+        except OSError:  # gone meanwhile
+            continue
+    return found

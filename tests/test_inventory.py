@@ -18,7 +18,7 @@ def test_hosts_file(tmp_path):
     ("node0\n", "expected 'name address"),
     ("node0 1.2.3.4 colour=blue\n", "unknown field"),
     ("node0 1.2.3.4 port=ssh\n", "not a number"),
-    ("a 1.2.3.4\na 1.2.3.5\n", "repeated: a"),
+    ("a 1.2.3.4\na 1.2.3.5\n", "a appear more than once; give every node its own name"),
 ])
 def test_hosts_file_errors(tmp_path, content, message):
     f = tmp_path / "hosts"
