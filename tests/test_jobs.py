@@ -265,3 +265,36 @@ def test_clm_on_two_nodes_learns_and_shares_its_token_files(cluster2, tmp_path):
     copies = [node_home(cluster2, n) / "runs" / run_dir.name / "token_cache" / key for n in ("node0", "node1")]
     for name in ("train.bin", "validation.bin", "meta.json", "tokenizer/tokenizer.json"):
         assert (copies[0] / name).read_bytes() == (copies[1] / name).read_bytes(), name
+
+
+# ---- glue --do_predict -----------------------------------------------------------------------
+
+def test_glue_predicts_a_test_file_without_labels_like_run_glue(tmp_path):
+    import csv
+    import subprocess
+    import sys
+
+    rows = list(csv.DictReader((DATA / "paraphrase" / "validation.csv").open()))[:20]
+    with (tmp_path / "test.csv").open("w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow(["sentence1", "sentence2"])
+        writer.writerows([r["sentence1"], r["sentence2"]] for r in rows)
+    out = tmp_path / "out"
+    cmd = [sys.executable, "-m", "training.glue", "--max_steps", "3", "--max_train_samples", "48",
+           "--max_eval_samples", "16", "--do_predict", "--test_file", str(tmp_path / "test.csv"),
+           "--max_predict_samples", "12", "--output_dir", str(out)]
+    res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, check=False, timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    lines = (out / "predict_results_custom.txt").read_text().splitlines()
+    assert lines[0] == "index\tprediction"
+    assert [ln.split("\t")[0] for ln in lines[1:]] == [str(i) for i in range(12)]
+    assert {ln.split("\t")[1] for ln in lines[1:]} <= {"0", "1"}  # label values as the training data has them
+    assert json.loads((out / "results.json").read_text())["predict"] == {"samples": 12,
+                                                                       "file": "predict_results_custom.txt"}
+
+    (tmp_path / "bad.csv").write_text("text\nhello\n")
+    bad = subprocess.run([*cmd[:-2], "--test_file", str(tmp_path / "bad.csv"), "--output_dir", str(tmp_path / "o2")],
+                         cwd=ROOT, capture_output=True, text=True, check=False, timeout=600)
+    assert bad.returncode == 2 and "Traceback" not in bad.stderr
+    assert bad.stderr.strip().splitlines()[-1].startswith("error: --test_file has columns text but the training "
+                                                          "data's text columns are sentence1, sentence2")

@@ -39,6 +39,8 @@ class DataArguments:
     task_name: str | None = field(default=None, metadata={"help": "GLUE task from the hub: " + ", ".join(TASK_TO_KEYS)})
     train_file: str | None = field(default=None, metadata={"help": "CSV or JSON training data"})
     validation_file: str | None = field(default=None, metadata={"help": "CSV or JSON validation data"})
+    test_file: str | None = field(default=None, metadata={"help": "CSV or JSON data to predict (--do_predict); "
+                                                                   "labels not needed"})
     max_seq_length: int = field(default=128)
     pad_to_max_length: bool = field(default=False, metadata={
         "help": "Pad every example to max_seq_length (the seeds' recipe) instead of per batch"})
@@ -47,6 +49,7 @@ class DataArguments:
         "help": "With per-batch padding, round lengths up to a multiple of this (1 = exact lengths)"})
     max_train_samples: int | None = field(default=None)
     max_eval_samples: int | None = field(default=None)
+    max_predict_samples: int | None = field(default=None)
 
     def __post_init__(self):
         if self.task_name is not None:
@@ -56,7 +59,7 @@ class DataArguments:
         elif self.train_file is None and self.validation_file is None:
             self.train_file = str(BUNDLED / "train.csv")
             self.validation_file = str(BUNDLED / "validation.csv")
-        for name in ("train_file", "validation_file"):
+        for name in ("train_file", "validation_file", "test_file"):
             path = getattr(self, name)
             if path is not None and not Path(path).is_file():
                 raise ValueError(f"--{name} {path} does not exist; pass an existing CSV or JSON file")
@@ -69,15 +72,33 @@ def load_raw(data: DataArguments, model: ModelArguments):
 
     if data.task_name:
         return load_dataset("nyu-mll/glue", data.task_name, cache_dir=model.cache_dir)
-    files = {k: v for k, v in (("train", data.train_file), ("validation", data.validation_file)) if v}
+    files = {k: v for k, v in (("train", data.train_file), ("validation", data.validation_file),
+                               ("test", data.test_file)) if v}
     kind = "csv" if next(iter(files.values())).endswith(".csv") else "json"
+    if kind == "csv" and data.test_file and len(files) > 1:
+        header = {k: _csv_columns(v) - {"label", "idx"} for k, v in files.items()}
+        first = next(v for k, v in header.items() if k != "test")
+        if header["test"] != first:
+            raise ValueError(f"--test_file has columns {', '.join(sorted(header['test']))} but the training data's "
+                             f"text columns are {', '.join(sorted(first))}; give it the same text columns")
     return load_dataset(kind, data_files=files, cache_dir=model.cache_dir)
+
+
+def _csv_columns(path: str) -> set[str]:
+    import csv
+
+    with open(path, newline="") as f:
+        return set(next(csv.reader(f), []))
 
 
 def text_keys(raw, data: DataArguments) -> tuple[str, str | None]:
     if data.task_name:
         return TASK_TO_KEYS[data.task_name]
     columns = [c for c in next(iter(raw.values())).column_names if c not in ("label", "idx")]
+    for split, ds in raw.items():
+        if split == "test" and not set(columns) <= set(ds.column_names):
+            raise ValueError(f"--test_file has columns {', '.join(ds.column_names)} but the training data's text "
+                             f"columns are {', '.join(columns)}; give it the same text columns")
     if "sentence1" in columns and "sentence2" in columns:
         return "sentence1", "sentence2"
     if not columns:
@@ -102,6 +123,24 @@ def compute_metrics_fn(task: str | None, is_regression: bool, num_labels: int):
         return out
 
     return compute
+
+
+def write_predictions(trainer, predict_ds, output_dir: str, task: str | None, is_regression: bool,
+                      label_list, is_main: bool) -> dict:
+    """run_glue's predict_results_<task>.txt: 'index<TAB>prediction', label names for classification."""
+    import numpy as np
+
+    preds = trainer.predict(predict_ds, metric_key_prefix="predict").predictions  # gathered on every rank
+    preds = preds[0] if isinstance(preds, tuple) else preds
+    preds = np.squeeze(preds) if is_regression else np.argmax(preds, axis=1)
+    path = Path(output_dir) / f"predict_results_{task or 'custom'}.txt"
+    if is_main:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with path.open("w") as f:
+            f.write("index\tprediction\n")
+            for index, item in enumerate(preds):
+                f.write(f"{index}\t{item:3.3f}\n" if is_regression else f"{index}\t{label_list[item]}\n")
+    return {"samples": len(preds), "file": path.name}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -152,8 +191,9 @@ def main(argv: list[str] | None = None) -> int:
         texts = (batch[key1],) if key2 is None else (batch[key1], batch[key2])
         out = tokenizer(*texts, padding=padding, max_length=max_len, truncation=True)
         out["length"] = [sum(m) for m in out["attention_mask"]]
-        if label_to_id is not None:
-            out["label"] = [label_to_id[v] for v in batch["label"]]
+        if label_to_id is not None and "label" in batch:
+            # a test file without labels reads as None labels: -1, as GLUE's own test splits have
+            out["label"] = [-1 if v is None else label_to_id[v] for v in batch["label"]]
         return out
 
     with args.main_process_first(desc="tokenizing"):
@@ -162,6 +202,14 @@ def main(argv: list[str] | None = None) -> int:
     eval_ds = data["validation_matched" if data_args.task_name == "mnli" else "validation"] if args.do_eval else None
     train_ds = common.take(train_ds, data_args.max_train_samples)
     eval_ds = common.take(eval_ds, data_args.max_eval_samples)
+    predict_ds = None
+    if args.do_predict:
+        split = "test_matched" if data_args.task_name == "mnli" else "test"
+        if split not in data:
+            raise ValueError("--do_predict needs data to predict; pass --test_file (CSV or JSON with the text columns)")
+        # GLUE's test labels are -1 placeholders: the Trainer must not compute a loss on them
+        predict_ds = common.take(data[split].remove_columns([c for c in ("label",) if c in data[split].column_names]),
+                                 data_args.max_predict_samples)
 
     model, optimizers = common.ipex_optimizers(model, args, info)
 
@@ -190,6 +238,9 @@ def main(argv: list[str] | None = None) -> int:
             top = max(set(labels), key=labels.count)
             metrics["eval_majority_rate"] = labels.count(top) / len(labels)
         results["eval"] = dict(metrics, samples=len(eval_ds))
+    if predict_ds is not None:
+        results["predict"] = write_predictions(trainer, predict_ds, args.output_dir, data_args.task_name,
+                                               is_regression, label_list, info.is_main)
     ev, tr = results.get("eval", {}), results.get("train", {})
     line = (f"eval accuracy {ev.get('eval_accuracy', float('nan')):.4f} "
             f"(majority {ev.get('eval_majority_rate', float('nan')):.4f}) f1 {ev.get('eval_f1', float('nan')):.4f} "
