@@ -8,29 +8,44 @@ import os
 import sys
 from pathlib import Path
 
-from fabric import task
+from fabric import task as fabric_task
 from invoke import Collection
 
 from cluster import keys as keys_lib
 from cluster import local as local_lib
+from cluster import sweep as sweep_lib
 from cluster.resolve import open_cluster
-from core.cli import as_int, cli, env_pairs, job_args
-from core.constants import DEFAULT_MASTER_PORT
+from core.cli import as_int, cli, env_pairs, job_args, one_line_parse_errors, valueless_keys
+from core.constants import DEFAULT_MASTER_PORT, MAX_NODES
 from core.errors import ClusterError
 from doctor import run as doctor_lib
+from doctor import status as status_lib
 from launch import records
 from launch import request as request_lib
 from launch import restarts as restarts_lib
 from launch import resume as resume_lib
 from launch import run as train_lib
+from launch import runs as runs_lib
 from launch import stop as stop_lib
+from node_setup import profiles as profiles_lib
 from node_setup import setup as setup_lib
 from reports import bench as bench_lib
 from reports import kube as kube_lib
 
+one_line_parse_errors()  # an unknown flag or a missing value: one 'error:' line too
+
+
+def task(*args, **kwargs):
+    """Fabric's @task without invoke's automatic short flags: -e or -f meant different things in different
+    tasks, and -i is fab's own identity file. Long flags only, one meaning each."""
+    if args and callable(args[0]):
+        return fabric_task(auto_shortflags=False)(args[0])
+    return fabric_task(*args, auto_shortflags=False, **kwargs)
+
 
 def _cluster(c, cluster):
-    """--cluster flag < XC_CLUSTER < fabric.yaml's xc.cluster < 'local'."""
+    """--cluster flag < XC_CLUSTER < fabric.yaml's xc.cluster < the started local cluster < the selected
+    Pulumi stack < 'local' (whose error says how to start one)."""
     return cluster or os.environ.get("XC_CLUSTER") or c.config.get("xc", {}).get("cluster") or None
 
 
@@ -38,7 +53,7 @@ def _cluster(c, cluster):
 @cli
 def local_up(c, nodes="2", port=str(local_lib.DEFAULT_PORT)):
     """Start a local cluster: N sshd nodes on 127.0.0.2, 127.0.0.3, ... (the active cluster)."""
-    started = local_lib.up(as_int(nodes, "--nodes"), port=as_int(port, "--port"))
+    started = local_lib.up(as_int(nodes, "--nodes", 1, MAX_NODES), port=as_int(port, "--port", 1024, 65535))
     print(f"local cluster up: {len(started)} node(s) on port {started[0].port}: "
           + ", ".join(f"{n.name}={n.host}" for n in started))
 
@@ -78,7 +93,10 @@ def keys(c, cluster=None):
     help={
         "nodes": "use the first N nodes (default: all)",
         "job": "bundled job: glue (default) | qa | clm",
-        "script": "run your own training script instead (its flags after --)",
+        "script": "run your own training script instead (its flags after --); with --workdir, a path inside it",
+        "workdir": "ship your project folder (honouring .gitignore, content-addressed); runs in a copy of it",
+        "module": "run `python -m NAME` from --workdir instead of a script",
+        "launcher": "python (default) | accelerate: `accelerate launch` per rank, for --script/--module",
         "ppn": "processes per node (default auto: one per socket)",
         "threads": "OpenMP threads per process (default auto: the process's cores)",
         "backend": "auto | ccl | gloo",
@@ -95,21 +113,31 @@ def keys(c, cluster=None):
         "max-restarts": "after a preemption or a lost node, resume by itself up to K times (default 0)",
         "restart-wait": "seconds to wait for the cluster to have its nodes again before a restart (default 600)",
         "concurrent": "run even while another run holds the cluster (by default one run at a time)",
+        "detach": "return once every rank runs, printing the run id; follow with 'fab logs RUN -f'",
     },
 )
 @cli
-def train(c, nodes=None, job=None, script=None, ppn="auto", threads="auto", backend="auto", precision="auto",
+def train(c, nodes=None, job=None, script=None, workdir=None, module=None, launcher="python", ppn="auto",
+          threads="auto", backend="auto", precision="auto",
           env=None, cluster=None, master_port=None, no_pin=False, timeout="300", save_every=None, no_fetch_model=False,
-          resume=None, max_restarts="0", restart_wait="600", concurrent=False):
+          resume=None, max_restarts="0", restart_wait="600", concurrent=False, detach=False):
     """Run a training job across the cluster with mpirun; results land in runs/<run-id>/."""
-    n = as_int(nodes, "--nodes") if nodes is not None else None
+    n = as_int(nodes, "--nodes", 1) if nodes is not None else None
+    if job and script:
+        raise ClusterError(f"--job {job} and --script {script} exclude each other; pass --job for a bundled job or "
+                           "--script for your own")
+    if module and (job or script):
+        raise ClusterError(f"--module {module} and --{'job ' + job if job else 'script ' + script} exclude each "
+                           "other; pass one of them")
     if resume:
-        if job or script or job_args():
-            raise ClusterError(f"--resume {resume} runs that run's own job and flags; drop --job/--script and the "
-                               "flags after --")
+        if job or script or workdir or module or launcher != "python" or job_args():
+            raise ClusterError(f"--resume {resume} runs that run's own job and flags; drop --job/--script/--workdir/"
+                               "--module/--launcher and the flags after --")
         req = resume_lib.resume_request(resume, request_lib.RUNS, nodes=n, fetch_model=not no_fetch_model)
     else:
-        req = request_lib.TrainRequest(nodes=n, job=job or "glue", script=script, args=job_args(), env=env_pairs(env),
+        req = request_lib.TrainRequest(nodes=n, job=job or "glue", script=script, workdir=workdir, module=module,
+                                       launcher=launcher, args=job_args(), env=env_pairs(env),
+                                       valueless=valueless_keys(env),
                                      fetch_model=not no_fetch_model)
         if save_every is not None:
             req.save_every = str(save_every)
@@ -120,29 +148,76 @@ def train(c, nodes=None, job=None, script=None, ppn="auto", threads="auto", back
             setattr(req, name, value)
     if resume:
         req.env.update(env_pairs(env))
-    req.master_port = as_int(master_port, "--master-port") if master_port else None
+        req.valueless |= valueless_keys(env)
+    req.master_port = as_int(master_port, "--master-port", 1024, 65535) if master_port else None
     req.pin = req.pin and not no_pin
     req.concurrent = bool(concurrent)
-    if not resume or int(as_int(timeout, "--timeout")) != 300:
-        req.timeout_s = as_int(timeout, "--timeout")
-    spec = open_cluster(_cluster(c, cluster)).spec
-    result = restarts_lib.train_with_restarts(spec, req, as_int(max_restarts, "--max-restarts"),
-                                              as_int(restart_wait, "--restart-wait"))
-    print(records.result_line(result))
+    if not resume or as_int(timeout, "--timeout", 1) != 300:
+        req.timeout_s = as_int(timeout, "--timeout", 1)
+    restarts, wait = as_int(max_restarts, "--max-restarts", 0), as_int(restart_wait, "--restart-wait", 0)
+    req.detach = bool(detach)
+    if req.detach and restarts:
+        raise ClusterError("--detach and --max-restarts exclude each other (restarts need a fab that stays); drop "
+                           "one of them")
+    request_lib.validate(req)  # every flag and data file before the cluster is asked anything
+    chosen = open_cluster(_cluster(c, cluster))
+    print(status_lib.cluster_line(chosen), flush=True)
+    result = restarts_lib.train_with_restarts(chosen.spec, req, restarts, wait)
+    if not result.detached:
+        print(records.result_line(result))
+
+
+@fabric_task(help={"run": "the run id (from 'fab runs')", "follow": "keep streaming until the run ends, then bring "
+                                                                   "its results home"})  # -f: its only short flag
+@cli
+def logs(c, run, follow=False):
+    """A run's log with [rank host] prefixes: live from node 0 while a detached run goes on, else runs/<id>/log.txt."""
+    closing = runs_lib.show_log(request_lib.RUNS, run, bool(follow), sys.stdout)
+    if closing:
+        print(closing)
+
+
+@task
+@cli
+def runs(c):
+    """The runs under runs/, newest first: id, job, nodes, status, wall time, main metric, samples/s."""
+    runs_lib.list_runs(request_lib.RUNS, sys.stdout)
+
+
+@task(help={"cluster": "local | hosts:PATH | aws[:NAME] | pulumi[:STACK] (default: the local cluster if started, "
+                       "else the selected Pulumi stack)", "no_runs": "skip asking the nodes for runs left running"})
+@cli
+def status(c, cluster=None, no_runs=False):
+    """The active cluster: nodes (node 0 first), type, spot or on-demand, state, uptime, $/h, and runs left on them."""
+    lines, ok = status_lib.status(open_cluster(_cluster(c, cluster), require_running=False), check_runs=not no_runs)
+    print("\n".join(lines))
+    if not ok:
+        sys.exit(1)
 
 
 @task(help={"cluster": "local | hosts:PATH | aws[:NAME] | pulumi[:STACK]"})
 @cli
 def stop(c, run, cluster=None):
     """End RUN on every node (the clean-up a failure gets) and record it as stopped; frees the cluster."""
+    stop_lib.check_run_id(run, request_lib.RUNS)  # before the cluster is asked anything
     print(stop_lib.stop(open_cluster(_cluster(c, cluster)), run, request_lib.RUNS))
+
+
+@task(help={"cluster": "aws[:NAME] | pulumi[:STACK] (default: aws, the only cluster with tagged resources in the "
+                       "region)", "yes": "delete everything listed, in dependency order"})
+@cli
+def sweep(c, cluster=None, yes=False):
+    """List what a cluster left in its region after 'pulumi destroy' and its cost (exit 1 if any); --yes deletes it."""
+    code = sweep_lib.sweep(_cluster(c, cluster), yes=yes)
+    if code:
+        sys.exit(code)
 
 
 @task(help={"nodes": "local nodes to start (default 2)", "port": "sshd port (default 2222)"})
 @cli
 def demo(c, nodes="2", port=str(local_lib.DEFAULT_PORT)):
     """Start a local cluster, fine-tune MiniLM on the bundled paraphrase set, print the result, stop it."""
-    train_lib.demo(as_int(nodes, "--nodes"), port=as_int(port, "--port"))
+    train_lib.demo(as_int(nodes, "--nodes", 1, MAX_NODES), port=as_int(port, "--port", 1024, 65535))
 
 
 @task(help={"profile": "software profile from node_setup/profiles.toml (default: the one the nodes carry; on "
@@ -153,8 +228,11 @@ def demo(c, nodes="2", port=str(local_lib.DEFAULT_PORT)):
 @cli
 def setup(c, profile=None, nodes=None, cluster=None, force=False):
     """Install a software profile and the training code on every node, in parallel (idempotent)."""
+    count = as_int(nodes, "--nodes", 1) if nodes is not None else None
+    if profile is not None:
+        profiles_lib.load_profile(profile)  # an unknown name before any node is asked
     cl = open_cluster(_cluster(c, cluster))
-    chosen = cl.first(as_int(nodes, "--nodes") if nodes is not None else None)
+    chosen = cl.first(count)
     spec, why = setup_lib.resolve_profile(cl, chosen, profile, force=force)
     print(f"setup: profile {spec.name} ({why})")
     setup_lib.setup_nodes(cl, chosen, spec, out=sys.stdout)
@@ -173,13 +251,16 @@ def doctor(c, profile=None, nodes=None, cluster=None, quick=False, full=False, m
     """Check the nodes: CPU, AMX, memory, disk, versions, SSH, port, clock, all-reduce; red rows say the fix."""
     if quick and full:
         raise ClusterError("--quick and --full exclude each other; pass one of them")
-    cl = open_cluster(_cluster(c, cluster), require_running=False)  # a stopped node is a row, not an abort
-    chosen = cl.first(as_int(nodes, "--nodes") if nodes is not None else None)
-    port = as_int(master_port, "--master-port") if master_port else DEFAULT_MASTER_PORT
+    count = as_int(nodes, "--nodes", 1) if nodes is not None else None
+    port = as_int(master_port, "--master-port", 1024, 65535) if master_port else DEFAULT_MASTER_PORT
     if backend not in request_lib.BACKENDS:
-        raise ClusterError(f"--backend {backend!r} is not one of {', '.join(request_lib.BACKENDS)}")
-    report = doctor_lib.doctor(cl, chosen, profile=profile, full=not quick, port=port, out=sys.stdout,
-                               backend=backend, env=env_pairs(env))
+        raise ClusterError(f"--backend {backend!r} is not one of {', '.join(request_lib.BACKENDS)}; pass one of them")
+    extra_env = env_pairs(env)
+    p = profiles_lib.load_profile(profile) if profile is not None else None  # the flags before the nodes
+    cl = open_cluster(_cluster(c, cluster), require_running=False)  # a stopped node is a row, not an abort
+    chosen = cl.first(count)
+    report = doctor_lib.doctor(cl, chosen, profile=p, full=not quick, port=port, out=sys.stdout,
+                               backend=backend, env=extra_env)
     print(report.render())
     report.raise_if_failed("doctor")
 
@@ -188,20 +269,27 @@ def doctor(c, profile=None, nodes=None, cluster=None, quick=False, full=False, m
             "runs": "instead of running: a report over these finished runs (ids, comma-separated)",
             "ppn": "processes per node (default auto)", "threads": "OpenMP threads per process (default auto)",
             "backend": "auto | ccl | gloo", "precision": "auto | bf16 | fp32",
-            "cluster": "local | hosts:PATH | aws[:NAME] | pulumi[:STACK]"})
+            "env": "KEY=VALUE (or KEY: your own value, kept secret) for every rank of every size; repeatable",
+            "timeout": "seconds a collective may wait, as in fab train (default 300)",
+            "no-pin": "do not pin ranks to cores", "cluster": "local | hosts:PATH | aws[:NAME] | pulumi[:STACK]"},
+      iterable=["env"])
 @cli
 def bench(c, nodes=None, job="glue", runs=None, ppn="auto", threads="auto", backend="auto", precision="auto",
-          cluster=None):
+          env=None, timeout="300", no_pin=False, cluster=None):
     """The same job with identical flags at each size; writes runs/bench-<id>/ (report.md, scaling.png)."""
     if runs and nodes:
-        raise ClusterError("--runs and --nodes exclude each other: --runs reports on finished runs, --nodes runs anew")
+        raise ClusterError("--runs and --nodes exclude each other; pass --runs to report on finished runs or "
+                           "--nodes to run anew")
     if runs:
         result = bench_lib.report_from_runs(runs, request_lib.RUNS)
     else:
         if not nodes:
             raise ClusterError("--nodes is missing; give the sizes to compare, e.g. --nodes 1,2,4")
         req = request_lib.TrainRequest(job=job, args=job_args(), ppn=str(ppn), threads=str(threads), backend=backend,
-                                     precision=precision)
+                                     precision=precision, env=env_pairs(env), valueless=valueless_keys(env),
+                                     timeout_s=as_int(timeout, "--timeout", 1), pin=not no_pin)
+        bench_lib.parse_sizes(str(nodes))  # the flags and data before the cluster is asked anything
+        request_lib.validate(req)
         result = bench_lib.bench(open_cluster(_cluster(c, cluster)), str(nodes), req)
     print(bench_lib.summary_line(result))
 
@@ -215,11 +303,11 @@ def bench(c, nodes=None, job="glue", runs=None, ppn="auto", threads="auto", back
 def kube(c, nodes=None, job="glue", out=None, image="xeon-cluster-train:latest", instance_type=kube_lib.DEFAULT_INSTANCE,
          profile="upstream", namespace="kubeflow", pvc="xeon-cluster-pvc"):
     """Render a Kubeflow PyTorchJob manifest and a Dockerfile for a bundled job (kubectl create -f ...)."""
-    req = kube_lib.KubeRequest(nodes=as_int(nodes or 2, "--nodes"), job=job, args=job_args(), image=image,
+    req = kube_lib.KubeRequest(nodes=as_int(nodes or 2, "--nodes", 1), job=job, args=job_args(), image=image,
                                instance_type=instance_type, profile=profile, namespace=namespace, pvc=pvc)
     paths = kube_lib.render_kube(req, Path(out) if out else request_lib.RUNS / f"kube-{job}-{req.nodes}")
     print(f"wrote {paths['manifest']} and {paths['dockerfile']} (build context {paths['manifest'].parent}): "
           f"docker build -t {image} {paths['manifest'].parent} && kubectl create -f {paths['manifest']}")
 
 
-ns = Collection(local_up, local_down, local_kill, keys, setup, doctor, train, stop, demo, bench, kube)
+ns = Collection(local_up, local_down, local_kill, keys, setup, doctor, train, logs, runs, stop, status, sweep, demo, bench, kube)

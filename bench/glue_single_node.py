@@ -5,8 +5,13 @@ Same model (MiniLM-L6), same data (the bundled paraphrase set), same machine, ru
   dynamic     per-batch padding to the longest example, length grouping, fp32
   default     the job's default: dynamic padding, precision auto (bf16 where AMX/AVX512-BF16)
   default-16  the default with lengths rounded up to a multiple of 16
-Prints samples/s, the ratios to the seeds' recipe, and the bound on what padding alone can
-give: padded tokens / real tokens. Writes bench/results/glue_single_node.json.
+Prints, for every config: samples/s, real tokens/s, MFU (model FLOPs per second of the real tokens
+over this machine's matmul throughput at the model's shapes and the config's precision, measured in
+the same run), eval accuracy and F1 after the same epoch on the same data and seed, and the ratios
+to the seeds' recipe; then the bound on what padding alone can give (padded tokens / real tokens)
+and the CPU model and flags. Last line:
+    mfu=<default's MFU> ratio=<default vs seeds samples/s> acc_delta=<default minus seeds eval accuracy>
+Writes bench/results/glue_single_node.json.
 
     .venv/bin/python bench/glue_single_node.py [--samples 320] [--batch 16]
 """
@@ -46,8 +51,49 @@ def padding_bound(samples: int, max_len: int = 128) -> tuple[int, int]:
     return real, max_len * len(rows)
 
 
+def model_flops_per_token(tokens_per_sample: float) -> float:
+    """Training FLOPs per real token of MiniLM-L6 (BERT layout): 6 x the non-embedding parameters (forward
+    2, backward 4) plus attention's score and value products, 12 x layers x width x sequence length."""
+    from transformers import AutoConfig
+
+    from training.glue import DEFAULT_MODEL, resolve_model
+
+    cfg = AutoConfig.from_pretrained(resolve_model(DEFAULT_MODEL))
+    d, layers, ffn = cfg.hidden_size, cfg.num_hidden_layers, cfg.intermediate_size
+    params = layers * (4 * d * d + 2 * d * ffn)
+    return 6 * params + 12 * layers * d * tokens_per_sample
+
+
+def matmul_peak(dtype_name: str, rows: int = 2048, d: int = 384, ffn: int = 1536, seconds: float = 3.0) -> float:
+    """FLOP/s of torch's matmul at the model's FFN shape (rows = batch x tokens), this process's threads."""
+    import time
+
+    import torch
+
+    dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[dtype_name]
+    a, b = torch.randn(rows, d, dtype=dtype), torch.randn(d, ffn, dtype=dtype)
+    for _ in range(5):
+        torch.matmul(a, b)
+    count, start = 0, time.perf_counter()
+    while time.perf_counter() - start < seconds:
+        torch.matmul(a, b)
+        count += 1
+    return 2 * rows * d * ffn * count / (time.perf_counter() - start)
+
+
+def cpu_line() -> str:
+    model, flags = "?", set()
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("model name") and model == "?":
+            model = line.split(":", 1)[1].strip()
+        if line.startswith("flags"):
+            flags = set(line.split(":", 1)[1].split())
+    shown = [f for f in ("amx_bf16", "amx_tile", "avx512_bf16", "avx512f", "avx2") if f in flags]
+    return f"cpu: {model}, {os.cpu_count()} cpus, flags {' '.join(shown) or 'none of amx/avx512'}"
+
+
 def run(name: str, extra: list[str], precision: str, samples: int, batch: int, out: Path) -> dict:
-    args = [sys.executable, "-m", "training.glue", "--output_dir", str(out / name), "--do_train",
+    args = [sys.executable, "-m", "training.glue", "--output_dir", str(out / name), "--do_train", "--do_eval",
             "--num_train_epochs", "1", "--per_device_train_batch_size", str(batch),
             "--max_train_samples", str(samples), "--seed", "42", *extra]
     env = {**os.environ, "XC_PRECISION": precision, "PYTHONPATH": str(ROOT)}
@@ -55,7 +101,9 @@ def run(name: str, extra: list[str], precision: str, samples: int, batch: int, o
     if res.returncode != 0:
         raise SystemExit(f"{name} failed:\n{res.stderr[-2000:]}")
     results = json.loads((out / name / "results.json").read_text())
+    ev = results.get("eval", {})
     return {"samples_per_second": results["train"]["train_samples_per_second"],
+            "eval_accuracy": ev.get("eval_accuracy"), "eval_f1": ev.get("eval_f1"),
             "train_s": results["train"]["train_runtime"], "precision": results["precision"],
             "padding": results["padding"], "threads": results["threads"], "command": " ".join(args[1:])}
 
@@ -83,23 +131,37 @@ def main() -> None:
                     rows[name] = r
                 else:
                     best["all_samples_per_second"] = r["all_samples_per_second"]
+    per_token = model_flops_per_token(real / a.samples)
+    peaks = {p: matmul_peak(p) for p in sorted({r["precision"] for r in rows.values()})}
     base = rows["seeds"]["samples_per_second"]
     print(f"\nglue job, MiniLM-L6, {a.samples} paraphrase pairs, batch {a.batch}, one process, "
           f"{rows['seeds']['threads']} threads")
-    print(f"{'config':<12}{'padding':<12}{'precision':<11}{'samples/s (best)':>17}{'vs seeds':>10}   all rounds")
+    print(cpu_line())
+    print("matmul peak at the model's shapes: " + ", ".join(f"{p} {v / 1e9:.0f} GFLOP/s" for p, v in peaks.items())
+          + f"; model FLOPs per real token {per_token / 1e6:.1f} M ({real / a.samples:.0f} tokens/sample)")
+    print(f"{'config':<12}{'padding':<12}{'precision':<11}{'samples/s':>10}{'tokens/s':>10}{'MFU':>7}"
+          f"{'eval acc':>9}{'f1':>7}{'vs seeds':>10}   all rounds")
     for name, r in rows.items():
         r["ratio_vs_seeds"] = r["samples_per_second"] / base
+        r["tokens_per_second"] = r["samples_per_second"] * real / a.samples
+        r["mfu"] = r["tokens_per_second"] * per_token / peaks[r["precision"]]
         rounds = " ".join(f"{x:.2f}" for x in r["all_samples_per_second"])
-        print(f"{name:<12}{r['padding']:<12}{r['precision']:<11}{r['samples_per_second']:>17.2f}"
-              f"{r['ratio_vs_seeds']:>9.2f}x   {rounds}")
+        acc, f1 = r.get("eval_accuracy") or float("nan"), r.get("eval_f1") or float("nan")
+        print(f"{name:<12}{r['padding']:<12}{r['precision']:<11}{r['samples_per_second']:>10.2f}"
+              f"{r['tokens_per_second']:>10.0f}{r['mfu']:>7.3f}{acc:>9.3f}{f1:>7.3f}{r['ratio_vs_seeds']:>9.2f}x   "
+              f"{rounds}")
     print(f"padding bound (padded tokens / real tokens): {padded}/{real} = {padded / real:.2f}x")
     result = {"samples": a.samples, "batch": a.batch, "real_tokens": real, "padded_tokens": padded,
-              "padding_bound": padded / real, "configs": rows,
+              "padding_bound": padded / real, "configs": rows, "cpu": cpu_line(),
+              "matmul_peak_flops": peaks, "model_flops_per_token": per_token,
               "command": f"bench/glue_single_node.py --samples {a.samples} --batch {a.batch} --rounds {a.rounds}"}
     out = ROOT / "bench" / "results"
     out.mkdir(parents=True, exist_ok=True)
     (out / "glue_single_node.json").write_text(json.dumps(result, indent=2))
     print(f"written to {out / 'glue_single_node.json'}")
+    default = rows.get("default", rows["seeds"])
+    acc_delta = (default.get("eval_accuracy") or 0.0) - (rows["seeds"].get("eval_accuracy") or 0.0)
+    print(f"mfu={default['mfu']:.3f} ratio={default['ratio_vs_seeds']:.2f} acc_delta={acc_delta:.3f}")
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 from cluster.node import Node
 from cluster.remote import connect, run
+from core.constants import HOME_EXPR
 from core.errors import ClusterError
 
 log = logging.getLogger(__name__)
@@ -23,6 +24,8 @@ def sweep_script(run_id: str) -> str:
             "tr '\\0' '\\n' < \"$e\" 2>/dev/null | grep -qxF " + tag + " && echo \"$p\"; done; true; }")
     return (scan + "; "
             "for p in $(scan); do kill -9 \"$p\" 2>/dev/null && echo \"killed $p\"; done; "
+            # the run's secret --env values go with its processes
+            "rm -f " + HOME_EXPR + "/runs/" + shlex.quote(run_id) + "/secrets.env 2>/dev/null; "
             # a second look after the kernel has reaped them: what is still there survived
             "sleep 0.5; for p in $(scan); do "
             "echo \"left $p $(tr '\\0' ' ' < /proc/$p/cmdline 2>/dev/null | cut -c1-100)\"; done; true")
@@ -33,16 +36,19 @@ RUNS_ALIVE = ("for e in /proc/[0-9]*/environ; do { tr '\\0' '\\n' < \"$e\"; } 2>
               "done | sort | uniq -c | while read n kv; do echo \"run ${kv#XC_RUN_ID=} $n\"; done; true")
 
 
-def runs_alive(nodes: list[Node]) -> dict[str, dict[str, int]]:
-    """run id -> {node: live processes carrying it}; a node that cannot be asked is left out."""
+def runs_alive(nodes: list[Node], unasked: dict[str, str] | None = None) -> dict[str, dict[str, int]]:
+    """run id -> {node: live processes carrying it}; a node that cannot be asked is left out (and put in
+    ``unasked`` with the reason, when given)."""
     found: dict[str, dict[str, int]] = {}
 
     def one(node: Node) -> None:
         try:
             with connect(node) as conn:
                 res = run(conn, RUNS_ALIVE, timeout=60)
-        except Exception:  # an unreachable node has nothing we could find
+        except Exception as exc:  # an unreachable node has nothing we could find
             log.debug("listing runs on %s", node.name, exc_info=True)
+            if unasked is not None:
+                unasked[node.name] = str(exc).split("; ")[0]
             return
         for line in res.stdout.splitlines():
             word, _, rest = line.partition(" ")

@@ -3,6 +3,7 @@
 Layout per node comes from launch.topology.derive_layout; what reaches the ranks is
 - global variables through `-genv` (mpirun runs with -genvnone so nothing else leaks in),
 - per-node variables (CPU lists, CCL worker affinity, malloc preload) in node_env.sh,
+- secret --env values in secrets.env (mode 0600, removed after the run; see launch.secrets),
 - pinning by rank.sh with taskset, because nodes may differ in their CPU sets.
 """
 from __future__ import annotations
@@ -37,8 +38,11 @@ class LaunchPlan:
     entry: tuple[str, ...]  # ("-m", "training.glue") or ("script.py",)
     args: tuple[str, ...] = ()
     env_overrides: dict = field(default_factory=dict)
+    secret_env: dict = field(default_factory=dict, repr=False)  # never on mpirun's line: secrets.env per node
     pin: bool = True
     timeout_s: int = 300
+    launcher: str = "python"  # or "accelerate": `accelerate launch` per rank (launch_words)
+    workdir: object = field(default=None, compare=False)  # launch.workdir.Workdir: --workdir, scanned and hashed
 
     @property
     def ppn(self) -> int:
@@ -82,7 +86,7 @@ def node_env(plan: LaunchPlan, node: NodePlan) -> dict[str, str]:
         env["CCL_WORKER_AFFINITY"] = ",".join(map(str, node.layout.ccl_cpus))
     if node.malloc:
         env["LD_PRELOAD"] = node.malloc
-    return {k: v for k, v in env.items() if k not in plan.env_overrides}
+    return {k: v for k, v in env.items() if k not in plan.env_overrides and k not in plan.secret_env}
 
 
 def rank_cpus(node: NodePlan) -> list[tuple[int, str]]:
@@ -99,6 +103,20 @@ def mpirun_argv(plan: LaunchPlan, ssh_config: str, mpirun: str = "mpirun") -> li
     rank_sh = f'exec {HOME_EXPR}/runs/{plan.run_id}/rank.sh "$@"'
     argv += ["bash", "-c", rank_sh, "rank.sh", *plan.args]
     return argv
+
+
+def launch_words(plan: LaunchPlan) -> str:
+    """What rank.sh runs the entry with. `accelerate launch` (as `mpirun ... accelerate launch main.py` in the
+    Intel seed) starts exactly one process per rank: --cpu (ACCELERATE_USE_CPU, so Accelerator() and the Trainer
+    go MULTI_CPU, and no config file of the node's steers it), the world from the plan, the rendezvous from
+    MASTER_ADDR/MASTER_PORT; it reads RANK/WORLD_SIZE/LOCAL_RANK as rank.sh exports them."""
+    if plan.launcher != "accelerate":
+        return '"$XC_PYTHON"'
+    mixed = "bf16" if plan.precision == "bf16" else "no"
+    return ('"$XC_PYTHON" -m accelerate.commands.launch --cpu --quiet '
+            f"--num_machines {len(plan.nodes)} --num_processes {plan.world_size} "
+            f'--machine_rank "$(( ${{RANK:-0}} / {plan.ppn} ))" --main_process_ip "$MASTER_ADDR" '
+            f'--main_process_port "$MASTER_PORT" --mixed_precision {mixed} --dynamo_backend no')
 
 
 def shell_join(argv: list[str]) -> str:

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from cluster.resolve import Cluster
-from launch import launcher
+from launch import launcher, secrets
 from launch.probe import NodeFacts
 from launch.request import TrainRequest, file_digest, local_files
 
@@ -22,6 +22,7 @@ class RunResult:
     wall_s: float
     results: dict | None
     failed_node: str | None = None
+    detached: bool = False  # still running on the nodes: 'fab logs -f' or 'fab runs' concludes it
 
 
 def new_record(cluster: Cluster, req: TrainRequest, plan: launcher.LaunchPlan, facts: list[NodeFacts],
@@ -30,15 +31,18 @@ def new_record(cluster: Cluster, req: TrainRequest, plan: launcher.LaunchPlan, f
     return {
         "run_id": plan.run_id, "cluster": cluster.spec, "nodes": [n.to_dict() for n in nodes],
         "job": req.job if not req.script else None, "script": req.script, "args": list(args),
+        "module": req.module, "launcher": plan.launcher,
+        "workdir": plan.workdir.record() if plan.workdir is not None else None,  # path, digest, files, bytes
         "world_size": plan.world_size, "ppn": plan.ppn, "backend": plan.backend, "precision": plan.precision,
-        "env": launcher.global_env(plan),
+        "env": {**launcher.global_env(plan), **{k: secrets.MASK for k in plan.secret_env}},
         "node_env": {p.name: launcher.node_env(plan, p) for p in plan.nodes},
         "pinning": {p.name: dict(launcher.rank_cpus(p)) for p in plan.nodes},
         "topology": {f.node.name: f.topo.to_dict() for f in facts},
         # what --resume needs to run the same job again
-        "request": {"job": req.job, "script": req.script, "args": list(req.args), "ppn": req.ppn,
+        "request": {"job": req.job, "script": req.script, "workdir": req.workdir, "module": req.module,
+                    "launcher": req.launcher, "args": list(req.args), "ppn": req.ppn,
                     "threads": req.threads, "backend": req.backend, "precision": req.precision,
-                    "env": dict(req.env), "save_every": req.save_every, "pin": req.pin, "timeout_s": req.timeout_s,
+                    "env": secrets.masked(req.env, req.valueless), "save_every": req.save_every, "pin": req.pin, "timeout_s": req.timeout_s,
                     "data": {str(Path(p).expanduser().resolve()): file_digest(p) for _, p in local_files(req.args)}},
     }
 

@@ -10,9 +10,10 @@ from pathlib import Path
 
 from cluster.remote import fan_out
 from cluster.resolve import Cluster
+from core.cli import writable_dir
 from core.constants import PROJECT_ROOT
 from core.errors import ClusterError
-from launch import launcher, topology
+from launch import jobdata, launcher, secrets, topology, workdir
 from launch.probe import NodeFacts, master_port, probe, resolve_backend, resolve_precision
 from training import spot
 
@@ -37,12 +38,16 @@ class TrainRequest:
     nodes: int | None = None
     job: str | None = "glue"
     script: str | None = None
+    workdir: str | None = None  # --workdir DIR: your project, shipped; --script is then relative to it
+    module: str | None = None  # --module NAME: `python -m NAME` from the workdir
+    launcher: str = "python"  # or "accelerate": `accelerate launch` per rank
     args: list[str] = field(default_factory=list)
     ppn: str = "auto"
     threads: str = "auto"
     backend: str = "auto"
     precision: str = "auto"
     env: dict[str, str] = field(default_factory=dict)
+    valueless: set[str] = field(default_factory=set)  # --env KEY: the operator's own value, a secret
     master_port: int | None = None
     pin: bool = True
     timeout_s: int = 300
@@ -51,6 +56,7 @@ class TrainRequest:
     fetch_model: bool = True
     resume: dict | None = None  # set by launch.resume: run_id, step, checkpoint (local folder)
     run_id: str | None = None
+    detach: bool = False  # return once the ranks run; launch.detach concludes the run later
     concurrent: bool = False  # run even while another run holds the cluster's lock  # chosen by the caller (doctor) so it can end the run by id; default: a new one
 
 
@@ -62,20 +68,29 @@ def _parse_auto_int(value: str, flag: str) -> int | None:
     except ValueError:
         raise ClusterError(f"{flag} {value!r} is not a number; use a positive integer or 'auto'") from None
     if n < 1:
-        raise ClusterError(f"{flag} {n} must be at least 1 (or 'auto')")
+        raise ClusterError(f"{flag} {n} must be at least 1; pass a positive integer or 'auto'")
     return n
 
 
-def validate(req: TrainRequest) -> None:
-    if req.script is None and req.job not in launcher.JOBS:
+def validate(req: TrainRequest) -> workdir.Workdir | None:
+    """Every flag and data file, before the cluster is asked anything; returns --workdir scanned."""
+    hidden = sorted(k for k, v in req.env.items() if v == secrets.MASK)
+    if hidden and req.resume:
+        names = ", ".join(hidden)
+        raise ClusterError(f"--resume {req.resume['run_id']}: its record keeps {names} as {secrets.MASK} and your "
+                           f"environment has no value for it; export {hidden[0]} or pass --env {hidden[0]}=VALUE")
+    bundled = req.script is None and req.module is None
+    if bundled and req.job not in launcher.JOBS:
         raise ClusterError(f"--job {req.job!r} is not a bundled job; use one of: {', '.join(launcher.JOBS)} "
                            "(or --script PATH for your own)")
-    if req.script is not None and not Path(req.script).is_file():
+    wd = workdir.check(req.workdir, req.script, req.module, req.launcher, bundled)
+    if req.script is not None and wd is None and not Path(req.script).is_file():
         raise ClusterError(f"--script {req.script} does not exist; pass the path of your training script")
     if req.backend not in BACKENDS:
-        raise ClusterError(f"--backend {req.backend!r} is not one of {', '.join(BACKENDS)}")
+        raise ClusterError(f"--backend {req.backend!r} is not one of {', '.join(BACKENDS)}; pass one of them")
     if req.precision not in PRECISIONS:
-        raise ClusterError(f"--precision {req.precision!r} is not one of {', '.join(PRECISIONS)}")
+        raise ClusterError(f"--precision {req.precision!r} is not one of {', '.join(PRECISIONS)}; pass one of "
+                           "them")
     try:
         spot.parse_save_every(req.save_every)
     except ValueError as exc:
@@ -87,9 +102,14 @@ def validate(req: TrainRequest) -> None:
         raise ClusterError(f"--timeout {req.timeout_s} must be at least 1 second (default 300)")
     _parse_auto_int(req.ppn, "--ppn")
     _parse_auto_int(req.threads, "--threads")
-    for flag, path in local_files(req.args):
+    files = local_files(req.args)
+    for flag, path in files:
         if not Path(path).expanduser().is_file():
             raise ClusterError(f"{flag} {path} does not exist; pass an existing data file (CSV, JSON or text)")
+    if bundled:
+        jobdata.check(req.job, req.args, files)
+    writable_dir(req.runs_dir, "the runs folder", "set XC_RUNS_DIR to a writable folder")
+    return wd
 
 
 def local_files(args: list[str]) -> list[tuple[str, str]]:
@@ -103,7 +123,7 @@ def local_files(args: list[str]) -> list[tuple[str, str]]:
             elif i + 1 < len(args):
                 out.append((flag, args[i + 1]))
             else:
-                raise ClusterError(f"{flag} needs a file path")
+                raise ClusterError(f"{flag} needs a file path; pass the data file after it")
     return out
 
 
@@ -128,10 +148,14 @@ def new_run_id(label: str) -> str:
 
 
 def plan_run(cluster: Cluster, req: TrainRequest, say) -> tuple[launcher.LaunchPlan, list[NodeFacts], list[str], dict]:
-    validate(req)
+    wd = validate(req)
+    if req.module and req.script is None:  # own code from here on: the run keys its bundled-job steps on script
+        req.script = workdir.module_file(wd, req.module)
     nodes = cluster.first(req.nodes)
     say(f"cluster {cluster.spec}: {len(nodes)} of {len(cluster.nodes)} node(s): {', '.join(n.name for n in nodes)}")
     facts = fan_out(nodes, probe, "probing nodes")
+    if req.script is None:
+        jobdata.check_on_nodes(nodes, req.args)
     backend = resolve_backend(req.backend, facts)
     precision = resolve_precision(req.precision, facts)
     ppn = _parse_auto_int(req.ppn, "--ppn")
@@ -149,7 +173,8 @@ def plan_run(cluster: Cluster, req: TrainRequest, say) -> tuple[launcher.LaunchP
         if note:
             say(note)
     if req.script:
-        entry = (f"script/{Path(req.script).name}",)
+        entry = (("-m", req.module) if req.module else (workdir.relative_script(wd, req.script),) if wd
+                 else (f"script/{Path(req.script).name}",))
         label = "script"
     else:
         entry = launcher.JOBS[req.job]
@@ -159,7 +184,9 @@ def plan_run(cluster: Cluster, req: TrainRequest, say) -> tuple[launcher.LaunchP
     plan = launcher.LaunchPlan(
         run_id=req.run_id or new_run_id(label), nodes=tuple(node_plans), master_addr=nodes[0].private_host,
         master_port=master_port(nodes[0], req.master_port), backend=backend, precision=precision, entry=tuple(entry),
-        args=tuple(args), env_overrides=run_env(req), pin=req.pin, timeout_s=req.timeout_s)
+        args=tuple(args), env_overrides=secrets.split(run_env(req), req.valueless)[0],
+        secret_env=secrets.split(req.env, req.valueless)[1], pin=req.pin, timeout_s=req.timeout_s,
+        launcher=req.launcher, workdir=wd)
     return plan, facts, args, ship
 
 
@@ -198,6 +225,10 @@ def describe(plan: launcher.LaunchPlan, facts: list[NodeFacts]) -> list[str]:
         for note in p.layout.notes:
             lines.append(f"note {p.name}: {note}")
     lines.append(f"backend: {plan.backend}  precision: {plan.precision}  master: {plan.master_addr}:{plan.master_port}")
+    if plan.workdir is not None:
+        lines.append(f"workdir {plan.workdir.summary()}; every node runs in its own copy of it (runs/<id>/work)")
+    if plan.launcher != "python":
+        lines.append(f"launcher: {plan.launcher} launch, one process per rank: {' '.join(plan.entry)}")
     env = launcher.global_env(plan)
     lines.append("env: " + " ".join(f"{k}={v}" for k, v in env.items() if not k.startswith(("MASTER_", "XC_"))))
     return lines

@@ -101,6 +101,8 @@ def next_request(run_id: str, req: TrainRequest, say) -> TrainRequest:
                 return req
             current = earlier
     nxt.master_port = req.master_port
+    nxt.env.update({k: v for k, v in req.env.items() if k in nxt.env})  # the records hold *** for secrets
+    nxt.valueless |= req.valueless
     return nxt
 
 

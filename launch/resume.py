@@ -3,10 +3,11 @@ at home (shipped from the operator's copy, so a new node 0 works), in a new run 
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 from core.errors import ClusterError
-from launch import outputs
+from launch import outputs, secrets
 from launch.request import TrainRequest, file_digest
 
 
@@ -39,11 +40,15 @@ def resume_request(run_id: str, runs_dir: Path, nodes: int | None = None, fetch_
             raise ClusterError(f"--resume {run_id}: its data file {path} changed since the run; a resumed run must "
                                "train on the same data (restore it or start anew)")
     args = list(request["args"])
+    env = dict(request["env"])
+    # the record keeps secrets as ***: the operator's own values stand in (--env KEY=VALUE overrides)
+    hidden = {k for k, v in env.items() if v == secrets.MASK}
+    env.update({k: os.environ[k] for k in hidden if k in os.environ})
     old_world = int(summary["world_size"])
     old_nodes = len(summary["nodes"])
     return TrainRequest(
         nodes=nodes or old_nodes, job=request["job"], args=args, ppn=request["ppn"], threads=request["threads"],
-        backend=request["backend"], precision=request["precision"], env=dict(request["env"]),
+        backend=request["backend"], precision=request["precision"], env=env, valueless=hidden,
         save_every=request["save_every"], pin=request["pin"], timeout_s=request["timeout_s"], runs_dir=runs_dir,
         fetch_model=fetch_model,
         resume={"run_id": run_id, "step": step, "checkpoint": str(checkpoint), "world_size": old_world})

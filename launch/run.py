@@ -22,12 +22,12 @@ from cluster.remote import connect, fan_out, run
 from cluster.resolve import Cluster
 from core.errors import ClusterError, Interrupted, NodeFailure, Preempted
 from core.render import render
-from launch import launcher, lock, outputs
+from launch import detach, launcher, lock, outputs, secrets, workdir
 from launch.cleanup import Sweep, sweep
 from launch.preflight import preflight
 from launch.probe import NodeFacts
 from launch.records import RunResult, finish_run, new_record, result_line
-from launch.request import TrainRequest, describe, plan_run
+from launch.request import TrainRequest, describe, plan_run, validate
 from launch.stream import OutputRouter, failed_rank
 from training import spot
 
@@ -45,7 +45,9 @@ def cleanup(nodes: list[Node], run_id: str) -> Sweep:
 
 
 def _stage(fact: NodeFacts, plan: launcher.LaunchPlan, node_plan: launcher.NodePlan, digest: str, tarball: bytes,
-           ship: dict[str, Path], script: str | None, is_master: bool, hostfile: str, resume: Path | None = None) -> str:
+           ship: dict[str, Path], script: str | None, is_master: bool, hostfile: str, resume: Path | None = None
+           ) -> tuple[str, bool | None]:
+    """Code, run folder, scripts and data on one node; returns (code folder, whether --workdir was sent now)."""
     with connect(fact.node) as conn:
         code_dir = shipping.ensure_code(conn, fact.home, digest, tarball)
         run_dir = f"{fact.home}/runs/{plan.run_id}"
@@ -54,16 +56,21 @@ def _stage(fact: NodeFacts, plan: launcher.LaunchPlan, node_plan: launcher.NodeP
             raise ClusterError(f"{fact.node.name}: cannot create {run_dir}: {res.stderr.strip()}")
         env_sh = render("node_env.sh.j2", run_id=plan.run_id, node=fact.node.name, python=fact.node.python,
                         code_dir=code_dir, rank_cpus=launcher.rank_cpus(node_plan),
-                        env=sorted(launcher.node_env(plan, node_plan).items()))
+                        env=sorted(launcher.node_env(plan, node_plan).items()),
+                        workdir=f"{run_dir}/work" if plan.workdir is not None else None)
         rank_sh = render("rank.sh.j2", run_id=plan.run_id, pin="yes" if plan.pin else "no",
-                         entry=launcher.shell_join(list(plan.entry)))
+                         entry=launcher.shell_join(list(plan.entry)), launch=launcher.launch_words(plan))
         conn.put(io.StringIO(env_sh), f"{run_dir}/node_env.sh")
+        if plan.secret_env:  # created empty with mode 0600 first: the values never sit in a readable file
+            run(conn, f"(umask 077 && : > {shlex.quote(run_dir)}/{secrets.FILE})")
+            conn.put(io.StringIO(secrets.env_file(plan.secret_env)), f"{run_dir}/{secrets.FILE}")
         conn.put(io.StringIO(rank_sh), f"{run_dir}/rank.sh")
         run(conn, f"chmod 700 {shlex.quote(run_dir)}/rank.sh")
         for name, local in ship.items():
             conn.put(str(local), f"{run_dir}/data/{name}")
-        if script:
+        if script and plan.workdir is None:
             conn.put(script, f"{run_dir}/script/{Path(script).name}")
+        sent = None if plan.workdir is None else workdir.ensure(conn, fact.home, plan.workdir, f"{run_dir}/work")
         if is_master:
             conn.put(io.StringIO(hostfile), f"{run_dir}/hostfile")
         if resume:  # every rank loads the weights from its own node
@@ -73,7 +80,7 @@ def _stage(fact: NodeFacts, plan: launcher.LaunchPlan, node_plan: launcher.NodeP
             run(conn, "mkdir -p " + " ".join(dirs or [shlex.quote(target)]))
             for f in files:
                 conn.put(str(f), f"{target}/{f.relative_to(resume)}")
-        return code_dir
+        return code_dir, sent
 
 
 def train(cluster: Cluster, req: TrainRequest, out: TextIO = sys.stdout) -> RunResult:
@@ -91,10 +98,14 @@ def train(cluster: Cluster, req: TrainRequest, out: TextIO = sys.stdout) -> RunR
     if req.concurrent:
         return _run(cluster, req, plan, facts, args, ship, say, out)
     lock.take(nodes, plan.run_id, say, Path(req.runs_dir))
+    detached = False
     try:
-        return _run(cluster, req, plan, facts, args, ship, say, out)
+        result = _run(cluster, req, plan, facts, args, ship, say, out)
+        detached = result.detached
+        return result
     finally:
-        lock.release(nodes, plan.run_id)
+        if not detached:  # a detached run holds the cluster until it is concluded
+            lock.release(nodes, plan.run_id)
 
 
 def _run(cluster: Cluster, req: TrainRequest, plan: launcher.LaunchPlan, facts: list[NodeFacts], args: list[str],
@@ -126,6 +137,14 @@ def _run(cluster: Cluster, req: TrainRequest, plan: launcher.LaunchPlan, facts: 
                f"PATH={shlex.quote(str(Path(mpirun).parent))}:$PATH exec {launcher.shell_join(argv)}")
     record.update(command=argv, code=digest)
     (run_dir / "command.sh").write_text(command + "\n")
+    if req.detach:
+        remote_run = f"{master.home}/runs/{plan.run_id}"
+        record["remote_output"] = _remote_output_dir(master, plan, args)
+        say(f"launching {plan.world_size} rank(s) with mpirun on {master.node.name}, detached")
+        return detach.start(facts, plan, detach.wrapper_command(
+            remote_run, str(Path(mpirun).parent), launcher.shell_join(argv), master.node.python,
+            f"{master.home}/code/{digest}", bool(plan.secret_env)), run_dir, record, say, out)
+    finish_run(run_dir, record, "running", -1, 0.0, None)  # 'fab runs' lists it while it goes on
     say(f"launching {plan.world_size} rank(s) with mpirun on {master.node.name}")
     started = time.monotonic()
     exit_code = 1
@@ -157,6 +176,8 @@ def _run(cluster: Cluster, req: TrainRequest, plan: launcher.LaunchPlan, facts: 
             raise
         finally:
             router.flush_rest()
+            if plan.secret_env:
+                secrets.forget([(f.node, f"{f.home}/runs/{plan.run_id}") for f in facts])
             if mirror:
                 mirror.stop()
             if req.script is None:  # after Ctrl-C without the weights: the user asked to stop, not to wait
@@ -217,9 +238,11 @@ def _prepare(cluster: Cluster, req: TrainRequest, plan: launcher.LaunchPlan, fac
 
     def stage(node: Node):
         i = nodes.index(node)
-        _stage(facts[i], plan, plan.nodes[i], digest, tarball, ship, req.script, i == 0, hostfile, resume)
+        return _stage(facts[i], plan, plan.nodes[i], digest, tarball, ship, req.script, i == 0, hostfile, resume)
 
-    fan_out(nodes, stage, "staging the run")
+    staged = fan_out(nodes, stage, "staging the run")
+    if plan.workdir is not None:
+        log.info(workdir.shipped_line(plan.workdir, [n.name for n in nodes], [sent for _, sent in staged]))
     return ks.ssh_dir, digest
 
 
@@ -323,10 +346,12 @@ def demo(nodes: int = 2, port: int | None = None, out: TextIO = sys.stdout) -> R
     from cluster import local
     from cluster.resolve import open_cluster
 
+    req = TrainRequest(nodes=nodes, job="glue", args=list(DEMO_ARGS))
+    validate(req)  # an unwritable runs folder is refused before any sshd starts
     already = (local.state_dir() / "state.json").exists()
     local.up(nodes, **({"port": port} if port else {}))
     try:
-        result = train(open_cluster("local"), TrainRequest(nodes=nodes, job="glue", args=list(DEMO_ARGS)), out)
+        result = train(open_cluster("local"), req, out)
         out.write(result_line(result) + "\n")
         return result
     finally:

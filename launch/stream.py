@@ -7,7 +7,7 @@ import re
 import threading
 from typing import TextIO
 
-from launch import launcher
+from launch import launcher, secrets
 from training.common import FINISHED_TAG
 
 log = logging.getLogger(__name__)
@@ -45,6 +45,8 @@ class OutputRouter(io.TextIOBase):
         self.out.flush()
 
     def _line(self, line: str) -> None:
+        if self.plan.secret_env:  # a job that prints its token shows ***, here and in log.txt
+            line = secrets.redact(line, self.plan.secret_env.values())
         self.log_file.write(line + "\n")
         self.log_file.flush()
         self.lines.append(line)

@@ -17,6 +17,7 @@ from typing import TextIO
 
 from cluster.resolve import Cluster
 from core.errors import ClusterError
+from launch import secrets
 from launch.request import TrainRequest, new_run_id, validate
 from launch.run import train
 
@@ -291,7 +292,11 @@ def bench(cluster: Cluster, sizes_text: str, template: TrainRequest, out: TextIO
     label = template.job
     bench_id = f"bench-{new_run_id(label)}"
     bench_dir = Path(template.runs_dir) / bench_id
-    command = command or f"fab bench --nodes {','.join(map(str, sizes))} --job {label} -- " + shlex.join(template.args)
+    flags = [f"--env {k}={v}" for k, v in secrets.masked(template.env, template.valueless).items()]
+    flags += ([] if template.pin else ["--no-pin"]) + ([f"--timeout {template.timeout_s}"] if template.timeout_s != 300
+                                                         else [])
+    command = command or (f"fab bench --nodes {','.join(map(str, sizes))} --job {label} "
+                          + "".join(f + " " for f in flags) + "-- " + shlex.join(template.args))
     runs: list[RunRecord] = []
     started = time.monotonic()
     for i, n in enumerate(sizes, 1):
@@ -316,7 +321,8 @@ def report_from_runs(run_ids: str, runs_dir: Path, command: str | None = None) -
     """A report over runs that already finished (`fab bench --runs ID,ID`), with the same checks."""
     ids = [x.strip() for x in run_ids.split(",") if x.strip()]
     if len(ids) < 2:
-        raise ClusterError(f"--runs {run_ids!r}: give at least two run ids, comma-separated")
+        raise ClusterError(f"--runs {run_ids!r} names fewer than two runs; give at least two run ids, "
+                           "comma-separated")
     missing = [x for x in ids if not (Path(runs_dir) / x).is_dir()]
     if missing:
         raise ClusterError(f"--runs: no run {', '.join(missing)} in {runs_dir}; see the folder names there")
