@@ -13,6 +13,7 @@ from invoke import Collection
 
 from cluster import keys as keys_lib
 from cluster import local as local_lib
+from cluster import netns as netns_lib
 from cluster import sweep as sweep_lib
 from cluster.resolve import open_cluster
 from core.cli import as_int, cli, env_pairs, job_args, one_line_parse_errors, valueless_keys
@@ -49,13 +50,32 @@ def _cluster(c, cluster):
     return cluster or os.environ.get("XC_CLUSTER") or c.config.get("xc", {}).get("cluster") or None
 
 
-@task(help={"nodes": "number of nodes (default 2)", "port": "sshd port on every node (default 2222)"})
+@task(help={"nodes": "number of nodes (default 2)", "port": "sshd port on every node (default 2222)",
+            "netns": "a network twin: each node in its own network namespace, linked to a bridge (root only)",
+            "link": "with --netns: each link's rate, e.g. 3gbit or 500mbit (default: unshaped)",
+            "latency": "with --netns: each link's one-way delay, e.g. 50us or 1ms (needs the kernel's netem)"})
 @cli
-def local_up(c, nodes="2", port=str(local_lib.DEFAULT_PORT)):
-    """Start a local cluster: N sshd nodes on 127.0.0.2, 127.0.0.3, ... (the active cluster)."""
-    started = local_lib.up(as_int(nodes, "--nodes", 1, MAX_NODES), port=as_int(port, "--port", 1024, 65535))
+def local_up(c, nodes="2", port=str(local_lib.DEFAULT_PORT), netns=False, link=None, latency=None):
+    """Start a local cluster: N sshd nodes on 127.0.0.2, 127.0.0.3, ... (the active cluster); --netns: 198.18.x.y."""
+    count, port = as_int(nodes, "--nodes", 1, MAX_NODES), as_int(port, "--port", 1024, 65535)
+    if netns:
+        started = netns_lib.up(count, port=port, link=link, latency=latency)
+    elif link or latency:
+        raise ClusterError("--link and --latency shape the links of a network twin; add --netns (root only) or "
+                           "leave them out")
+    else:
+        started = local_lib.up(count, port=port)
     print(f"local cluster up: {len(started)} node(s) on port {started[0].port}: "
-          + ", ".join(f"{n.name}={n.host}" for n in started))
+          + ", ".join(f"{n.name}={n.host}" for n in started) + netns_lib.up_line())
+
+
+@task(help={"node": "the node whose link changes, e.g. node1", "cut": "take the link down: the node runs on, "
+            "unreachable", "restore": "bring a cut link back", "link": "the link's new rate, e.g. 100mbit",
+            "latency": "the link's new one-way delay, e.g. 5ms"})
+@cli
+def local_link(c, node, cut=False, restore=False, link=None, latency=None):
+    """Cut, restore or reshape one node's link in a network twin ('fab local-up --netns'; root only)."""
+    print(netns_lib.set_link(node, cut=bool(cut), restore=bool(restore), link=link, latency=latency))
 
 
 @task(help={"node": "the node to take away, e.g. node1"})
@@ -70,9 +90,10 @@ def local_kill(c, node):
 @task
 @cli
 def local_down(c):
-    """Stop the local cluster's sshd processes (and nothing else)."""
-    n = local_lib.down()
-    print(f"local cluster down: {n} node(s) stopped" if n else "no local cluster was running")
+    """Stop the local cluster's sshd processes (and their sessions); a network twin's namespaces and links go too."""
+    n, removed = netns_lib.down()
+    print((f"local cluster down: {n} node(s) stopped" if n else "no local cluster was running")
+          + (f"; network twin removed ({', '.join(removed)})" if removed else ""))
 
 
 @task(help={"cluster": "local | hosts:PATH | aws[:NAME] | pulumi[:STACK] (default: local)"})
@@ -310,4 +331,4 @@ def kube(c, nodes=None, job="glue", out=None, image="xeon-cluster-train:latest",
           f"docker build -t {image} {paths['manifest'].parent} && kubectl create -f {paths['manifest']}")
 
 
-ns = Collection(local_up, local_down, local_kill, keys, setup, doctor, train, logs, runs, stop, status, sweep, demo, bench, kube)
+ns = Collection(local_up, local_down, local_kill, local_link, keys, setup, doctor, train, logs, runs, stop, status, sweep, demo, bench, kube)

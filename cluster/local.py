@@ -106,8 +106,9 @@ def nodes(state: Path | None = None, require_running: bool = True) -> list[Node]
 
 
 def up(count: int, port: int = DEFAULT_PORT, first_address: str = FIRST_ADDRESS,
-       state: Path | None = None, python: str | None = None) -> list[Node]:
-    """Start ``count`` sshd nodes; returns them. Refuses if a cluster of another size is up."""
+       state: Path | None = None, python: str | None = None, wrap=None, extra: dict | None = None) -> list[Node]:
+    """Start ``count`` sshd nodes; returns them. Refuses if a cluster of another size is up. ``wrap(i)``: the
+    command that runs node i's sshd elsewhere (cluster.netns: its own network namespace), ``extra``: more state."""
     state = state or state_dir()
     if not 1 <= count <= MAX_NODES:
         raise ClusterError(f"--nodes {count} is out of range; a local cluster has 1..{MAX_NODES} nodes")
@@ -124,7 +125,7 @@ def up(count: int, port: int = DEFAULT_PORT, first_address: str = FIRST_ADDRESS,
         return _restart_down(state, existing, python)
     sshd = sshd_binary()
     base = ipaddress.IPv4Address(first_address)
-    if not base.is_loopback or not (base + count - 1).is_loopback:
+    if not wrap and (not base.is_loopback or not (base + count - 1).is_loopback):
         raise ClusterError(f"local nodes must live on 127.0.0.0/8; {first_address} + {count} leaves it")
     user = getpass.getuser()
     writable_dir(state, "the local cluster's state folder", "set XC_STATE_DIR to a writable folder")
@@ -136,17 +137,18 @@ def up(count: int, port: int = DEFAULT_PORT, first_address: str = FIRST_ADDRESS,
     started: list[dict] = []
     try:
         for i in range(count):
-            started.append(_start_node(state, i, base, port, count, user, op_pub, sshd, python))
+            started.append(_start_node(state, i, base, port, count, user, op_pub, sshd, python,
+                                       wrap(i) if wrap else []))
     except BaseException:
         _stop([s["pid"] for s in started], [s["config"] for s in started])
         raise
     known_hosts(state).write_text("".join(_host_line(state, s) for s in started))
-    (state / "state.json").write_text(json.dumps({"port": port, "nodes": started}, indent=2))
+    (state / "state.json").write_text(json.dumps({"port": port, "nodes": started, **(extra or {})}, indent=2))
     return [Node(**s["node"]) for s in started]
 
 
 def _start_node(state: Path, i: int, base: ipaddress.IPv4Address, port: int, count: int, user: str, op_pub: str,
-                sshd: str, python: str | None) -> dict:
+                sshd: str, python: str | None, wrap: list[str]) -> dict:
     name = f"node{i}"
     address = str(base + i)
     node_dir = state / "nodes" / name
@@ -163,7 +165,7 @@ def _start_node(state: Path, i: int, base: ipaddress.IPv4Address, port: int, cou
     log_file = node_dir / "sshd.log"
     cpus = _cpu_share(i, count)
     proc = subprocess.Popen(
-        [sshd, "-D", "-f", str(config), "-E", str(log_file)],
+        [*wrap, sshd, "-D", "-f", str(config), "-E", str(log_file)],
         stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
         start_new_session=True,
         preexec_fn=lambda c=cpus: os.sched_setaffinity(0, c),  # noqa: PLW1509 (no threads here yet)
@@ -172,7 +174,7 @@ def _start_node(state: Path, i: int, base: ipaddress.IPv4Address, port: int, cou
                 home=str(node_dir / "home"), python=python or _default_python(),
                 labels={"local": True, "cpus": sorted(cpus), "identity": str(operator_key(state)),
                         "known_hosts": str(known_hosts(state))})
-    entry = {"name": name, "pid": proc.pid, "config": str(config), "node": node.to_dict()}
+    entry = {"name": name, "pid": proc.pid, "config": str(config), "node": node.to_dict(), "wrap": wrap}
     try:
         _wait_listening(proc, address, port, log_file, name)
     except BaseException:
@@ -200,7 +202,7 @@ def _restart_down(state: Path, data: dict, python: str | None) -> list[Node]:
             continue
         _kill_tree(entry)  # what the dead node's sessions left behind goes with it
         fresh = _start_node(state, i, base, data["port"], len(entries), entry["node"]["user"], op_pub, sshd,
-                            python or entry["node"]["python"])
+                            python or entry["node"]["python"], entry.get("wrap", []))
         entries[i] = fresh
         log.info("%s restarted", entry["name"])
     (state / "state.json").write_text(json.dumps(data, indent=2))
@@ -235,7 +237,7 @@ def listens(pid: int, address: str, port: int) -> bool:
     """Whether process pid holds the listening TCP socket on address:port (from /proc/net/tcp and its fds)."""
     want = f"{int.from_bytes(ipaddress.IPv4Address(address).packed, 'little'):08X}:{port:04X}"
     try:
-        rows = [line.split() for line in Path("/proc/net/tcp").read_text().splitlines()[1:]]
+        rows = [line.split() for line in Path(f"/proc/{pid}/net/tcp").read_text().splitlines()[1:]]  # pid's netns
     except OSError:
         return False
     inodes = {f"socket:[{r[9]}]" for r in rows if len(r) > 9 and r[1] == want and r[3] == "0A"}  # 0A: LISTEN

@@ -31,8 +31,10 @@ def sweep_script(run_id: str) -> str:
             "echo \"left $p $(tr '\\0' ' ' < /proc/$p/cmdline 2>/dev/null | cut -c1-100)\"; done; true")
 
 
-# Every run id with a live process on the node, with its process count: "run <id> <count>".
-RUNS_ALIVE = ("for e in /proc/[0-9]*/environ; do { tr '\\0' '\\n' < \"$e\"; } 2>/dev/null | grep -m1 '^XC_RUN_ID='; "
+# Every run id with a live process on the node, with its process count: "run <id> <count>". Only processes in
+# the node's own network namespace count: a network twin's nodes share this machine's processes, not its network.
+RUNS_ALIVE = ("for e in /proc/[0-9]*/environ; do [ \"${e%environ}ns/net\" -ef /proc/$$/ns/net ] || continue; "
+              "{ tr '\\0' '\\n' < \"$e\"; } 2>/dev/null | grep -m1 '^XC_RUN_ID='; "
               "done | sort | uniq -c | while read n kv; do echo \"run ${kv#XC_RUN_ID=} $n\"; done; true")
 
 

@@ -29,6 +29,7 @@ from launch.probe import NodeFacts
 from launch.records import RunResult, finish_run, new_record, result_line
 from launch.request import TrainRequest, describe, plan_run, validate
 from launch.stream import OutputRouter, failed_rank
+from launch.watchdog import Watchdog
 from training import spot
 
 log = logging.getLogger(__name__)
@@ -156,8 +157,9 @@ def _run(cluster: Cluster, req: TrainRequest, plan: launcher.LaunchPlan, facts: 
     with (run_dir / "log.txt").open("w") as log_file:
         router = OutputRouter(plan, out, log_file)
         ctrl_c = CtrlC(nodes, plan.run_id, say)
+        watch = Watchdog(nodes, plan.run_id, lambda: cleanup(nodes, plan.run_id))
         try:
-            with ctrl_c, connect(master.node) as conn:
+            with ctrl_c, watch, connect(master.node) as conn:
                 ctrl_c.conn = conn
                 res = conn.run(command, hide=False, warn=True, pty=False, in_stream=False,
                                out_stream=router, err_stream=router)
@@ -194,7 +196,7 @@ def _run(cluster: Cluster, req: TrainRequest, plan: launcher.LaunchPlan, facts: 
         _preempted(nodes, plan, master, run_dir, remote_out, record, req, notice, exit_code, wall, say)
     if exit_code != 0:
         swept = cleanup(nodes, plan.run_id)
-        node, reason = failed_rank(router.lines, plan)
+        node, reason = watch.failure or failed_rank(router.lines, plan)
         # oneCCL may abort a rank during interpreter shutdown: once every rank has finished its work
         # and rank 0's results are written, the run counts, and the record says what happened after.
         done = len(router.finished) == plan.world_size

@@ -193,6 +193,17 @@ CASES = [
       "not a writable folder (", env={"XC_STATE_DIR": "/proc/xc-state"}),
     T("keys-state-unwritable", "keys --cluster hosts:{d}/hosts-down", "the state folder of cluster 'hosts:",
       env={"XC_STATE_DIR": "/proc/xc-state"}),
+    T("local-up-link-word", "local-up --netns --link fast", "--link 'fast' is not a rate like 3gbit or 500mbit; pass"),
+    T("local-up-link-zero", "local-up --netns --link 0gbit", "--link '0gbit' is not a rate like 3gbit"),
+    T("local-up-latency-word", "local-up --netns --link 1gbit --latency soon", "--latency 'soon' is not a delay like "
+      "50us or 1ms; pass a number with us, ms or s"),
+    T("local-up-link-without-netns", "local-up --link 1gbit", "--link and --latency shape the links of a network "
+      "twin; add --netns"),
+    T("local-link-no-cluster", "local-link --node node1 --cut", "no local cluster is running; start one with"),
+    T("local-link-nothing", "local-link --node node1", "nothing to change on node1's link; pass --cut, --restore"),
+    T("local-link-cut-and-restore", "local-link --node node1 --cut --restore", "--cut and --restore exclude each "
+      "other"),
+    T("local-link-latency-word", "local-link --node node1 --latency 5min", "--latency '5min' is not a delay like"),
     T("local-kill-no-node", "local-kill", "'local-kill' did not receive required positional arguments: 'node'"),
     T("local-kill-no-cluster", "local-kill --node node1", "no local cluster is running"),
     T("local-down-argument", "local-down node1", "'fab local-down' takes no argument 'node1'"),
@@ -235,6 +246,8 @@ CASES = [
     C("cluster-stop-unknown-run", "stop 20990101-000000-glue-0000", "no run 20990101-000000-glue-0000: no folder"),
     C("cluster-local-kill-node", "local-kill --node node9", "no local node 'node9'; the nodes are node0, node1"),
     C("cluster-local-up-other-size", "local-up --nodes 3", "a local cluster with 2 nodes is already up"),
+    C("cluster-local-link-plain", "local-link --node node1 --cut", "the local cluster was started without --netns, so "
+      "its nodes have no links"),
 ]
 
 

@@ -375,3 +375,47 @@ def test_one_run_at_a_time_and_an_orphaned_run_is_found_and_stopped(cluster2, tm
     assert json.loads((cluster2.runs / run_a / "summary.json").read_text())["status"] == "stopped"
     after = cluster2.fab("train", "--script", str(hello), timeout=300)  # the cluster is free again
     assert after.returncode == 0, after.stdout[-2000:] + after.stderr[-2000:]
+
+
+def _pids_of_node(cmd_part: str, node: str) -> list[int]:
+    """PIDs whose command line holds cmd_part and whose environment says they run on local node `node`."""
+    found = []
+    for pid in processes_with_cmdline(cmd_part):
+        try:
+            env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if f"XC_NODE={node}".encode() in env:
+            found.append(pid)
+    return found
+
+
+def test_a_dead_mpi_proxy_ends_the_run_within_a_minute_naming_its_node(cluster2, tmp_path):
+    quiet = tmp_path / "quiet.py"
+    quiet.write_text("import time\nprint('started', flush=True)\ntime.sleep(600)\n")
+    before = cluster2.run_dirs()
+    proc = subprocess.Popen([*FAB, "train", "--nodes", "2", "--script", str(quiet)], cwd=ROOT, text=True,
+                            env={**os.environ, **cluster2.env}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            stdin=subprocess.DEVNULL)
+    try:
+        seen = ""
+        while seen.count("started") < 2 and proc.poll() is None:
+            seen += proc.stdout.readline()
+        run_id = (cluster2.run_dirs() - before).pop()
+        proxies = _pids_of_node("hydra_pmi_proxy", "node1")
+        assert proxies, f"node1's hydra_pmi_proxy not found; fab said: {seen[-2000:]}"
+        killed = time.monotonic()
+        for pid in proxies:
+            os.kill(pid, signal.SIGKILL)
+        out, _ = proc.communicate(timeout=120)
+        elapsed = time.monotonic() - killed
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    print(f"proxy killed -> fab exited in {elapsed:.1f}s")
+    assert proc.returncode != 0 and elapsed < 60, f"{elapsed:.0f}s"
+    last = out.strip().splitlines()[-1]
+    assert last.startswith(f"error: run {run_id} failed") and "node1" in last and "Traceback" not in last, last
+    assert processes_with_env(f"XC_RUN_ID={run_id}") == []
+    summary = json.loads((cluster2.runs / run_id / "summary.json").read_text())
+    assert summary["status"] == "failed"
