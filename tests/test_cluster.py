@@ -397,6 +397,7 @@ def test_a_dead_mpi_proxy_ends_the_run_within_a_minute_naming_its_node(cluster2,
     proc = subprocess.Popen([*FAB, "train", "--nodes", "2", "--script", str(quiet)], cwd=ROOT, text=True,
                             env={**os.environ, **cluster2.env}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             stdin=subprocess.DEVNULL)
+    run_id = None
     try:
         seen = ""
         while seen.count("started") < 2 and proc.poll() is None:
@@ -412,6 +413,8 @@ def test_a_dead_mpi_proxy_ends_the_run_within_a_minute_naming_its_node(cluster2,
     finally:
         if proc.poll() is None:
             proc.kill()
+            if run_id:  # a failed check must not leave its 600 s ranks to the tests after it
+                cluster2.fab("stop", run_id, timeout=120)
     print(f"proxy killed -> fab exited in {elapsed:.1f}s")
     assert proc.returncode != 0 and elapsed < 60, f"{elapsed:.0f}s"
     last = out.strip().splitlines()[-1]
@@ -419,3 +422,25 @@ def test_a_dead_mpi_proxy_ends_the_run_within_a_minute_naming_its_node(cluster2,
     assert processes_with_env(f"XC_RUN_ID={run_id}") == []
     summary = json.loads((cluster2.runs / run_id / "summary.json").read_text())
     assert summary["status"] == "failed"
+
+
+def test_a_rank_that_dies_while_its_child_holds_its_output_ends_the_run_quickly(cluster2, tmp_path):
+    script = tmp_path / "child_holds_stdout.py"
+    script.write_text(
+        "import os, subprocess, sys, time\n"
+        "print('started', flush=True)\n"
+        "if os.environ.get('PMI_RANK') == '1':\n"
+        "    subprocess.Popen(['sleep', '600'])  # inherits the rank's stdout and outlives it\n"
+        "    time.sleep(2)\n"
+        "    sys.exit(3)\n"
+        "time.sleep(600)\n")
+    before = cluster2.run_dirs()
+    started = time.monotonic()
+    res = cluster2.fab("train", "--nodes", "2", "--script", str(script), timeout=300)
+    elapsed = time.monotonic() - started
+    print(f"rank 1 exited with a child holding its output -> fab exited after {elapsed:.1f}s in all")
+    assert res.returncode != 0 and elapsed < 90, f"{elapsed:.0f}s"
+    last = res.stderr.strip().splitlines()[-1]
+    run_id = (cluster2.run_dirs() - before).pop()
+    assert last.startswith(f"error: run {run_id} failed") and "node1" in last, last
+    assert processes_with_env(f"XC_RUN_ID={run_id}") == []
