@@ -18,7 +18,6 @@ import re
 import shutil
 import signal
 import subprocess
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -278,14 +277,7 @@ def _end_processes(ns: str) -> None:
     """Whatever still runs in one of the twin's namespaces (sessions' leftovers) goes with it."""
     pids = [int(p) for p in _try(["ip", "netns", "pids", ns]).stdout.split() if p.isdigit() and int(p) != os.getpid()]
     for sig, wait_s in ((signal.SIGTERM, 3.0), (signal.SIGKILL, 1.0)):
-        for pid in pids:
-            try:
-                os.kill(pid, sig)
-            except ProcessLookupError:
-                pass
-        deadline = time.monotonic() + wait_s
-        while time.monotonic() < deadline and any(local._exists(p) for p in pids):  # a zombie counts as gone
-            time.sleep(0.05)
+        local._signal_and_wait(pids, sig, wait_s)
 
 
 def teardown(twin: Twin) -> list[str]:

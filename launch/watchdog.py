@@ -18,12 +18,11 @@ PROXY = "hydra_pmi_proxy"
 
 
 def probe_script(run_id: str) -> str:
-    """One line per process of the run: 'proc PID PPID PARENT_COMM NODE' (NODE: its XC_NODE, or -)."""
+    """One line per process of the run: 'proc PID PPID PARENT_COMM NODE' (NODE: its XC_NODE, or -). One
+    grep finds the run's processes, so a probe costs a few process starts, not one per process on the node."""
     tag = shlex.quote(f"XC_RUN_ID={run_id}")
-    return ("for e in /proc/[0-9]*/environ; do p=${e#/proc/}; p=${p%/environ}; "
-            "env=$(tr '\\0' '\\n' < \"$e\" 2>/dev/null) || continue; "
-            "printf '%s\\n' \"$env\" | grep -qxF " + tag + " || continue; "
-            "node=$(printf '%s\\n' \"$env\" | sed -n 's/^XC_NODE=//p' | head -1); "
+    return ("for e in $(grep -lzxF " + tag + " /proc/[0-9]*/environ 2>/dev/null); do p=${e#/proc/}; p=${p%/environ}; "
+            "node=$(grep -zm1 '^XC_NODE=' \"$e\" 2>/dev/null | tr -d '\\0'); node=${node#XC_NODE=}; "
             "pp=$(sed 's/.*) //' /proc/$p/stat 2>/dev/null | cut -d' ' -f2); "
             "pc=$(cat /proc/${pp:-0}/comm 2>/dev/null); "
             "echo \"proc $p ${pp:-0} ${pc:--} ${node:--}\"; done; true")
