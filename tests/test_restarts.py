@@ -146,13 +146,19 @@ def _home_steps(run_dir: Path) -> list[int]:
                   if d.name[5:].isdigit() and (d / spot.COMPLETE_MARKER).is_file())
 
 
+# The resumed run must outlive the copy home of its first checkpoint (~270 MiB with the optimizer state;
+# 5 s on an idle machine, but a CI run saw it take the whole 40 s of a 2-epoch run while both cores trained).
+LONGER = ["--num_train_epochs", "5"]
+
+
 @pytest.mark.cluster
 @pytest.mark.slow
 def test_a_preempted_run_and_a_killed_node_are_resumed_by_themselves(tmp_path):
     lc = start_cluster(tmp_path, 2)
     imds = FakeIMDS()
     proc = subprocess.Popen([*FAB, "train", "--nodes", "2", "--save-every", "20", "--max-restarts", "2",
-                             "--restart-wait", "300", "--env", f"XC_IMDS_ENDPOINT={imds.url}", "--", *DEMO_ARGS],
+                             "--restart-wait", "300", "--env", f"XC_IMDS_ENDPOINT={imds.url}", "--", *DEMO_ARGS,
+                             *LONGER],
                             cwd=ROOT, text=True, env={**os.environ, **lc.env}, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
     out = Lines(proc.stdout)
