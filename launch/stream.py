@@ -79,6 +79,7 @@ _EXIT = re.compile(r"(KILLED BY SIGNAL: \d+ \(\w+\)|EXIT CODE: \d+)")
 
 
 _EXCEPTION = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception|Exit|Interrupt)\b(: .*)?$")
+_TORCH_RANK = re.compile(r"^\[rank\d+\]: ?")  # torch prefixes a rank's traceback lines once its process group is up
 
 
 def raised(lines: list[str], plan: launcher.LaunchPlan) -> tuple[int, str] | None:
@@ -89,7 +90,7 @@ def raised(lines: list[str], plan: launcher.LaunchPlan) -> tuple[int, str] | Non
         r = OutputRouter.RANK_LINE.match(line)
         if not r or int(r.group(1)) >= plan.world_size:
             continue
-        rank, text = int(r.group(1)), r.group(2)
+        rank, text = int(r.group(1)), _TORCH_RANK.sub("", r.group(2))
         if first is None and text.startswith("Traceback (most recent call last)"):
             first = rank
         elif rank == first and _EXCEPTION.match(text):

@@ -172,5 +172,10 @@ def test_a_failed_rank_is_named_with_its_exceptions_own_line():
     reason = ("rank 1 on node1 failed: ValueError: data/0-train.csv has no column 'label'; name the label column "
               "--label_column")
     assert failed_rank(lines, p) == ("node1", reason)
+    # torch's '[rankN]: ' prefix, once the process group is up
+    torch_lines = ["[0] [rank0]: Traceback (most recent call last):", '[0] [rank0]:   File "/x/trainer.py", line 1',
+                   "[0] [rank0]: TypeError: BF16 all reduce communication hook required CUDA 11+"]
+    assert failed_rank(torch_lines, p) == ("node0", ("rank 0 on node0 failed: TypeError: BF16 all reduce "
+                                                    "communication hook required CUDA 11+"))
     # without a traceback: Intel MPI's block
     assert failed_rank(lines[-3:], p) == ("node1", "rank 1 on node1 exit code: 1")

@@ -122,12 +122,13 @@ def main(argv: list[str] | None = None) -> int:
                       processing_class=tokenizer, data_collator=default_data_collator, optimizers=optimizers,
                       callbacks=[common.progress_callback(), eval_callback(history)])
     common.quiet_trainer(trainer)
+    hook = dist.comm_hook(trainer)
     n_params = sum(p.numel() for p in model.parameters())
     results = common.run_header(
         "clm", info, args, model_args.model_name_or_path or f"gpt2-tiny({model_args.config_overrides or TINY})",
         dataset=data_args.dataset_name, train_file=data_args.train_file, validation_file=data_args.validation_file,
         data_fingerprint=folder.name, tokens=meta["tokens"], vocab_size=meta["vocab_size"],
-        tokenizer=meta["tokenizer"], block_size=block_size, parameters=n_params, prepared=str(folder))
+        tokenizer=meta["tokenizer"], block_size=block_size, parameters=n_params, prepared=str(folder), comm_hook=hook)
     if eval_ds is not None:
         trainer.evaluate()  # step 0: the loss to beat
     common.train_and_record(trainer, results, train_ds, info)

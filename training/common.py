@@ -303,7 +303,8 @@ def run_header(job: str, info, args, model: str, **fields) -> dict:
             "per_device_train_batch_size": args.per_device_train_batch_size,
             "global_train_batch_size": args.per_device_train_batch_size * info.world_size
             * args.gradient_accumulation_steps,
-            "seed": args.seed, "threads": torch.get_num_threads(), **fields}
+            "seed": args.seed, "threads": torch.get_num_threads(), "ddp_bucket_cap_mb": args.ddp_bucket_cap_mb,
+            "gradient_accumulation_steps": args.gradient_accumulation_steps, **fields}
 
 
 def train_and_record(trainer, results: dict, train_ds, info) -> None:
@@ -324,6 +325,9 @@ def train_and_record(trainer, results: dict, train_ds, info) -> None:
     out = trainer.train(resume_from_checkpoint=resume)
     watcher.stop()
     results["train"] = dict(out.metrics, samples=len(train_ds), wall_s=time.monotonic() - train_start)
+    from training import dist
+
+    results["ddp"] = dist.ddp_stats(trainer)
     if callback.preempted_by is not None:
         import sys
 

@@ -220,6 +220,7 @@ def main(argv: list[str] | None = None) -> int:
                       compute_metrics=compute_metrics_fn(data_args.task_name, is_regression, num_labels),
                       callbacks=[common.progress_callback()])
     common.quiet_trainer(trainer)
+    hook = dist.comm_hook(trainer)
     results: dict = {"job": "glue", "model": model_args.model_name_or_path, "task": data_args.task_name,
                      "train_file": data_args.train_file, "world_size": info.world_size,
                      "data_fingerprint": common.fingerprint(data_args.train_file, data_args.validation_file),
@@ -229,7 +230,8 @@ def main(argv: list[str] | None = None) -> int:
                      "padding": "max_length" if data_args.pad_to_max_length else f"batch/{data_args.pad_to_multiple_of}",
                      "group_by_length": common.length_grouping(args), "max_seq_length": max_len,
                      "per_device_train_batch_size": args.per_device_train_batch_size,
-                     "threads": torch.get_num_threads()}
+                     "threads": torch.get_num_threads(), "comm_hook": hook, "ddp_bucket_cap_mb": args.ddp_bucket_cap_mb,
+                     "gradient_accumulation_steps": args.gradient_accumulation_steps}
     common.train_and_record(trainer, results, train_ds, info)
     if eval_ds is not None:
         metrics = trainer.evaluate()

@@ -273,13 +273,14 @@ def main(argv: list[str] | None = None) -> int:
     trainer = Trainer(model=model, args=args, train_dataset=train_ds, processing_class=tokenizer,
                       data_collator=collator, optimizers=optimizers, callbacks=[common.progress_callback()])
     common.quiet_trainer(trainer)
+    hook = dist.comm_hook(trainer)
     results = common.run_header(
         "qa", info, args, model_args.model_name_or_path, dataset=data_args.dataset_name,
         train_file=data_args.train_file, validation_file=data_args.validation_file,
         data_fingerprint=common.fingerprint(data_args.train_file, data_args.validation_file),
         max_seq_length=max_len, doc_stride=data_args.doc_stride,
         padding="max_length" if data_args.pad_to_max_length else f"batch/{data_args.pad_to_multiple_of}",
-        group_by_length=common.length_grouping(args))
+        group_by_length=common.length_grouping(args), comm_hook=hook)
     if train_ds is not None:
         results["train_examples"] = len(train_examples)
     common.train_and_record(trainer, results, train_ds, info)
