@@ -122,6 +122,7 @@ def keys(c, cluster=None):
         "threads": "OpenMP threads per process (default auto: the process's cores)",
         "backend": "auto | ccl | gloo",
         "precision": "auto | bf16 | fp32",
+        "comm-hook": "gradients on the wire between nodes: none (default: fp32) | bf16 | fp16 (half the bytes)",
         "env": "extra or overriding variable for every rank, KEY=VALUE (repeatable)",
         "cluster": "local | hosts:PATH | aws[:NAME] | pulumi[:STACK]",
         "master-port": "rendezvous port on node 0 (default: a free port there, picked per run)",
@@ -139,7 +140,7 @@ def keys(c, cluster=None):
 )
 @cli
 def train(c, nodes=None, job=None, script=None, workdir=None, module=None, launcher="python", ppn="auto",
-          threads="auto", backend="auto", precision="auto",
+          threads="auto", backend="auto", precision="auto", comm_hook=None,
           env=None, cluster=None, master_port=None, no_pin=False, timeout="300", save_every=None, no_fetch_model=False,
           resume=None, max_restarts="0", restart_wait="600", concurrent=False, detach=False):
     """Run a training job across the cluster with mpirun; results land in runs/<run-id>/."""
@@ -167,6 +168,8 @@ def train(c, nodes=None, job=None, script=None, workdir=None, module=None, launc
                                  ("backend", backend, "auto"), ("precision", precision, "auto")):
         if not resume or value != default:
             setattr(req, name, value)
+    if comm_hook is not None:
+        req.comm_hook = str(comm_hook)
     if resume:
         req.env.update(env_pairs(env))
         req.valueless |= valueless_keys(env)
@@ -290,13 +293,14 @@ def doctor(c, profile=None, nodes=None, cluster=None, quick=False, full=False, m
             "runs": "instead of running: a report over these finished runs (ids, comma-separated)",
             "ppn": "processes per node (default auto)", "threads": "OpenMP threads per process (default auto)",
             "backend": "auto | ccl | gloo", "precision": "auto | bf16 | fp32",
+            "comm-hook": "gradients on the wire: none (default: fp32) | bf16 | fp16",
             "env": "KEY=VALUE (or KEY: your own value, kept secret) for every rank of every size; repeatable",
             "timeout": "seconds a collective may wait, as in fab train (default 300)",
             "no-pin": "do not pin ranks to cores", "cluster": "local | hosts:PATH | aws[:NAME] | pulumi[:STACK]"},
       iterable=["env"])
 @cli
 def bench(c, nodes=None, job="glue", runs=None, ppn="auto", threads="auto", backend="auto", precision="auto",
-          env=None, timeout="300", no_pin=False, cluster=None):
+          comm_hook=request_lib.DEFAULT_COMM_HOOK, env=None, timeout="300", no_pin=False, cluster=None):
     """The same job with identical flags at each size; writes runs/bench-<id>/ (report.md, scaling.png)."""
     if runs and nodes:
         raise ClusterError("--runs and --nodes exclude each other; pass --runs to report on finished runs or "
@@ -307,8 +311,8 @@ def bench(c, nodes=None, job="glue", runs=None, ppn="auto", threads="auto", back
         if not nodes:
             raise ClusterError("--nodes is missing; give the sizes to compare, e.g. --nodes 1,2,4")
         req = request_lib.TrainRequest(job=job, args=job_args(), ppn=str(ppn), threads=str(threads), backend=backend,
-                                     precision=precision, env=env_pairs(env), valueless=valueless_keys(env),
-                                     timeout_s=as_int(timeout, "--timeout", 1), pin=not no_pin)
+                                     precision=precision, comm_hook=str(comm_hook), env=env_pairs(env),
+                                     valueless=valueless_keys(env), timeout_s=as_int(timeout, "--timeout", 1), pin=not no_pin)
         bench_lib.parse_sizes(str(nodes))  # the flags and data before the cluster is asked anything
         request_lib.validate(req)
         result = bench_lib.bench(open_cluster(_cluster(c, cluster)), str(nodes), req)

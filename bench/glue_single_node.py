@@ -7,13 +7,13 @@ Same model (MiniLM-L6), same data (the bundled paraphrase set), same machine, ru
   default-16  the default with lengths rounded up to a multiple of 16
 Prints, for every config: samples/s, real tokens/s, MFU (model FLOPs per second of the real tokens
 over this machine's matmul throughput at the model's shapes and the config's precision, measured in
-the same run), eval accuracy and F1 after the same epoch on the same data and seed, and the ratios
+the same run), eval accuracy and F1 after the same epochs on the same data (mean over --seeds), the ratios
 to the seeds' recipe; then the bound on what padding alone can give (padded tokens / real tokens)
 and the CPU model and flags. Last line:
     mfu=<default's MFU> ratio=<default vs seeds samples/s> acc_delta=<default minus seeds eval accuracy>
 Writes bench/results/glue_single_node.json.
 
-    .venv/bin/python bench/glue_single_node.py [--samples 320] [--batch 16]
+    .venv/bin/python bench/glue_single_node.py [--samples 800] [--epochs 2] [--batch 16] [--levers fused-adamw,...]
 """
 from __future__ import annotations
 
@@ -33,6 +33,16 @@ CONFIGS = {
     "dynamic": ([], "fp32"),
     "default": ([], "auto"),
     "default-16": (["--pad_to_multiple_of", "16"], "auto"),
+}
+# Levers on the default path, measured with --levers (each alone, against "default" in the same run)
+MALLOC = {"jemalloc": "/lib/x86_64-linux-gnu/libjemalloc.so.2", "tcmalloc": "/lib/x86_64-linux-gnu/libtcmalloc.so.4"}
+LEVERS = {
+    "fused-adamw": (["--optim", "adamw_torch_fused"], "auto"),
+    "batch-32": (["--per_device_train_batch_size", "32"], "auto"),
+    "batch-64": (["--per_device_train_batch_size", "64"], "auto"),
+    "compile": (["--torch_compile", "True", "--pad_to_multiple_of", "32"], "auto"),
+    "jemalloc": ([], "auto"),
+    "tcmalloc": ([], "auto"),
 }
 
 
@@ -92,11 +102,16 @@ def cpu_line() -> str:
     return f"cpu: {model}, {os.cpu_count()} cpus, flags {' '.join(shown) or 'none of amx/avx512'}"
 
 
-def run(name: str, extra: list[str], precision: str, samples: int, batch: int, out: Path) -> dict:
+def run(name: str, extra: list[str], precision: str, samples: int, batch: int, out: Path, epochs: int = 1,
+        seed: int = 42) -> dict:
     args = [sys.executable, "-m", "training.glue", "--output_dir", str(out / name), "--do_train", "--do_eval",
-            "--num_train_epochs", "1", "--per_device_train_batch_size", str(batch),
-            "--max_train_samples", str(samples), "--seed", "42", *extra]
+            "--num_train_epochs", str(epochs), "--per_device_train_batch_size", str(batch), "--learning_rate", "1e-4",
+            "--max_train_samples", str(samples), "--seed", str(seed), *extra]
     env = {**os.environ, "XC_PRECISION": precision, "PYTHONPATH": str(ROOT)}
+    if name in MALLOC:
+        if not Path(MALLOC[name]).is_file():
+            raise SystemExit(f"{name}: {MALLOC[name]} is not installed (apt-get install libjemalloc2 / libtcmalloc-minimal4)")
+        env["LD_PRELOAD"] = MALLOC[name]
     res = subprocess.run(args, cwd=ROOT, env=env, capture_output=True, text=True, check=False)
     if res.returncode != 0:
         raise SystemExit(f"{name} failed:\n{res.stderr[-2000:]}")
@@ -105,42 +120,55 @@ def run(name: str, extra: list[str], precision: str, samples: int, batch: int, o
     return {"samples_per_second": results["train"]["train_samples_per_second"],
             "eval_accuracy": ev.get("eval_accuracy"), "eval_f1": ev.get("eval_f1"),
             "train_s": results["train"]["train_runtime"], "precision": results["precision"],
-            "padding": results["padding"], "threads": results["threads"], "command": " ".join(args[1:])}
+            "padding": results["padding"], "threads": results["threads"], "command": " ".join(args[1:]),
+            "job_mfu": (results.get("mfu") or {}).get("mfu")}
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--samples", type=int, default=320)
+    p.add_argument("--samples", type=int, default=800)
+    p.add_argument("--epochs", type=int, default=2, help="enough for the model to beat the majority class")
     p.add_argument("--batch", type=int, default=16)
-    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--rounds", type=int, default=1)
+    p.add_argument("--seeds", default="42", help="comma-separated; eval accuracy and F1 are the mean over them")
     p.add_argument("--configs", default=",".join(CONFIGS), help="comma-separated subset; 'seeds' is always run")
+    p.add_argument("--levers", default="", help=f"also these levers on the default path: {','.join(LEVERS)}")
     a = p.parse_args()
     real, padded = padding_bound(a.samples)
     rows: dict[str, dict] = {}
+    seeds = [int(x) for x in a.seeds.split(",")]
+    accs: dict[str, list[tuple[float, float]]] = {}
     with tempfile.TemporaryDirectory() as tmp:
-        # Interleaved rounds, best of each: drift in the machine's load hits every config alike.
-        for round_ in range(a.rounds):
-            for name, (extra, precision) in CONFIGS.items():
-                if name != "seeds" and name not in a.configs.split(","):
+        # Interleaved rounds (one per seed per --rounds), best speed of each: drift in the machine's load hits
+        # every config alike. Accuracy and F1: the mean over the seeds.
+        for round_, seed in enumerate(seed for _ in range(a.rounds) for seed in seeds):
+            chosen = {k: v for k, v in LEVERS.items() if k in a.levers.split(",")}
+            for name, (extra, precision) in {**CONFIGS, **chosen}.items():
+                if name != "seeds" and name not in a.configs.split(",") and name not in chosen:
                     continue
-                print(f"round {round_ + 1}/{a.rounds}: {name} ...", flush=True)
-                r = run(name, extra, precision, a.samples, a.batch, Path(tmp))
+                print(f"round {round_ + 1}/{a.rounds * len(seeds)} (seed {seed}): {name} ...", flush=True)
+                r = run(name, extra, precision, a.samples, a.batch, Path(tmp), a.epochs, seed)
+                accs.setdefault(name, []).append((r["eval_accuracy"] or 0.0, r["eval_f1"] or 0.0))
                 best = rows.get(name)
                 r["all_samples_per_second"] = (best or {}).get("all_samples_per_second", []) + [r["samples_per_second"]]
                 if best is None or r["samples_per_second"] > best["samples_per_second"]:
                     rows[name] = r
                 else:
                     best["all_samples_per_second"] = r["all_samples_per_second"]
+    for name, r in rows.items():
+        r["eval_accuracy"] = sum(x for x, _ in accs[name]) / len(accs[name])
+        r["eval_f1"] = sum(f for _, f in accs[name]) / len(accs[name])
+        r["eval_accuracy_per_run"] = [x for x, _ in accs[name]]
     per_token = model_flops_per_token(real / a.samples)
     peaks = {p: matmul_peak(p) for p in sorted({r["precision"] for r in rows.values()})}
     base = rows["seeds"]["samples_per_second"]
-    print(f"\nglue job, MiniLM-L6, {a.samples} paraphrase pairs, batch {a.batch}, one process, "
+    print(f"\nglue job, MiniLM-L6, {a.samples} paraphrase pairs, {a.epochs} epoch(s), batch {a.batch}, one process, "
           f"{rows['seeds']['threads']} threads")
     print(cpu_line())
     print("matmul peak at the model's shapes: " + ", ".join(f"{p} {v / 1e9:.0f} GFLOP/s" for p, v in peaks.items())
           + f"; model FLOPs per real token {per_token / 1e6:.1f} M ({real / a.samples:.0f} tokens/sample)")
     print(f"{'config':<12}{'padding':<12}{'precision':<11}{'samples/s':>10}{'tokens/s':>10}{'MFU':>7}"
-          f"{'eval acc':>9}{'f1':>7}{'vs seeds':>10}   all rounds")
+          f"{'eval acc':>9}{'f1':>7}{'vs seeds':>10}{'train s':>9}{'job MFU':>8}   all rounds")
     for name, r in rows.items():
         r["ratio_vs_seeds"] = r["samples_per_second"] / base
         r["tokens_per_second"] = r["samples_per_second"] * real / a.samples
@@ -148,13 +176,18 @@ def main() -> None:
         rounds = " ".join(f"{x:.2f}" for x in r["all_samples_per_second"])
         acc, f1 = r.get("eval_accuracy") or float("nan"), r.get("eval_f1") or float("nan")
         print(f"{name:<12}{r['padding']:<12}{r['precision']:<11}{r['samples_per_second']:>10.2f}"
-              f"{r['tokens_per_second']:>10.0f}{r['mfu']:>7.3f}{acc:>9.3f}{f1:>7.3f}{r['ratio_vs_seeds']:>9.2f}x   "
+              f"{r['tokens_per_second']:>10.0f}{r['mfu']:>7.3f}{acc:>9.3f}{f1:>7.3f}{r['ratio_vs_seeds']:>9.2f}x"
+              f"{r['train_s']:>9.1f}{r.get('job_mfu') or float('nan'):>8.3f}   "
               f"{rounds}")
+    if len(seeds) > 1 or a.rounds > 1:
+        print(f"eval accuracy per run (seeds {a.seeds}): " + "; ".join(
+            f"{n} " + " ".join(f"{x:.3f}" for x in r["eval_accuracy_per_run"]) for n, r in rows.items()))
     print(f"padding bound (padded tokens / real tokens): {padded}/{real} = {padded / real:.2f}x")
     result = {"samples": a.samples, "batch": a.batch, "real_tokens": real, "padded_tokens": padded,
               "padding_bound": padded / real, "configs": rows, "cpu": cpu_line(),
               "matmul_peak_flops": peaks, "model_flops_per_token": per_token,
-              "command": f"bench/glue_single_node.py --samples {a.samples} --batch {a.batch} --rounds {a.rounds}"}
+              "command": f"bench/glue_single_node.py --samples {a.samples} --epochs {a.epochs} --batch {a.batch} "
+                         f"--rounds {a.rounds} --seeds {a.seeds} --levers {a.levers}"}
     out = ROOT / "bench" / "results"
     out.mkdir(parents=True, exist_ok=True)
     (out / "glue_single_node.json").write_text(json.dumps(result, indent=2))

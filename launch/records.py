@@ -42,7 +42,7 @@ def new_record(cluster: Cluster, req: TrainRequest, plan: launcher.LaunchPlan, f
         "request": {"job": req.job, "script": req.script, "workdir": req.workdir, "module": req.module,
                     "launcher": req.launcher, "args": list(req.args), "ppn": req.ppn,
                     "threads": req.threads, "backend": req.backend, "precision": req.precision,
-                    "env": secrets.masked(req.env, req.valueless), "save_every": req.save_every, "pin": req.pin, "timeout_s": req.timeout_s,
+                    "comm_hook": req.comm_hook, "env": secrets.masked(req.env, req.valueless), "save_every": req.save_every, "pin": req.pin, "timeout_s": req.timeout_s,
                     "data": {str(Path(p).expanduser().resolve()): file_digest(p) for _, p in local_files(req.args)}},
     }
 

@@ -33,6 +33,12 @@ BACKENDS = ("auto", "ccl", "gloo")
 PRECISIONS = ("auto", "bf16", "fp32")
 
 
+COMM_HOOKS = ("none", "bf16", "fp16")  # training.dist.COMM_HOOKS
+# bench/scaling_twin.py: on a link as tight as a c6i cluster's, compression lost to fp32 (the casts cost more CPU
+# than the link saved); it wins where the link binds (README, Benchmarks).
+DEFAULT_COMM_HOOK = "none"
+
+
 @dataclass
 class TrainRequest:
     nodes: int | None = None
@@ -46,6 +52,7 @@ class TrainRequest:
     threads: str = "auto"
     backend: str = "auto"
     precision: str = "auto"
+    comm_hook: str = DEFAULT_COMM_HOOK  # gradients on the wire: bf16 / fp16 halve the all-reduce bytes; none: fp32
     env: dict[str, str] = field(default_factory=dict)
     valueless: set[str] = field(default_factory=set)  # --env KEY: the operator's own value, a secret
     master_port: int | None = None
@@ -91,6 +98,9 @@ def validate(req: TrainRequest) -> workdir.Workdir | None:
     if req.precision not in PRECISIONS:
         raise ClusterError(f"--precision {req.precision!r} is not one of {', '.join(PRECISIONS)}; pass one of "
                            "them")
+    if req.comm_hook not in COMM_HOOKS:
+        raise ClusterError(f"--comm-hook {req.comm_hook!r} is not one of {', '.join(COMM_HOOKS)}; pass one of them "
+                           "(none sends fp32 gradients)")
     try:
         spot.parse_save_every(req.save_every)
     except ValueError as exc:
@@ -205,7 +215,7 @@ def fits(ppn: int, threads: int | None, facts: list[NodeFacts]) -> None:
 
 def run_env(req: TrainRequest) -> dict[str, str]:
     """The ranks' spot contract (training.spot) under the user's --env."""
-    env = {"XC_SAVE_EVERY": req.save_every}
+    env = {"XC_SAVE_EVERY": req.save_every, "XC_COMM_HOOK": req.comm_hook}
     if req.resume:
         env["XC_RESUME_FROM"] = f"resume/step-{req.resume['step']}"
     return {**env, **req.env}
@@ -225,6 +235,10 @@ def describe(plan: launcher.LaunchPlan, facts: list[NodeFacts]) -> list[str]:
         for note in p.layout.notes:
             lines.append(f"note {p.name}: {note}")
     lines.append(f"backend: {plan.backend}  precision: {plan.precision}  master: {plan.master_addr}:{plan.master_port}")
+    hook = plan.env_overrides.get("XC_COMM_HOOK", "none")
+    if plan.world_size > 1:
+        lines.append(f"gradients on the wire: {'fp32' if hook == 'none' else hook} (--comm-hook"
+                     f"{' none for fp32' if hook != 'none' else ' bf16 halves the bytes on a slow link'})")
     if plan.workdir is not None:
         lines.append(f"workdir {plan.workdir.summary()}; every node runs in its own copy of it (runs/<id>/work)")
     if plan.launcher != "python":

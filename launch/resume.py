@@ -49,6 +49,7 @@ def resume_request(run_id: str, runs_dir: Path, nodes: int | None = None, fetch_
     return TrainRequest(
         nodes=nodes or old_nodes, job=request["job"], args=args, ppn=request["ppn"], threads=request["threads"],
         backend=request["backend"], precision=request["precision"], env=env, valueless=hidden,
+        comm_hook=request.get("comm_hook", "none"),  # records before --comm-hook sent fp32
         save_every=request["save_every"], pin=request["pin"], timeout_s=request["timeout_s"], runs_dir=runs_dir,
         fetch_model=fetch_model,
         resume={"run_id": run_id, "step": step, "checkpoint": str(checkpoint), "world_size": old_world})

@@ -173,7 +173,7 @@ def rows_from(runs: list[RunRecord]) -> list[dict]:
             "metric_value": (r.results.get("eval") or {}).get(metric_key),
             "instance_types": sorted({(n.get("labels") or {}).get("instance_type") or "local"
                                       for n in r.summary.get("nodes", [])}),
-            "cost_usd": cost,
+            "cost_usd": cost, "mfu": (r.results.get("mfu") or {}).get("mfu"),
         })
     return rows
 
@@ -204,12 +204,13 @@ def report_md(bench_id: str, runs: list[RunRecord], rows: list[dict], command: s
          f"the same flags at every size. Bench {bench_id}."),
         "",
         (f"| nodes | processes | wall time (s) | train time (s) | train samples/s | speed-up | scaling efficiency "
-         f"| {metric_title} | cost per run (USD) |"),
-        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+         f"| MFU | {metric_title} | cost per run (USD) |"),
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
         lines.append(f"| {r['nodes']} | {r['processes']} | {r['wall_s']:.1f} | {_fmt(r['train_s'], '.1f')} "
                      f"| {r['train_samples_per_second']:.1f} | {r['speedup']:.2f}x | {100 * r['efficiency']:.0f}% "
+                     f"| {_fmt(r['mfu'] and 100 * r['mfu'], '.1f')}{'%' * (r['mfu'] is not None)} "
                      f"| {_fmt(r['metric_value'], '.4g')} | {_fmt(r['cost_usd'], '.4f')} |")
     shared = shared_cpus(runs[-1])
     if shared:
@@ -225,6 +226,10 @@ def report_md(bench_id: str, runs: list[RunRecord], rows: list[dict], command: s
         ("- The per-process batch is fixed, so the global batch grows with the processes (as in the seeds' "
          f"blogs): {', '.join(str(r['global_batch']) for r in rows)}. Compare the {metric_title} "
          f"({'higher' if higher else 'lower'} is better) with that in mind."),
+        ("- MFU (model FLOPs utilisation): the Trainer's count of model FLOPs (6 x non-embedding parameters x "
+         "tokens, padding included) per second of training, over the matmul FLOP/s every process measured on its "
+         "cores right after training, at the model's FFN shape and the run's precision (results.json 'mfu'); "
+         "n/a for runs without it."),
         "- Wall time is the whole run: start-up, data preparation, training and evaluation.",
         ("- Cost per run: nodes x on-demand price of their instance type (core/catalog.py) x wall time; "
          "n/a where the nodes have no known price (local nodes). Spot prices are usually lower."),
@@ -255,7 +260,17 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
     ax.set_ylabel(f"speed-up over {nodes[0]} node(s) (train samples/s)")
     ax.set_title(title, fontsize=10)
     ax.grid(alpha=0.3)
-    ax.legend()
+    handles, labels = ax.get_legend_handles_labels()
+    with_mfu = [r for r in rows if r.get("mfu") is not None]
+    if with_mfu:
+        right = ax.twinx()
+        right.plot([r["nodes"] for r in with_mfu], [100 * r["mfu"] for r in with_mfu], "s:", color="#e07b00",
+                   label="MFU")
+        right.set_ylabel("MFU (% of measured matmul peak)")
+        right.set_ylim(0, max(100 * r["mfu"] for r in with_mfu) * 1.6)
+        h, lab = right.get_legend_handles_labels()
+        handles, labels = handles + h, labels + lab
+    ax.legend(handles, labels, loc="upper left")
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
@@ -335,5 +350,6 @@ def report_from_runs(run_ids: str, runs_dir: Path, command: str | None = None) -
 
 def summary_line(result: BenchResult) -> str:
     parts = [f"{r['nodes']} node(s) {r['train_samples_per_second']:.1f} samples/s {r['speedup']:.2f}x "
-             f"({100 * r['efficiency']:.0f}%)" for r in result.rows]
+             f"({100 * r['efficiency']:.0f}%)" + (f" MFU {100 * r['mfu']:.1f}%" if r.get("mfu") is not None else "")
+             for r in result.rows]
     return f"bench {result.bench_id}: " + "; ".join(parts) + f" -> {result.bench_dir / 'report.md'}"

@@ -25,7 +25,7 @@ BENCH_ARGS = ["--max_train_samples", "256", "--max_eval_samples", "32", "--num_t
 
 
 def fake_run(root: Path, run_id: str, nodes: int, sps: float, args=None, model="m", labels=None,
-             fingerprint="abc", metric=0.8, samples=400) -> Path:
+             fingerprint="abc", metric=0.8, samples=400, mfu=None) -> Path:
     """A finished run's folder as `fab train` leaves it (summary.json + results.json)."""
     d = root / run_id
     d.mkdir(parents=True)
@@ -38,7 +38,7 @@ def fake_run(root: Path, run_id: str, nodes: int, sps: float, args=None, model="
         "train_file": f"/x/code/{run_id}/train.csv", "per_device_train_batch_size": 8,
         "global_train_batch_size": 8 * nodes,
         "train": {"train_samples_per_second": sps, "train_runtime": 100.0 / nodes, "samples": samples},
-        "eval": {"eval_accuracy": metric}}))
+        "eval": {"eval_accuracy": metric}, **({"mfu": {"mfu": mfu}} if mfu is not None else {})}))
     return d
 
 
@@ -59,15 +59,19 @@ def test_bad_sizes_name_value_rule_and_fix(text, message):
 
 
 def test_report_numbers_come_from_the_run_records(tmp_path):
-    runs = [bench.load_run(fake_run(tmp_path, f"r{n}", n, sps)) for n, sps in ((1, 10.0), (2, 18.0), (4, 30.0))]
+    runs = [bench.load_run(fake_run(tmp_path, f"r{n}", n, sps, mfu=mfu))
+            for n, sps, mfu in ((1, 10.0, 0.25), (2, 18.0, 0.2251), (4, 30.0, None))]
     rows = bench.write_report(list(reversed(runs)), tmp_path / "b", "b", "fab bench --nodes 1,2,4")
     assert [r["nodes"] for r in rows] == [1, 2, 4]
     assert [round(r["speedup"], 3) for r in rows] == [1.0, 1.8, 3.0]
     assert [round(r["efficiency"], 3) for r in rows] == [1.0, 0.9, 0.75]
     assert all(r["cost_usd"] is None for r in rows)  # local nodes have no price
     md = (tmp_path / "b" / "report.md").read_text()
-    assert "| 2 | 2 | 60.0 | 50.0 | 18.0 | 1.80x | 90% | 0.8 | n/a |" in md
-    assert "| 4 | 4 | 35.0 | 25.0 | 30.0 | 3.00x | 75% | 0.8 | n/a |" in md
+    assert "| 2 | 2 | 60.0 | 50.0 | 18.0 | 1.80x | 90% | 22.5% | 0.8 | n/a |" in md
+    assert "| 4 | 4 | 35.0 | 25.0 | 30.0 | 3.00x | 75% | n/a | 0.8 | n/a |" in md  # a run without MFU figures
+    assert bench.summary_line(bench.BenchResult("b", tmp_path / "b", rows, runs)).startswith(
+        "bench b: 1 node(s) 10.0 samples/s 1.00x (100%) MFU 25.0%; 2 node(s) 18.0 samples/s 1.80x (90%) MFU 22.5%; "
+        "4 node(s) 30.0 samples/s 3.00x (75%) -> ")
     saved = json.loads((tmp_path / "b" / "results.json").read_text())
     assert saved["runs"] == ["r1", "r2", "r4"] and saved["baseline_nodes"] == 1
     png = (tmp_path / "b" / "scaling.png").read_bytes()
@@ -212,6 +216,8 @@ def test_bench_one_and_two_nodes_writes_report_and_chart_from_the_runs(cluster2,
                 f"{results['train']['train_runtime']:.1f} | {own[-1]:.1f} | {own[-1] / own[0]:.2f}x |")
         assert line in md, md
         assert row["cost_usd"] is None and md.count("| n/a |") == 2
+        assert row["mfu"] == results["mfu"]["mfu"] and 0 < row["mfu"] < 1  # measured by the run itself
+        assert f"| {100 * row['mfu']:.1f}% |" in md
     assert rows[1]["speedup"] == pytest.approx(own[1] / own[0])
     assert rows[1]["efficiency"] == pytest.approx(own[1] / own[0] / 2)
     png = (bench_dir / "scaling.png").read_bytes()

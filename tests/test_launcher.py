@@ -179,3 +179,13 @@ def test_a_failed_rank_is_named_with_its_exceptions_own_line():
                                                     "communication hook required CUDA 11+"))
     # without a traceback: Intel MPI's block
     assert failed_rank(lines[-3:], p) == ("node1", "rank 1 on node1 exit code: 1")
+
+
+def test_gradients_go_on_the_wire_in_fp32_unless_asked_otherwise():
+    from launch.request import TrainRequest, run_env
+
+    assert run_env(TrainRequest())["XC_COMM_HOOK"] == "none"  # fp32 won on the twin (bench/scaling_twin.py)
+    assert run_env(TrainRequest(comm_hook="bf16"))["XC_COMM_HOOK"] == "bf16"
+    assert run_env(TrainRequest(env={"XC_COMM_HOOK": "fp16"}))["XC_COMM_HOOK"] == "fp16"  # --env has the last word
+    env = launcher.global_env(plan(overrides=run_env(TrainRequest(comm_hook="fp16"))))
+    assert env["XC_COMM_HOOK"] == "fp16"

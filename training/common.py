@@ -339,6 +339,9 @@ def train_and_record(trainer, results: dict, train_ds, info) -> None:
         if torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
         sys.exit(spot.PREEMPTED_EXIT)
+    from training import mfu
+
+    mfu.record(results, trainer, bool(trainer.args.bf16))
 
 
 def finish(info, args, results: dict, started: float, line: str | None = None, trainer=None) -> None:

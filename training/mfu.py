@@ -1,0 +1,51 @@
+"""Model FLOPs utilisation of a training run: the Trainer's count of the model's FLOPs (6 x non-embedding
+parameters x tokens, padding included, summed over ranks) per second of training, over what torch's matmul
+reaches on the same cores, at the model's FFN shape and the run's precision, measured by every rank at once
+right after training (so ranks sharing a node share it as they did while training)."""
+from __future__ import annotations
+
+import time
+
+PEAK_SECONDS = 1.0
+
+
+def matmul_flops(dtype, rows: int, d: int, ffn: int, seconds: float = PEAK_SECONDS) -> float:
+    """FLOP/s of (rows x d) @ (d x ffn) on this process's threads."""
+    import torch
+
+    a, b = torch.randn(rows, d, dtype=dtype), torch.randn(d, ffn, dtype=dtype)
+    for _ in range(3):
+        torch.matmul(a, b)
+    count, start = 0, time.perf_counter()
+    while time.perf_counter() - start < seconds:
+        torch.matmul(a, b)
+        count += 1
+    return 2 * rows * d * ffn * count / (time.perf_counter() - start)
+
+
+def ffn_shape(config) -> tuple[int, int]:
+    d = getattr(config, "hidden_size", None) or getattr(config, "n_embd", None) or 768
+    ffn = getattr(config, "intermediate_size", None) or getattr(config, "n_inner", None) or 4 * d
+    return int(d), int(ffn)
+
+
+def record(results: dict, trainer, bf16: bool) -> None:
+    """results['mfu'] = {model_flops_per_s, peak_flops_per_s (all ranks), mfu, ...} after trainer.train()."""
+    import torch
+
+    train = results.get("train") or {}
+    flos, runtime = train.get("total_flos"), train.get("train_runtime")
+    if not flos or not runtime:
+        return
+    d, ffn = ffn_shape(trainer.model.config)
+    dtype = torch.bfloat16 if bf16 else torch.float32
+    dist = torch.distributed.is_initialized()
+    if dist:
+        torch.distributed.barrier()  # every rank measures at the same time, as they trained
+    peak = torch.tensor([matmul_flops(dtype, 2048, d, ffn)], dtype=torch.float64)
+    if dist:
+        torch.distributed.all_reduce(peak)
+    achieved = flos / runtime
+    results["mfu"] = {"model_flops_per_s": achieved, "peak_flops_per_s": float(peak.item()),
+                      "mfu": achieved / float(peak.item()), "peak_shape": [2048, d, ffn],
+                      "precision": "bf16" if bf16 else "fp32"}
