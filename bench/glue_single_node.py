@@ -37,10 +37,12 @@ CONFIGS = {
 # Levers on the default path, measured with --levers (each alone, against "default" in the same run)
 MALLOC = {"jemalloc": "/lib/x86_64-linux-gnu/libjemalloc.so.2", "tcmalloc": "/lib/x86_64-linux-gnu/libtcmalloc.so.4"}
 LEVERS = {
-    "fused-adamw": (["--optim", "adamw_torch_fused"], "auto"),
+    "sdpa": (["--attn_implementation", "sdpa"], "auto"),
+    "foreach-adamw": (["--optim", "adamw_torch"], "auto"),
     "batch-32": (["--per_device_train_batch_size", "32"], "auto"),
     "batch-64": (["--per_device_train_batch_size", "64"], "auto"),
     "compile": (["--torch_compile", "True", "--pad_to_multiple_of", "32"], "auto"),
+    "fused-adamw": (["--optim", "adamw_torch_fused"], "auto"),  # the Trainer's own default in transformers 5
     "jemalloc": ([], "auto"),
     "tcmalloc": ([], "auto"),
 }

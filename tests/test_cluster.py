@@ -75,6 +75,13 @@ def test_two_node_glue_run_learns_and_records_everything(cluster2):
     assert results["train"]["train_samples_per_second"] > 0
     assert summary["status"] == "ok" and summary["wall_s"] > 0
     assert summary["env"]["OMP_NUM_THREADS"] == "1"  # each local node owns one core of this machine
+    # fp32 gradients by default; DDP's own timings and the run's MFU are measured, not assumed
+    assert results["comm_hook"] == "none" and summary["request"]["comm_hook"] == "none"
+    ddp = results["ddp"]
+    assert ddp["comm_ms"] > 0 and ddp["backward_compute_ms"] > 0 and 0 <= ddp["comm_exposed_ms"] <= ddp["comm_ms"]
+    mfu = results["mfu"]
+    assert mfu["peak_flops_per_s"] > 1e9 and 0 < mfu["mfu"] < 1 and mfu["precision"] == results["precision"]
+    assert mfu["model_flops_per_s"] == pytest.approx(results["train"]["total_flos"] / results["train"]["train_runtime"])
     assert set(summary["topology"]) == {"node0", "node1"}
     assert summary["command"][0].endswith("mpirun")
     assert (run_dir / "log.txt").read_text().count("[progress]") >= 5
@@ -84,6 +91,17 @@ def test_two_node_glue_run_learns_and_records_everything(cluster2):
     state = json.loads((run_dir / "output" / "trainer_state.json").read_text())
     first = next(e["loss"] for e in state["log_history"] if "loss" in e)
     assert 0.4 < first < 0.95, first
+
+
+def test_comm_hook_bf16_reaches_ddp_on_both_nodes(cluster2):
+    before = cluster2.run_dirs()
+    res = cluster2.fab("train", "--nodes", "2", "--comm-hook", "bf16", "--", *TINY_ARGS, timeout=600)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    assert "gradients on the wire: bf16 (--comm-hook none for fp32)" in res.stdout
+    run_dir = cluster2.runs / (cluster2.run_dirs() - before).pop()
+    results = json.loads((run_dir / "results.json").read_text())
+    assert results["comm_hook"] == "bf16"
+    assert results["ddp"]["comm_hook"] == "xc_bfloat16_wire_hook"  # DDP itself names the hook it ran
 
 
 def test_user_script_runs_unchanged_with_rank_variables(cluster2, tmp_path):
