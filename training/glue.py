@@ -27,17 +27,24 @@ resolve_model = common.resolve_model  # shared with the other jobs; kept here fo
 BUNDLED = Path(__file__).resolve().parent / "data" / "paraphrase"
 
 
+EAGER_UP_TO = 128  # tokens; see ModelArguments.attn_implementation
+
+
+def pick_attention(requested: str, max_len: int) -> str:
+    return ("eager" if max_len <= EAGER_UP_TO else "sdpa") if requested == "auto" else requested
+
+
 @dataclass
 class ModelArguments:
     model_name_or_path: str = field(default=DEFAULT_MODEL, metadata={"help": "Hub id or local path"})
     cache_dir: str | None = field(default=None, metadata={"help": "Where hub downloads are cached"})
     use_fast_tokenizer: bool = field(default=True)
     # torch's fused CPU attention (sdpa) spent a third of a bf16 training step in its backward pass at this
-    # data's ~65 tokens (torch profiler); plain matmul attention: 5% more samples/s in the job, same accuracy
-    # over 3 seeds (bench/glue_single_node.py --levers sdpa).
-    attn_implementation: str = field(default="eager", metadata={
-        "help": "eager (default: matmul attention, faster on CPU for short sequences) | sdpa | any transformers "
-                "accepts"})
+    # data's ~65 tokens (torch profiler). A bf16 step of batch 16, eager over sdpa (bench/attention_step.py):
+    # 1.42x at 64 tokens, 1.27x at 128, 0.70x at 256, 0.38x at 384; in the job 5% more samples/s at the same
+    # accuracy over 3 seeds (bench/glue_single_node.py --levers sdpa).
+    attn_implementation: str = field(default="auto", metadata={
+        "help": "auto (default: eager up to --max_seq_length 128, sdpa beyond) | eager | sdpa"})
 
 
 @dataclass
@@ -187,11 +194,12 @@ def main(argv: list[str] | None = None) -> int:
                                         cache_dir=model_args.cache_dir)
     tokenizer = AutoTokenizer.from_pretrained(model_path, use_fast=model_args.use_fast_tokenizer,
                                               cache_dir=model_args.cache_dir)
+    max_len = min(data_args.max_seq_length, tokenizer.model_max_length)
+    attn = pick_attention(model_args.attn_implementation, max_len)
     model = common.mean_loss_per_rank(
         AutoModelForSequenceClassification.from_pretrained(model_path, config=config, cache_dir=model_args.cache_dir,
-                                                           attn_implementation=model_args.attn_implementation))
+                                                           attn_implementation=attn))
     label_to_id = None if is_regression or hasattr(label_feature, "names") else {v: i for i, v in enumerate(label_list)}
-    max_len = min(data_args.max_seq_length, tokenizer.model_max_length)
     padding = "max_length" if data_args.pad_to_max_length else False
 
     def preprocess(batch):
@@ -237,7 +245,7 @@ def main(argv: list[str] | None = None) -> int:
                      "padding": "max_length" if data_args.pad_to_max_length else f"batch/{data_args.pad_to_multiple_of}",
                      "group_by_length": common.length_grouping(args), "max_seq_length": max_len,
                      "per_device_train_batch_size": args.per_device_train_batch_size,
-                     "threads": torch.get_num_threads(), "comm_hook": hook, "attn_implementation": model_args.attn_implementation,
+                     "threads": torch.get_num_threads(), "comm_hook": hook, "attn_implementation": attn,
                      "ddp_bucket_cap_mb": args.ddp_bucket_cap_mb,
                      "gradient_accumulation_steps": args.gradient_accumulation_steps}
     common.train_and_record(trainer, results, train_ds, info)
