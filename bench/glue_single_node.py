@@ -78,19 +78,11 @@ def model_flops_per_token(tokens_per_sample: float) -> float:
 
 def matmul_peak(dtype_name: str, rows: int = 2048, d: int = 384, ffn: int = 1536, seconds: float = 3.0) -> float:
     """FLOP/s of torch's matmul at the model's FFN shape (rows = batch x tokens), this process's threads."""
-    import time
-
     import torch
 
-    dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[dtype_name]
-    a, b = torch.randn(rows, d, dtype=dtype), torch.randn(d, ffn, dtype=dtype)
-    for _ in range(5):
-        torch.matmul(a, b)
-    count, start = 0, time.perf_counter()
-    while time.perf_counter() - start < seconds:
-        torch.matmul(a, b)
-        count += 1
-    return 2 * rows * d * ffn * count / (time.perf_counter() - start)
+    from training.mfu import matmul_flops
+
+    return matmul_flops({"bf16": torch.bfloat16, "fp32": torch.float32}[dtype_name], rows, d, ffn, seconds)
 
 
 def cpu_line() -> str:
