@@ -42,7 +42,7 @@ def record(results: dict, trainer, bf16: bool) -> None:
     dist = torch.distributed.is_initialized()
     if dist:
         torch.distributed.barrier()  # every rank measures at the same time, as they trained
-    peak = torch.tensor([matmul_flops(dtype, 2048, d, ffn)], dtype=torch.float64)
+    peak = torch.tensor([matmul_flops(dtype, 2048, d, ffn)], dtype=torch.float32)  # every backend reduces fp32
     if dist:
         torch.distributed.all_reduce(peak)
     achieved = flos / runtime
