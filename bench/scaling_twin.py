@@ -57,8 +57,8 @@ REF_RATIO = ring_bytes(REF_PARAMS * 4, 2) * 8 / REF_LINK_BITS / REF_STEP_S
 # name: (extra TrainingArguments, fab train flags, per-rank batch divisor)
 LEVERS = {
     "fp32": ([], [], 1),
-    "bf16-hook": ([], ["--env", "XC_COMM_HOOK=bf16"], 1),
-    "fp16-hook": ([], ["--env", "XC_COMM_HOOK=fp16"], 1),
+    "bf16-hook": ([], ["--comm-hook", "bf16"], 1),
+    "fp16-hook": ([], ["--comm-hook", "fp16"], 1),
     "bucket-5mb": (["--ddp_bucket_cap_mb", "5"], [], 1),
     "bucket-100mb": (["--ddp_bucket_cap_mb", "100"], [], 1),
     "no_sync-2": (["--gradient_accumulation_steps", "2"], [], 2),

@@ -16,6 +16,7 @@ from core.errors import ClusterError
 from launch import jobdata, launcher, secrets, topology, workdir
 from launch.probe import NodeFacts, master_port, probe, resolve_backend, resolve_precision
 from training import spot
+from training.dist import COMM_HOOKS
 
 log = logging.getLogger(__name__)
 
@@ -33,7 +34,6 @@ BACKENDS = ("auto", "ccl", "gloo")
 PRECISIONS = ("auto", "bf16", "fp32")
 
 
-COMM_HOOKS = ("none", "bf16", "fp16")  # training.dist.COMM_HOOKS
 # bench/scaling_twin.py: on a link as tight as a c6i cluster's, compression lost to fp32 (the casts cost more CPU
 # than the link saved); it wins where the link binds (README, Benchmarks).
 DEFAULT_COMM_HOOK = "none"

@@ -59,5 +59,5 @@ def test_compressed_all_reduce_averages_like_fp32_within_the_wire_formats_roundi
 
 def test_an_unknown_hook_is_one_line_naming_the_choices(monkeypatch):
     monkeypatch.setenv("XC_COMM_HOOK", "int8")
-    with pytest.raises(ValueError, match=r"XC_COMM_HOOK='int8' is not one of none, fp16, bf16; pass --comm-hook"):
+    with pytest.raises(ValueError, match=r"XC_COMM_HOOK='int8' is not one of none, bf16, fp16; pass --comm-hook"):
         dist.comm_hook(object())

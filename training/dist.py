@@ -141,7 +141,7 @@ def optimize_with_ipex(model, optimizer, info: DistInfo):
     return ipex.optimize(model, optimizer=optimizer, dtype=dtype)
 
 
-COMM_HOOKS = ("none", "fp16", "bf16")
+COMM_HOOKS = ("none", "bf16", "fp16")  # what fab train --comm-hook accepts
 
 
 def compress_hook(dtype):
