@@ -17,7 +17,9 @@ steps are those of the 1-node run (weak scaling), so
                    not overlapped with the backward pass) over the step time
 for: the unshaped twin (this machine's ceiling), then on the c6i-like link fp32 gradients with DDP's
 default buckets, bf16 and fp16 gradient compression, 5 and 100 MB buckets, and no_sync accumulation
-(2 micro-batches of half the batch per all-reduce). Then a model of N nodes at 25 and 50 Gbit/s for
+(2 micro-batches of half the batch per all-reduce), gradients copied into DDP's buckets instead of living
+in them, a static graph, and buffers not broadcast. Each row is checked against the hook and bucket view DDP
+reports it ran. The 1-node figure is the mean of a run before and one after the 2-node runs. Then a model of N nodes at 25 and 50 Gbit/s for
 BERT-base, calibrated by the overlap measured here. Prints the CPU model and flags.
 Last line:  efficiency=<best config's efficiency> comm_fraction=<its comm fraction>
 Writes bench/results/scaling_twin.json.
@@ -41,6 +43,8 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 from glue_single_node import cpu_line
 
+from launch.request import DEFAULT_COMM_HOOK
+
 FAB = [str(ROOT / ".venv" / "bin" / "fab")] if (ROOT / ".venv" / "bin" / "fab").exists() else ["fab"]
 REF_PARAMS = 108_310_272 + 768 * 2 + 2  # bert-base-cased + a 2-label head
 REF_STEP_S = (7 * 60 + 46) / (3 * -(-3668 // 32))
@@ -56,13 +60,26 @@ REF_RATIO = ring_bytes(REF_PARAMS * 4, 2) * 8 / REF_LINK_BITS / REF_STEP_S
 
 # name: (extra TrainingArguments, fab train flags, per-rank batch divisor)
 LEVERS = {
-    "fp32": ([], [], 1),
+    "fp32": ([], ["--comm-hook", "none"], 1),
     "bf16-hook": ([], ["--comm-hook", "bf16"], 1),
     "fp16-hook": ([], ["--comm-hook", "fp16"], 1),
     "bucket-5mb": (["--ddp_bucket_cap_mb", "5"], [], 1),
     "bucket-100mb": (["--ddp_bucket_cap_mb", "100"], [], 1),
     "no_sync-2": (["--gradient_accumulation_steps", "2"], [], 2),
+    "no-bucket-view": ([], ["--env", "XC_BUCKET_VIEW=0"], 1),
+    "no-bcast-buffers": (["--ddp_broadcast_buffers", "False"], [], 1),
+    "static-graph": (["--ddp_static_graph", "True"], [], 1),
 }
+WIRE = {"bf16": "xc_bfloat16_wire_hook", "fp16": "xc_float16_wire_hook"}  # the hook DDP reports per --comm-hook
+
+
+def check_ran(name: str, flags: list[str], ddp: dict) -> None:
+    """A row is labelled with what DDP says it ran, never with what was asked for."""
+    want = WIRE.get(flags[flags.index("--comm-hook") + 1] if "--comm-hook" in flags else DEFAULT_COMM_HOOK)
+    view = "XC_BUCKET_VIEW=0" not in flags
+    if ddp.get("comm_hook") != want or ddp.get("gradient_as_bucket_view") != view:
+        raise SystemExit(f"error: {name}: DDP ran comm hook {ddp.get('comm_hook')!r} and bucket view "
+                         f"{ddp.get('gradient_as_bucket_view')}, not {want!r} and {view}; is the job's comm default changed?")
 
 
 class Twin:
@@ -145,7 +162,8 @@ def main() -> None:
         try:
             print(f"1 node, batch {a.batch}, {a.steps} steps ...", flush=True)
             one = twin.train(1, a.batch, samples, [], [])
-            base_sps = one["train"]["train_samples_per_second"]
+            first_sps = one["train"]["train_samples_per_second"]
+            base_sps = first_sps
             step_s = a.batch / base_sps
             rate = ring_bytes(grads, 2) * 8 / (REF_RATIO * step_s)
             link = a.link or f"{rate / 1e6:.0f}mbit"
@@ -157,6 +175,7 @@ def main() -> None:
             rows = []
             print("2 nodes, unshaped link ...", flush=True)
             rows.append(row("unshaped", twin.train(2, a.batch, 2 * samples, [], []), base_sps, a.batch))
+            check_ran("unshaped", [], rows[-1]["ddp"])
             for node in ("node0", "node1"):
                 twin.fab("local-link", "--node", node, "--link", link, timeout=60)
             for name in a.levers.split(","):
@@ -164,12 +183,21 @@ def main() -> None:
                 print(f"2 nodes, {link}, {name} ...", flush=True)
                 res = twin.train(2, a.batch // div, 2 * samples, extra, flags)
                 rows.append(row(name, res, base_sps, a.batch))
+                check_ran(name, flags, rows[-1]["ddp"])
+            # this machine drifts: the 1-node figure is the mean of one run before and one after the 2-node runs
+            print("1 node again ...", flush=True)
+            last_sps = twin.train(1, a.batch, samples, [], [])["train"]["train_samples_per_second"]
+            base_sps = (first_sps + last_sps) / 2
+            for r in rows:
+                r["efficiency"] = r["samples_per_second"] / (2 * base_sps)
         finally:
             subprocess.run([*FAB, "local-down"], cwd=ROOT, env=twin.env, capture_output=True, timeout=120, check=False)
-    results.update(one_node_samples_per_second=base_sps, step_s=step_s, link=link, rows=rows)
+    results.update(one_node_samples_per_second=base_sps, one_node_runs=[first_sps, last_sps], step_s=step_s, link=link,
+                   rows=rows)
     print(f"\nglue job, MiniLM-L6, per-rank batch {a.batch}, {a.steps} steps, 1 core per node, gloo")
     print(cpu_line())
-    print(f"1 node: {base_sps:.2f} samples/s; twin link for the c6i ratio: {link}")
+    print(f"1 node: {base_sps:.2f} samples/s (mean of {first_sps:.2f} before and {last_sps:.2f} after the 2-node runs); "
+          f"twin link for the c6i ratio: {link}")
     print(f"{'config':<14}{'samples/s':>10}{'efficiency':>11}{'step ms':>9}{'comm frac':>10}{'allreduce ms':>13}"
           f"{'overlap ms':>11}{'train loss':>11}")
     for r in rows:

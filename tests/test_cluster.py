@@ -79,6 +79,7 @@ def test_two_node_glue_run_learns_and_records_everything(cluster2):
     assert results["comm_hook"] == "none" and summary["request"]["comm_hook"] == "none"
     ddp = results["ddp"]
     assert ddp["comm_ms"] > 0 and ddp["backward_compute_ms"] > 0 and 0 <= ddp["comm_exposed_ms"] <= ddp["comm_ms"]
+    assert ddp["gradient_as_bucket_view"] is True and ddp["comm_hook"] is None  # DDP's own account of its settings
     mfu = results["mfu"]
     assert mfu["peak_flops_per_s"] > 1e9 and 0 < mfu["mfu"] < 1 and mfu["precision"] == results["precision"]
     assert mfu["model_flops_per_s"] == pytest.approx(results["train"]["total_flos"] / results["train"]["train_runtime"])
@@ -102,6 +103,7 @@ def test_comm_hook_bf16_reaches_ddp_on_both_nodes(cluster2):
     results = json.loads((run_dir / "results.json").read_text())
     assert results["comm_hook"] == "bf16"
     assert results["ddp"]["comm_hook"] == "xc_bfloat16_wire_hook"  # DDP itself names the hook it ran
+    assert results["ddp"]["gradient_as_bucket_view"] is True
 
 
 def test_user_script_runs_unchanged_with_rank_variables(cluster2, tmp_path):

@@ -307,3 +307,23 @@ def test_glue_attention_is_eager_for_short_sequences_and_sdpa_for_long_ones():
     assert pick_attention("auto", 128) == "eager" and pick_attention("auto", 64) == "eager"
     assert pick_attention("auto", 129) == "sdpa" and pick_attention("auto", 384) == "sdpa"
     assert pick_attention("sdpa", 64) == "sdpa" and pick_attention("eager", 512) == "eager"
+
+
+def test_glue_bf16_weights_train_with_fp32_masters_and_refuse_fp32(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    cmd = [sys.executable, "-m", "training.glue", "--max_steps", "3", "--max_train_samples", "48",
+           "--max_eval_samples", "16", "--bf16_weights", "True", "--output_dir", str(tmp_path / "out")]
+    bf16 = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, check=False, timeout=600,
+                          env={**os.environ, "XC_PRECISION": "bf16"})
+    assert bf16.returncode == 0, bf16.stderr[-3000:]
+    results = json.loads((tmp_path / "out" / "results.json").read_text())
+    assert results["bf16_weights"] is True and results["precision"] == "bf16"
+    assert results["train"]["train_loss"] > 0 and results["eval"]["eval_accuracy"] >= 0
+    fp32 = subprocess.run([*cmd[:-1], str(tmp_path / "o2")], cwd=ROOT, capture_output=True, text=True, check=False,
+                          timeout=600, env={**os.environ, "XC_PRECISION": "fp32"})
+    assert fp32.returncode == 2 and "Traceback" not in fp32.stderr
+    assert fp32.stderr.strip().splitlines()[-1].startswith("error: --bf16_weights needs bf16 precision")
+    assert not (tmp_path / "o2" / "results.json").exists()

@@ -173,19 +173,25 @@ def comm_hook(trainer) -> str:
     if name not in COMM_HOOKS:
         raise ValueError(f"XC_COMM_HOOK={name!r} is not one of {', '.join(COMM_HOOKS)}; pass --comm-hook with one of them")
     handler = trainer.accelerator.ddp_handler
-    if name != "none" and handler is not None:
-        import dataclasses
+    if handler is None:  # a single process: nothing is wrapped
+        return name
+    import dataclasses
 
-        import torch
+    fields = {f.name: getattr(handler, f.name) for f in dataclasses.fields(handler)}
+    # the gradients live in DDP's buckets: no copy of every gradient into them and back out each step
+    fields["gradient_as_bucket_view"] = os.environ.get("XC_BUCKET_VIEW", "1") != "0"
+    if name == "none":
+        trainer.accelerator.ddp_handler = type(handler)(**fields)
+        return name
+    import torch
 
-        hook = compress_hook({"fp16": torch.float16, "bf16": torch.bfloat16}[name])
+    hook = compress_hook({"fp16": torch.float16, "bf16": torch.bfloat16}[name])
 
-        class WireHook(type(handler)):  # accelerate registers it when it wraps the model, in trainer.train()
-            def register_comm_hook(self, model):
-                model.register_comm_hook(None, hook)
+    class WireHook(type(handler)):  # accelerate registers it when it wraps the model, in trainer.train()
+        def register_comm_hook(self, model):
+            model.register_comm_hook(None, hook)
 
-        trainer.accelerator.ddp_handler = WireHook(**{f.name: getattr(handler, f.name)
-                                                      for f in dataclasses.fields(handler)})
+    trainer.accelerator.ddp_handler = WireHook(**fields)
     return name
 
 
@@ -208,6 +214,7 @@ def ddp_stats(trainer) -> dict | None:
     if len(out) < len(keys):
         return None
     out["comm_exposed_ms"] = max(0.0, out["comm_ms"] - out["overlap_ms"])
-    out["bucket_cap_bytes"] = data.get("bucket_sizes")
+    out["bucket_sizes"] = data.get("bucket_sizes")
     out["comm_hook"] = data.get("comm_hook")
+    out["gradient_as_bucket_view"] = bool(model.gradient_as_bucket_view)
     return out

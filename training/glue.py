@@ -45,6 +45,8 @@ class ModelArguments:
     # accuracy over 3 seeds (bench/glue_single_node.py --levers sdpa).
     attn_implementation: str = field(default="auto", metadata={
         "help": "auto (default: eager up to --max_seq_length 128, sdpa beyond) | eager | sdpa"})
+    bf16_weights: bool = field(default=False, metadata={
+        "help": "bf16 weights with fp32 master copies in AdamW instead of autocast's per-step casts (bf16 only)"})
 
 
 @dataclass
@@ -227,6 +229,14 @@ def main(argv: list[str] | None = None) -> int:
                                  data_args.max_predict_samples)
 
     model, optimizers = common.ipex_optimizers(model, args, info)
+    if model_args.bf16_weights and not args.bf16:
+        raise ValueError("--bf16_weights needs bf16 precision; drop it, or run with --precision bf16 on a CPU with bf16")
+    if model_args.bf16_weights and optimizers != (None, None):
+        raise ValueError("--bf16_weights and IPEX both want the optimizer; drop --bf16_weights where IPEX is installed")
+    if model_args.bf16_weights and args.do_train:
+        from training import master
+
+        model, optimizers = master.bf16_master(model, args, Trainer.get_decay_parameter_names(None, model))
 
     collator = default_data_collator if data_args.pad_to_max_length else DataCollatorWithPadding(
         tokenizer, pad_to_multiple_of=data_args.pad_to_multiple_of if data_args.pad_to_multiple_of > 1 else None)
@@ -246,6 +256,7 @@ def main(argv: list[str] | None = None) -> int:
                      "group_by_length": common.length_grouping(args), "max_seq_length": max_len,
                      "per_device_train_batch_size": args.per_device_train_batch_size,
                      "threads": torch.get_num_threads(), "comm_hook": hook, "attn_implementation": attn,
+                     "bf16_weights": model_args.bf16_weights,
                      "ddp_bucket_cap_mb": args.ddp_bucket_cap_mb,
                      "gradient_accumulation_steps": args.gradient_accumulation_steps}
     common.train_and_record(trainer, results, train_ds, info)

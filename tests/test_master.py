@@ -1,0 +1,59 @@
+"""bf16 weights with fp32 master copies (training/master.py): updates far below bf16's resolution still add up."""
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from training.master import MasterAdamW
+
+
+def _model():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.LayerNorm(8)).to(torch.bfloat16)
+
+
+def _steps(opt, model, n, x):
+    for _ in range(n):
+        opt.zero_grad()
+        model(x).float().pow(2).mean().backward()
+        opt.step()
+
+
+def test_small_updates_accumulate_in_the_masters_and_reach_the_bf16_weights():
+    model = _model()
+    start = [p.detach().clone() for p in model.parameters()]
+    named = list(model.named_parameters())
+    opt = MasterAdamW(named, no_decay=set(), lr=1e-4, weight_decay=0.0)
+    x = torch.randn(16, 8, dtype=torch.bfloat16)
+    _steps(opt, model, 1, x)
+    # one step of 1e-4 is below bf16's resolution near these weights: the bf16 weights may not move, the masters do
+    moved = [(m - s.float()).abs().max().item() for m, s in zip(opt.masters, start)]
+    assert all(0 < d < 2e-4 for d in moved), moved
+    _steps(opt, model, 199, x)
+    for p, m, s in zip(model.parameters(), opt.masters, start):
+        assert p.dtype == torch.bfloat16 and m.dtype == torch.float32
+        assert torch.equal(p, m.to(torch.bfloat16))  # the model holds its master rounded
+        assert (m - s.float()).abs().max() > 5e-3  # 200 steps of ~1e-4 add up to far more than one bf16 step
+
+    # plain AdamW on the bf16 weights themselves loses them: most weights never leave their start
+    plain = _model()
+    popt = torch.optim.AdamW(plain.parameters(), lr=1e-4, weight_decay=0.0)
+    _steps(popt, plain, 200, x)
+    stuck = sum(int((p == s).sum()) for p, s in zip(plain.parameters(), start))
+    kept = sum(int((p == s).sum()) for p, s in zip(model.parameters(), start))
+    assert stuck > kept
+
+
+def test_no_decay_names_and_the_schedulers_learning_rate_reach_the_masters():
+    model = _model()
+    named = list(model.named_parameters())
+    opt = MasterAdamW(named, no_decay={"0.bias", "1.weight", "1.bias"}, lr=1e-3, weight_decay=0.5)
+    assert [len(g["params"]) for g in opt.param_groups] == [1, 3]
+    assert [g["weight_decay"] for g in opt.param_groups] == [0.5, 0.0]
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 0.1)
+    opt.step()  # no gradients yet: nothing moves
+    sched.step()
+    assert all(g["lr"] == pytest.approx(1e-4) for g in opt.param_groups)
+    opt.zero_grad()
+    assert all(p.grad is None for p in model.parameters())
