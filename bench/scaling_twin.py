@@ -17,10 +17,11 @@ steps are those of the 1-node run (weak scaling), so
                    not overlapped with the backward pass) over the step time
 for: the unshaped twin (this machine's ceiling), then on the c6i-like link fp32 gradients with DDP's
 default buckets, bf16 and fp16 gradient compression, 5 and 100 MB buckets, and no_sync accumulation
-(2 micro-batches of half the batch per all-reduce), gradients copied into DDP's buckets instead of living
-in them, a static graph, and buffers not broadcast. Each row is checked against the hook and bucket view DDP
-reports it ran. The 1-node figure is the mean of a run before and one after the 2-node runs. Then a model of N nodes at 25 and 50 Gbit/s for
-BERT-base, calibrated by the overlap measured here. Prints the CPU model and flags.
+(2 micro-batches of half the batch per all-reduce), gradients copied into DDP's buckets instead of
+living in them, a static graph, and buffers not broadcast. Each row is checked against the hook and
+bucket view DDP reports it ran. The 1-node figure is the mean of a run before and one after the 2-node
+runs. Then a model of N nodes at 25 and 50 Gbit/s for BERT-base, calibrated by the overlap measured
+here. Prints the CPU model and flags.
 Last line:  efficiency=<best config's efficiency> comm_fraction=<its comm fraction>
 Writes bench/results/scaling_twin.json.
 

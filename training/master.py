@@ -8,7 +8,8 @@ import torch
 class MasterAdamW(torch.optim.AdamW):
     """AdamW over fp32 copies of a bf16 model's parameters. step() takes the bf16 gradients into the copies,
     steps them, and writes the result back to the model rounded to bf16. Its param_groups are the copies', so
-    the Trainer's schedulers set their learning rate as for any optimizer."""
+    the Trainer's schedulers set their learning rate as for any optimizer. A checkpoint holds the bf16 weights
+    and AdamW's moments; on resume the masters start again from the bf16 weights."""
 
     def __init__(self, named: list[tuple[str, torch.nn.Parameter]], no_decay: set[str], lr: float,
                  weight_decay: float, **kw):
