@@ -39,6 +39,7 @@ MALLOC = {"jemalloc": "/lib/x86_64-linux-gnu/libjemalloc.so.2", "tcmalloc": "/li
 LEVERS = {
     "sdpa": (["--attn_implementation", "sdpa"], "auto"),
     "bf16-weights": (["--bf16_weights", "True"], "auto"),
+    "torch-dropout": (["--fast_dropout", "False"], "auto"),
     "foreach-adamw": (["--optim", "adamw_torch"], "auto"),
     "batch-32": (["--per_device_train_batch_size", "32"], "auto"),
     "batch-64": (["--per_device_train_batch_size", "64"], "auto"),

@@ -1,0 +1,67 @@
+"""Dropout that costs what a multiply does, for CPU training.
+
+torch's CPU dropout draws one Mersenne Twister number per element on one thread: 2.3 ms for a
+[16, 65, 384] activation, 30x a multiply, ~23% of a bf16 MiniLM training step. Here one 64-bit draw gives
+four 16-bit uniforms, and an element is kept when its uniform is at or above p quantised to 1/65536
+(p=0.1 keeps 0.899994). Same generator and seed, so runs stay reproducible.
+"""
+from __future__ import annotations
+
+import torch
+
+ATTENTION = "xc_eager"  # eager attention with this dropout on its probabilities
+
+
+def dropout(x: torch.Tensor, p: float, training: bool = True) -> torch.Tensor:
+    if not training or p == 0.0:
+        return x
+    if not 0.0 < p < 1.0:
+        raise ValueError(f"dropout probability {p} is not in [0, 1)")
+    n = x.numel()
+    draws = torch.randint(-2**63, 2**63 - 1, ((n + 3) // 4,), dtype=torch.int64, device=x.device)
+    uniform16 = draws.view(torch.int16)[:n].view(x.shape)
+    keep = uniform16 >= (-32768 + round(p * 65536))
+    return x * keep * (1.0 / (1.0 - p))
+
+
+class FastDropout(torch.nn.Module):
+    def __init__(self, p: float):
+        super().__init__()
+        self.p = p
+
+    def forward(self, x):
+        return dropout(x, self.p, self.training)
+
+    def extra_repr(self) -> str:
+        return f"p={self.p}"
+
+
+def eager_attention(module, query, key, value, attention_mask, scaling=None, dropout_p=None, **kwargs):
+    """transformers' eager attention (BERT's), with the dropout above."""
+    p = kwargs.pop("dropout", 0.0) if dropout_p is None else dropout_p
+    if scaling is None:
+        scaling = query.size(-1) ** -0.5
+    weights = torch.matmul(query, key.transpose(2, 3)) * scaling
+    if attention_mask is not None:
+        weights = weights + attention_mask
+    weights = dropout(torch.nn.functional.softmax(weights, dim=-1), p, module.training)
+    return torch.matmul(weights, value).transpose(1, 2).contiguous(), weights
+
+
+def install(model) -> int:
+    """Swap every nn.Dropout for FastDropout, and eager attention for ATTENTION. Returns how many were swapped."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+
+    swapped = 0
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if type(child) is torch.nn.Dropout:
+                setattr(parent, name, FastDropout(child.p))
+                swapped += 1
+    if getattr(model.config, "_attn_implementation", None) == "eager":
+        AttentionInterface.register(ATTENTION, eager_attention)
+        # without a mask function of its own, transformers builds no padding mask for a custom attention
+        AttentionMaskInterface.register(ATTENTION, ALL_MASK_ATTENTION_FUNCTIONS["eager"])
+        model.config._attn_implementation = ATTENTION
+    return swapped
