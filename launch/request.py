@@ -34,8 +34,8 @@ BACKENDS = ("auto", "ccl", "gloo")
 PRECISIONS = ("auto", "bf16", "fp32")
 
 
-# bench/scaling_twin.py: on a link as tight as a c6i cluster's, compression lost to fp32 (the casts cost more CPU
-# than the link saved); it wins where the link binds (README, Benchmarks).
+# bench/scaling_twin.py: on a link as tight as a c6i cluster's, bf16 compression was within a point of fp32, and
+# slower on an unshaped local cluster; it wins where the link binds (README, Benchmarks).
 DEFAULT_COMM_HOOK = "none"
 
 

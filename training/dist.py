@@ -167,8 +167,9 @@ def compress_hook(dtype):
 
 
 def comm_hook(trainer) -> str:
-    """Gradient compression on the wire, XC_COMM_HOOK (fab train --comm-hook): half the bytes of fp32 per
-    all-reduce. The optimizer still steps on fp32 gradients."""
+    """How DDP will move gradients, set before the Trainer wraps the model: compression on the wire,
+    XC_COMM_HOOK (fab train --comm-hook: half the bytes of fp32 per all-reduce; the optimizer still steps on
+    fp32 gradients), and gradients kept in DDP's buckets unless XC_BUCKET_VIEW=0."""
     name = os.environ.get("XC_COMM_HOOK", "none") or "none"
     if name not in COMM_HOOKS:
         raise ValueError(f"XC_COMM_HOOK={name!r} is not one of {', '.join(COMM_HOOKS)}; pass --comm-hook with one of them")
