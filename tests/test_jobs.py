@@ -327,3 +327,36 @@ def test_glue_bf16_weights_train_with_fp32_masters_and_refuse_fp32(tmp_path):
     assert fp32.returncode == 2 and "Traceback" not in fp32.stderr
     assert fp32.stderr.strip().splitlines()[-1].startswith("error: --bf16_weights needs bf16 precision")
     assert not (tmp_path / "o2" / "results.json").exists()
+
+
+def test_glue_freeze_embeddings_keeps_the_word_embeddings_and_trains_the_rest(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    from safetensors.torch import load_file
+
+    from training.common import DEFAULT_MODEL, resolve_model
+
+    runs = {}
+    for freeze in ("True", "False"):
+        out = tmp_path / freeze
+        res = subprocess.run([sys.executable, "-m", "training.glue", "--max_steps", "3", "--max_train_samples", "48",
+                              "--max_eval_samples", "16", "--learning_rate", "1e-3", "--freeze_embeddings", freeze,
+                              "--output_dir", str(out)], cwd=ROOT, capture_output=True, text=True, check=False,
+                             timeout=600, env={**os.environ, "XC_PRECISION": "fp32"})
+        assert res.returncode == 0, res.stderr[-3000:]
+        runs[freeze] = (json.loads((out / "results.json").read_text()), load_file(str(out / "model.safetensors")))
+    before = load_file(str(Path(resolve_model(DEFAULT_MODEL)) / "model.safetensors"))
+    word, layer = "embeddings.word_embeddings.weight", "encoder.layer.0.attention.self.query.weight"
+
+    def tensor(weights, name):
+        return next(v for k, v in weights.items() if k.endswith(name))
+
+    frozen, full = runs["True"][1], runs["False"][1]
+    assert runs["True"][0]["freeze_embeddings"] is True
+    # MiniLM's 30522 x 384 word embeddings leave the trainable count; nothing else does
+    assert runs["False"][0]["trainable_params"] - runs["True"][0]["trainable_params"] == 30522 * 384
+    assert tensor(frozen, word).equal(tensor(before, word))
+    assert not tensor(full, word).equal(tensor(before, word))
+    assert not tensor(frozen, layer).equal(tensor(before, layer))

@@ -50,6 +50,10 @@ class ModelArguments:
         "help": "dropout from 16-bit uniforms, four per 64-bit draw (training/fastdrop.py); False: torch's own"})
     bf16_weights: bool = field(default=False, metadata={
         "help": "bf16 weights with fp32 master copies in AdamW instead of autocast's per-step casts (bf16 only)"})
+    # The word embeddings are over half of MiniLM's weights: their dense gradient, AdamW step and all-reduce
+    # cost a step more than the few rows a batch touches are worth (bench/glue_single_node.py).
+    freeze_embeddings: bool = field(default=True, metadata={
+        "help": "keep the input word embeddings fixed: no gradient, optimizer state or all-reduce for them"})
 
 
 @dataclass
@@ -208,6 +212,8 @@ def main(argv: list[str] | None = None) -> int:
         from training import fastdrop
 
         fastdrop.install(model)
+    if model_args.freeze_embeddings:
+        model.get_input_embeddings().weight.requires_grad_(False)
     label_to_id = None if is_regression or hasattr(label_feature, "names") else {v: i for i, v in enumerate(label_list)}
     padding = "max_length" if data_args.pad_to_max_length else False
 
@@ -264,6 +270,8 @@ def main(argv: list[str] | None = None) -> int:
                      "per_device_train_batch_size": args.per_device_train_batch_size,
                      "threads": torch.get_num_threads(), "comm_hook": hook, "attn_implementation": attn,
                      "bf16_weights": model_args.bf16_weights, "fast_dropout": model_args.fast_dropout,
+                     "freeze_embeddings": model_args.freeze_embeddings,
+                     "trainable_params": sum(p.numel() for p in model.parameters() if p.requires_grad),
                      "ddp_bucket_cap_mb": args.ddp_bucket_cap_mb,
                      "gradient_accumulation_steps": args.gradient_accumulation_steps}
     common.train_and_record(trainer, results, train_ds, info)
