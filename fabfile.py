@@ -122,7 +122,8 @@ def keys(c, cluster=None):
         "threads": "OpenMP threads per process (default auto: the process's cores)",
         "backend": "auto | ccl | gloo",
         "precision": "auto | bf16 | fp32",
-        "comm-hook": "gradients on the wire between nodes: none (default: fp32) | bf16 | fp16 (half the bytes)",
+        "comm-hook": "gradients on the wire between nodes: auto (default: bf16 between hosts, fp32 on one) | none "
+                     "(fp32) | bf16 | fp16 (half the bytes)",
         "env": "extra or overriding variable for every rank, KEY=VALUE (repeatable)",
         "cluster": "local | hosts:PATH | aws[:NAME] | pulumi[:STACK]",
         "master-port": "rendezvous port on node 0 (default: a free port there, picked per run)",
@@ -293,7 +294,7 @@ def doctor(c, profile=None, nodes=None, cluster=None, quick=False, full=False, m
             "runs": "instead of running: a report over these finished runs (ids, comma-separated)",
             "ppn": "processes per node (default auto)", "threads": "OpenMP threads per process (default auto)",
             "backend": "auto | ccl | gloo", "precision": "auto | bf16 | fp32",
-            "comm-hook": "gradients on the wire: none (default: fp32) | bf16 | fp16",
+            "comm-hook": "gradients on the wire: auto (default) | none (fp32) | bf16 | fp16",
             "env": "KEY=VALUE (or KEY: your own value, kept secret) for every rank of every size; repeatable",
             "timeout": "seconds a collective may wait, as in fab train (default 300)",
             "no-pin": "do not pin ranks to cores", "cluster": "local | hosts:PATH | aws[:NAME] | pulumi[:STACK]"},

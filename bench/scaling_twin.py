@@ -15,12 +15,14 @@ steps are those of the 1-node run (weak scaling), so
   efficiency     = samples/s on 2 nodes / (2 x samples/s on 1 node)
   comm_fraction  = the part of a step spent waiting on the all-reduce: DDP's own timings (all-reduce time
                    not overlapped with the backward pass) over the step time
-for: the unshaped twin (this machine's ceiling), then on the c6i-like link fp32 gradients with DDP's
-default buckets, bf16 and fp16 gradient compression, 5 and 100 MB buckets, and no_sync accumulation
+for: the unshaped twin (this machine's ceiling), then on the c6i-like link fab train's defaults (bf16
+gradients between hosts), fp32 gradients with DDP's default buckets, bf16 and fp16 gradient compression, 5 and 100 MB buckets, and no_sync accumulation
 (2 micro-batches of half the batch per all-reduce), gradients copied into DDP's buckets instead of
-living in them, a static graph, and buffers not broadcast. Each row is checked against the hook and
-bucket view DDP reports it ran. The 1-node figure is the mean of a run before and one after the 2-node
-runs. Then a model of N nodes at 25 and 50 Gbit/s for BERT-base, calibrated by the overlap measured
+living in them, a static graph, buffers not broadcast, and the word embeddings trained (the job freezes
+them by default). Each row is checked against the hook and bucket view DDP reports it ran. The 1-node
+figure is the mean of a run before and one after the 2-node runs. One more 1-node run has the same job
+training on node1's core beside it (not through the network): "vs loaded" divides by twice that figure,
+which takes out what sharing this VM's caches and memory costs and separate hosts would not. Then a model of N nodes at 25 and 50 Gbit/s for BERT-base, calibrated by the overlap measured
 here. Prints the CPU model and flags.
 Last line:  efficiency=<best config's efficiency> comm_fraction=<its comm fraction>
 Writes bench/results/scaling_twin.json.
@@ -33,9 +35,11 @@ import argparse
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -44,7 +48,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 from glue_single_node import cpu_line
 
-from launch.request import DEFAULT_COMM_HOOK
+from launch.request import DEFAULT_COMM_HOOK, resolve_comm_hook
 
 FAB = [str(ROOT / ".venv" / "bin" / "fab")] if (ROOT / ".venv" / "bin" / "fab").exists() else ["fab"]
 REF_PARAMS = 108_310_272 + 768 * 2 + 2  # bert-base-cased + a 2-label head
@@ -61,7 +65,8 @@ REF_RATIO = ring_bytes(REF_PARAMS * 4, 2) * 8 / REF_LINK_BITS / REF_STEP_S
 
 # name: (extra TrainingArguments, fab train flags, per-rank batch divisor)
 LEVERS = {
-    "fp32": ([], ["--comm-hook", "none"], 1),
+    "defaults": ([], [], 1),
+    "fp32": ([], ["--comm-hook", "none"], 1),  # the default (auto) is bf16 between the twin's hosts
     "bf16-hook": ([], ["--comm-hook", "bf16"], 1),
     "fp16-hook": ([], ["--comm-hook", "fp16"], 1),
     "bucket-5mb": (["--ddp_bucket_cap_mb", "5"], [], 1),
@@ -70,13 +75,15 @@ LEVERS = {
     "no-bucket-view": ([], ["--env", "XC_BUCKET_VIEW=0"], 1),
     "no-bcast-buffers": (["--ddp_broadcast_buffers", "False"], [], 1),
     "static-graph": (["--ddp_static_graph", "True"], [], 1),
+    "embeddings-trained": (["--freeze_embeddings", "False"], [], 1),
 }
 WIRE = {"bf16": "xc_bfloat16_wire_hook", "fp16": "xc_float16_wire_hook"}  # the hook DDP reports per --comm-hook
 
 
-def check_ran(name: str, flags: list[str], ddp: dict) -> None:
+def check_ran(name: str, flags: list[str], ddp: dict, hosts: list[str]) -> None:
     """A row is labelled with what DDP says it ran, never with what was asked for."""
-    want = WIRE.get(flags[flags.index("--comm-hook") + 1] if "--comm-hook" in flags else DEFAULT_COMM_HOOK)
+    asked = flags[flags.index("--comm-hook") + 1] if "--comm-hook" in flags else DEFAULT_COMM_HOOK
+    want = WIRE.get(resolve_comm_hook(asked, hosts))
     view = "XC_BUCKET_VIEW=0" not in flags
     if ddp.get("comm_hook") != want or ddp.get("gradient_as_bucket_view") != view:
         raise SystemExit(f"error: {name}: DDP ran comm hook {ddp.get('comm_hook')!r} and bucket view "
@@ -105,16 +112,33 @@ class Twin:
         return json.loads((self.runs / run_id / "output" / "results.json").read_text())
 
 
-def grad_bytes() -> tuple[int, int]:
-    """(parameters, fp32 gradient bytes) of the glue job's model with its 2-label head."""
-    from transformers import AutoConfig, AutoModelForSequenceClassification
+class Neighbour:
+    """The glue job on the other node's core, outside the twin and the network: a 1-node run beside it shares the
+    VM's caches, memory and host as a 2-node run does, which separate c6i hosts would not."""
 
-    from training.common import DEFAULT_MODEL, resolve_model
+    def __init__(self, tmp: Path, cpus: list[int], batch: int):
+        env = {**os.environ, "XC_PRECISION": "auto", "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": str(len(cpus))}
+        self.log = tmp / "neighbour.log"
+        cmd = ["taskset", "-c", ",".join(map(str, cpus)), sys.executable, "-m", "training.glue", "--do_train",
+               "--output_dir", str(tmp / "neighbour"), "--max_steps", "100000", "--save_strategy", "no",
+               "--per_device_train_batch_size", str(batch), "--learning_rate", "1e-4", "--seed", "43"]
+        with self.log.open("w") as f:
+            self.proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdin=subprocess.DEVNULL, stdout=f,
+                                         stderr=subprocess.STDOUT, start_new_session=True)
 
-    path = resolve_model(DEFAULT_MODEL)
-    model = AutoModelForSequenceClassification.from_pretrained(path, config=AutoConfig.from_pretrained(path, num_labels=2))
-    n = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    return n, 4 * n
+    def __enter__(self):
+        deadline = time.monotonic() + 300
+        while "step 1/" not in self.log.read_text():  # training has begun: the load is on
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.__exit__()
+                raise SystemExit(f"error: the neighbour job did not start training:\n{self.log.read_text()[-2000:]}")
+            time.sleep(1)
+        return self
+
+    def __exit__(self, *exc):
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)  # load only: nothing of it is kept
+        self.proc.wait(timeout=60)
 
 
 def row(name: str, res: dict, base_sps: float, batch: int) -> dict:
@@ -151,9 +175,8 @@ def main() -> None:
     a = p.parse_args()
     if os.geteuid() != 0:
         raise SystemExit("error: the network twin needs root (network namespaces and tc); run as root")
-    params, grads = grad_bytes()
     print(cpu_line(), flush=True)
-    results: dict = {"cpu": cpu_line(), "batch": a.batch, "steps": a.steps, "params": params, "grad_bytes": grads,
+    results: dict = {"cpu": cpu_line(), "batch": a.batch, "steps": a.steps,
                      "reference": {"params": REF_PARAMS, "step_s": REF_STEP_S, "link_bits": REF_LINK_BITS,
                                    "comm_over_compute": REF_RATIO}}
     samples = a.batch * a.steps
@@ -164,6 +187,9 @@ def main() -> None:
             print(f"1 node, batch {a.batch}, {a.steps} steps ...", flush=True)
             one = twin.train(1, a.batch, samples, [], [])
             first_sps = one["train"]["train_samples_per_second"]
+            params = one["trainable_params"]  # what DDP all-reduces: frozen weights have no gradient
+            grads = 4 * params
+            results.update(params=params, grad_bytes=grads)
             base_sps = first_sps
             step_s = a.batch / base_sps
             rate = ring_bytes(grads, 2) * 8 / (REF_RATIO * step_s)
@@ -173,10 +199,16 @@ def main() -> None:
             print(f"reference: BERT-base on c6i.16xlarge, {REF_PARAMS * 4 / 1e6:.0f} MB a step over 25 Gbit/s in a "
                   f"{REF_STEP_S:.2f} s step: comm/compute {REF_RATIO:.3f}; the same here -> link {rate / 1e6:.0f}mbit"
                   + (f"; --link {a.link} instead" if a.link else ""), flush=True)
+            print("1 node, the same job running on node1's core ...", flush=True)
+            nodes = [n["node"] for n in json.loads((Path(tmp) / "state" / "local" / "state.json").read_text())["nodes"]]
+            hosts, cpus = [n["private_host"] for n in nodes], nodes[1]["labels"]["cpus"]
+            with Neighbour(Path(tmp), cpus, a.batch):
+                loaded_sps = twin.train(1, a.batch, samples, [], [])["train"]["train_samples_per_second"]
+            print(f"  {loaded_sps:.2f} samples/s", flush=True)
             rows = []
             print("2 nodes, unshaped link ...", flush=True)
             rows.append(row("unshaped", twin.train(2, a.batch, 2 * samples, [], []), base_sps, a.batch))
-            check_ran("unshaped", [], rows[-1]["ddp"])
+            check_ran("unshaped", [], rows[-1]["ddp"], hosts)
             for node in ("node0", "node1"):
                 twin.fab("local-link", "--node", node, "--link", link, timeout=60)
             for name in a.levers.split(","):
@@ -184,26 +216,29 @@ def main() -> None:
                 print(f"2 nodes, {link}, {name} ...", flush=True)
                 res = twin.train(2, a.batch // div, 2 * samples, extra, flags)
                 rows.append(row(name, res, base_sps, a.batch))
-                check_ran(name, flags, rows[-1]["ddp"])
+                check_ran(name, flags, rows[-1]["ddp"], hosts)
             # this machine drifts: the 1-node figure is the mean of one run before and one after the 2-node runs
             print("1 node again ...", flush=True)
             last_sps = twin.train(1, a.batch, samples, [], [])["train"]["train_samples_per_second"]
             base_sps = (first_sps + last_sps) / 2
             for r in rows:
                 r["efficiency"] = r["samples_per_second"] / (2 * base_sps)
+                r["efficiency_loaded"] = r["samples_per_second"] / (2 * loaded_sps)
         finally:
             subprocess.run([*FAB, "local-down"], cwd=ROOT, env=twin.env, capture_output=True, timeout=120, check=False)
     results.update(one_node_samples_per_second=base_sps, one_node_runs=[first_sps, last_sps], step_s=step_s, link=link,
-                   rows=rows)
+                   one_node_loaded_samples_per_second=loaded_sps, rows=rows)
     print(f"\nglue job, MiniLM-L6, per-rank batch {a.batch}, {a.steps} steps, 1 core per node, gloo")
     print(cpu_line())
     print(f"1 node: {base_sps:.2f} samples/s (mean of {first_sps:.2f} before and {last_sps:.2f} after the 2-node runs); "
           f"twin link for the c6i ratio: {link}")
-    print(f"{'config':<14}{'samples/s':>10}{'efficiency':>11}{'step ms':>9}{'comm frac':>10}{'allreduce ms':>13}"
+    print(f"1 node with the same job on node1's core: {loaded_sps:.2f} samples/s ({loaded_sps / base_sps:.2f}x alone); "
+          f"'vs loaded' divides by twice this: the part of the loss that is not the VM being shared")
+    print(f"{'config':<14}{'samples/s':>10}{'efficiency':>11}{'vs loaded':>10}{'step ms':>9}{'comm frac':>10}{'allreduce ms':>13}"
           f"{'overlap ms':>11}{'train loss':>11}")
     for r in rows:
         d = r["ddp"]
-        print(f"{r['name']:<14}{r['samples_per_second']:>10.2f}{r['efficiency']:>11.3f}{r['step_ms']:>9.0f}"
+        print(f"{r['name']:<14}{r['samples_per_second']:>10.2f}{r['efficiency']:>11.3f}{r['efficiency_loaded']:>10.3f}{r['step_ms']:>9.0f}"
               f"{r['comm_fraction']:>10.3f}{d.get('comm_ms', float('nan')):>13.0f}{d.get('overlap_ms', float('nan')):>11.0f}"
               f"{r['train_loss'] or float('nan'):>11.4f}")
     shaped = [r for r in rows if r["name"] != "unshaped"]

@@ -1,6 +1,7 @@
 """What the user asked for (TrainRequest), checked, and turned into a launch plan for the nodes probed."""
 from __future__ import annotations
 
+import ipaddress
 import logging
 import os
 import random
@@ -34,9 +35,25 @@ BACKENDS = ("auto", "ccl", "gloo")
 PRECISIONS = ("auto", "bf16", "fp32")
 
 
-# bench/scaling_twin.py: on a link as tight as a c6i cluster's, bf16 compression was within a point of fp32, and
-# slower on an unshaped local cluster; it wins where the link binds (README, Benchmarks).
-DEFAULT_COMM_HOOK = "none"
+# bench/scaling_twin.py: on a link as tight as a c6i cluster's bf16 compression beat fp32 in 3 runs of 3 (+1 to
+# +7%); on a loopback local cluster, where no wire binds, fp32 was faster (README, Benchmarks). auto picks per cluster.
+DEFAULT_COMM_HOOK = "auto"
+LAUNCH_COMM_HOOKS = ("auto", *COMM_HOOKS)
+
+
+def resolve_comm_hook(name: str, hosts: list[str]) -> str:
+    """auto: bf16 gradients when the ranks talk over a network, fp32 when they share one host (one node, or a
+    local cluster on this machine's loopback)."""
+    if name != "auto":
+        return name
+    return "none" if len(set(hosts)) < 2 or all(_loopback(h) for h in hosts) else "bf16"
+
+
+def _loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
 
 
 @dataclass
@@ -98,9 +115,9 @@ def validate(req: TrainRequest) -> workdir.Workdir | None:
     if req.precision not in PRECISIONS:
         raise ClusterError(f"--precision {req.precision!r} is not one of {', '.join(PRECISIONS)}; pass one of "
                            "them")
-    if req.comm_hook not in COMM_HOOKS:
-        raise ClusterError(f"--comm-hook {req.comm_hook!r} is not one of {', '.join(COMM_HOOKS)}; pass one of them "
-                           "(none sends fp32 gradients)")
+    if req.comm_hook not in LAUNCH_COMM_HOOKS:
+        raise ClusterError(f"--comm-hook {req.comm_hook!r} is not one of {', '.join(LAUNCH_COMM_HOOKS)}; pass one of "
+                           "them (none sends fp32 gradients)")
     try:
         spot.parse_save_every(req.save_every)
     except ValueError as exc:
@@ -191,10 +208,11 @@ def plan_run(cluster: Cluster, req: TrainRequest, say) -> tuple[launcher.LaunchP
         label = req.job
         if not any(a == "--output_dir" or a.startswith("--output_dir=") for a in args):
             args += ["--output_dir", "output"]
+    env = run_env(req, [n.private_host for n in nodes])
     plan = launcher.LaunchPlan(
         run_id=req.run_id or new_run_id(label), nodes=tuple(node_plans), master_addr=nodes[0].private_host,
         master_port=master_port(nodes[0], req.master_port), backend=backend, precision=precision, entry=tuple(entry),
-        args=tuple(args), env_overrides=secrets.split(run_env(req), req.valueless)[0],
+        args=tuple(args), env_overrides=secrets.split(env, req.valueless)[0],
         secret_env=secrets.split(req.env, req.valueless)[1], pin=req.pin, timeout_s=req.timeout_s,
         launcher=req.launcher, workdir=wd)
     return plan, facts, args, ship
@@ -213,9 +231,9 @@ def fits(ppn: int, threads: int | None, facts: list[NodeFacts]) -> None:
                            f"use --threads {max(1, cpus // ppn)} or fewer")
 
 
-def run_env(req: TrainRequest) -> dict[str, str]:
-    """The ranks' spot contract (training.spot) under the user's --env."""
-    env = {"XC_SAVE_EVERY": req.save_every, "XC_COMM_HOOK": req.comm_hook}
+def run_env(req: TrainRequest, hosts: list[str]) -> dict[str, str]:
+    """The ranks' spot contract (training.spot) and wire precision, under the user's --env."""
+    env = {"XC_SAVE_EVERY": req.save_every, "XC_COMM_HOOK": resolve_comm_hook(req.comm_hook, hosts)}
     if req.resume:
         env["XC_RESUME_FROM"] = f"resume/step-{req.resume['step']}"
     return {**env, **req.env}
