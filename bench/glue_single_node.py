@@ -169,7 +169,7 @@ def main() -> None:
     print(cpu_line())
     print("matmul peak at the model's shapes: " + ", ".join(f"{p} {v / 1e9:.0f} GFLOP/s" for p, v in peaks.items())
           + f"; model FLOPs per real token {per_token / 1e6:.1f} M ({real / a.samples:.0f} tokens/sample)")
-    print(f"{'config':<18}{'padding':<12}{'precision':<11}{'samples/s':>10}{'tokens/s':>10}{'MFU':>7}"
+    print(f"{'config':<20}{'padding':<12}{'precision':<11}{'samples/s':>10}{'tokens/s':>10}{'MFU':>7}"
           f"{'eval acc':>9}{'f1':>7}{'vs seeds':>10}{'train s':>9}{'job MFU':>8}   all rounds")
     for name, r in rows.items():
         r["ratio_vs_seeds"] = r["samples_per_second"] / base
@@ -177,7 +177,7 @@ def main() -> None:
         r["mfu"] = r["tokens_per_second"] * per_token / peaks[r["precision"]]
         rounds = " ".join(f"{x:.2f}" for x in r["all_samples_per_second"])
         acc, f1 = r.get("eval_accuracy") or float("nan"), r.get("eval_f1") or float("nan")
-        print(f"{name:<18}{r['padding']:<12}{r['precision']:<11}{r['samples_per_second']:>10.2f}"
+        print(f"{name:<20}{r['padding']:<12}{r['precision']:<11}{r['samples_per_second']:>10.2f}"
               f"{r['tokens_per_second']:>10.0f}{r['mfu']:>7.3f}{acc:>9.3f}{f1:>7.3f}{r['ratio_vs_seeds']:>9.2f}x"
               f"{r['train_s']:>9.1f}{r.get('job_mfu') or float('nan'):>8.3f}   "
               f"{rounds}")
