@@ -16,14 +16,15 @@ steps are those of the 1-node run (weak scaling), so
   comm_fraction  = the part of a step spent waiting on the all-reduce: DDP's own timings (all-reduce time
                    not overlapped with the backward pass) over the step time
 for: the unshaped twin (this machine's ceiling), then on the c6i-like link fab train's defaults (bf16
-gradients between hosts), fp32 gradients with DDP's default buckets, bf16 and fp16 gradient compression, 5 and 100 MB buckets, and no_sync accumulation
-(2 micro-batches of half the batch per all-reduce), gradients copied into DDP's buckets instead of
-living in them, a static graph, buffers not broadcast, and the word embeddings trained (the job freezes
-them by default). Each row is checked against the hook and bucket view DDP reports it ran. The 1-node
-figure is the mean of a run before and one after the 2-node runs. One more 1-node run has the same job
-training on node1's core beside it (not through the network): "vs loaded" divides by twice that figure,
-which takes out what sharing this VM's caches and memory costs and separate hosts would not. Then a model of N nodes at 25 and 50 Gbit/s for BERT-base, calibrated by the overlap measured
-here. Prints the CPU model and flags.
+gradients between hosts), fp32 gradients with DDP's default buckets, bf16 and fp16 gradient compression,
+5 and 100 MB buckets, no_sync accumulation (2 micro-batches of half the batch per all-reduce), gradients
+copied into DDP's buckets instead of living in them, a static graph, buffers not broadcast, and the word
+embeddings trained (the job freezes them by default). Each row is checked against the hook and bucket
+view DDP reports it ran. The 1-node figure is the mean of a run before and one after the 2-node runs.
+One more 1-node run has the same job training on node1's core beside it (not through the network):
+"vs loaded" divides by twice that figure, which takes out what sharing this VM's caches and memory
+costs and separate hosts would not. Then a model of N nodes at 25 and 50 Gbit/s for BERT-base,
+calibrated by the overlap measured here. Prints the CPU model and flags.
 Last line:  efficiency=<best config's efficiency> comm_fraction=<its comm fraction>
 Writes bench/results/scaling_twin.json.
 
@@ -234,12 +235,12 @@ def main() -> None:
           f"twin link for the c6i ratio: {link}")
     print(f"1 node with the same job on node1's core: {loaded_sps:.2f} samples/s ({loaded_sps / base_sps:.2f}x alone); "
           f"'vs loaded' divides by twice this: the part of the loss that is not the VM being shared")
-    print(f"{'config':<14}{'samples/s':>10}{'efficiency':>11}{'vs loaded':>10}{'step ms':>9}{'comm frac':>10}{'allreduce ms':>13}"
-          f"{'overlap ms':>11}{'train loss':>11}")
+    print(f"{'config':<20}{'samples/s':>10}{'efficiency':>11}{'vs loaded':>10}{'step ms':>9}{'comm frac':>10}"
+          f"{'allreduce ms':>13}{'overlap ms':>11}{'train loss':>11}")
     for r in rows:
         d = r["ddp"]
-        print(f"{r['name']:<14}{r['samples_per_second']:>10.2f}{r['efficiency']:>11.3f}{r['efficiency_loaded']:>10.3f}{r['step_ms']:>9.0f}"
-              f"{r['comm_fraction']:>10.3f}{d.get('comm_ms', float('nan')):>13.0f}{d.get('overlap_ms', float('nan')):>11.0f}"
+        print(f"{r['name']:<20}{r['samples_per_second']:>10.2f}{r['efficiency']:>11.3f}{r['efficiency_loaded']:>10.3f}"
+              f"{r['step_ms']:>9.0f}{r['comm_fraction']:>10.3f}{d.get('comm_ms', float('nan')):>13.0f}{d.get('overlap_ms', float('nan')):>11.0f}"
               f"{r['train_loss'] or float('nan'):>11.4f}")
     shaped = [r for r in rows if r["name"] != "unshaped"]
     best = max(shaped, key=lambda r: r["efficiency"])
