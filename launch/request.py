@@ -256,7 +256,7 @@ def describe(plan: launcher.LaunchPlan, facts: list[NodeFacts]) -> list[str]:
     hook = plan.env_overrides.get("XC_COMM_HOOK", "none")
     if plan.world_size > 1:
         lines.append(f"gradients on the wire: {'fp32' if hook == 'none' else hook} (--comm-hook"
-                     f"{' none for fp32' if hook != 'none' else ' bf16 halves the bytes on a slow link'})")
+                     f"{' none for fp32' if hook != 'none' else ' bf16 halves the bytes; auto sends fp32 within one host'})")
     if plan.workdir is not None:
         lines.append(f"workdir {plan.workdir.summary()}; every node runs in its own copy of it (runs/<id>/work)")
     if plan.launcher != "python":
