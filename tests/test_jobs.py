@@ -360,3 +360,35 @@ def test_glue_freeze_embeddings_keeps_the_word_embeddings_and_trains_the_rest(tm
     assert tensor(frozen, word).equal(tensor(before, word))
     assert not tensor(full, word).equal(tensor(before, word))
     assert not tensor(frozen, layer).equal(tensor(before, layer))
+
+
+def test_glue_resumes_a_checkpoint_that_trained_its_embeddings_and_refuses_a_mismatch(tmp_path):
+    """A run checkpointed before frozen embeddings were the default resumes as it was started; forcing the
+    other choice is a one-line error, not the Trainer's optimizer-group traceback."""
+    import os
+    import subprocess
+    import sys
+
+    def glue(out, *flags, resume=None):
+        env = {**os.environ, "XC_PRECISION": "fp32", "XC_SAVE_EVERY": "2"}
+        if resume:
+            env["XC_RESUME_FROM"] = str(resume)
+        return subprocess.run([sys.executable, "-m", "training.glue", "--max_steps", "4", "--max_train_samples", "64",
+                               "--max_eval_samples", "16", *flags, "--output_dir", str(tmp_path / out)], cwd=ROOT,
+                              capture_output=True, text=True, check=False, timeout=600, env=env)
+
+    first = glue("first", "--freeze_embeddings", "False")
+    assert first.returncode == 0, first.stderr[-3000:]
+    checkpoint = tmp_path / "first" / "checkpoint-2"
+    assert (checkpoint / "optimizer.pt").is_file()
+    resumed = glue("resumed", resume=checkpoint)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "trained the word embeddings: the resumed run trains them too" in resumed.stderr
+    results = json.loads((tmp_path / "resumed" / "results.json").read_text())
+    assert results["resumed_from_step"] == 2 and results["freeze_embeddings"] is False
+    assert results["trainable_params"] == json.loads((tmp_path / "first" / "results.json").read_text())["trainable_params"]
+    forced = glue("forced", "--freeze_embeddings", "True", resume=checkpoint)
+    assert forced.returncode == 2
+    last = forced.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: XC_RESUME_FROM") and "stepped 105 parameter tensors but this job trains 104" in last
+    assert not (tmp_path / "forced" / "results.json").exists()

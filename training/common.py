@@ -316,6 +316,7 @@ def train_and_record(trainer, results: dict, train_ds, info) -> None:
 
     resume = spot.resume_from()
     if resume:
+        spot.check_resume_fits(trainer.model, resume)
         results["resumed_from_step"] = spot.checkpoint_step(resume)
     watcher = spot.NoticeWatcher()
     watcher.start()

@@ -165,6 +165,18 @@ def write_predictions(trainer, predict_ds, output_dir: str, task: str | None, is
     return {"samples": len(preds), "file": path.name}
 
 
+def resumes_trained_embeddings(model) -> bool:
+    """Whether XC_RESUME_FROM's optimizer stepped every weight: a run started before frozen embeddings were
+    the default, which resumes only as it was started."""
+    from training import spot
+
+    resume = spot.resume_from()
+    if not resume or spot.optimizer_tensors(resume) != sum(1 for p in model.parameters() if p.requires_grad):
+        return False
+    log.warning("%s trained the word embeddings: the resumed run trains them too (--freeze_embeddings False)", resume)
+    return True
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     info = dist.setup()
@@ -212,6 +224,8 @@ def main(argv: list[str] | None = None) -> int:
         from training import fastdrop
 
         fastdrop.install(model)
+    if model_args.freeze_embeddings and not common.has_flag(argv, "--freeze_embeddings", "--no_freeze_embeddings"):
+        model_args.freeze_embeddings = not resumes_trained_embeddings(model)
     if model_args.freeze_embeddings:
         model.get_input_embeddings().weight.requires_grad_(False)
     label_to_id = None if is_regression or hasattr(label_feature, "names") else {v: i for i, v in enumerate(label_list)}

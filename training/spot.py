@@ -132,6 +132,28 @@ def checkpoint_step(folder: str | os.PathLike) -> int | None:
         return None
 
 
+def optimizer_tensors(folder: str | os.PathLike) -> int | None:
+    """How many parameters the checkpoint's optimizer state steps (None without an optimizer.pt)."""
+    path = Path(folder) / "optimizer.pt"
+    if not path.is_file():
+        return None
+    import torch
+
+    state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)  # mmap: counts, reads no moments
+    return sum(len(g["params"]) for g in state.get("param_groups", []))
+
+
+def check_resume_fits(model, folder: str | os.PathLike) -> None:
+    """A checkpoint whose optimizer stepped other parameters than the model trains now fails deep in the
+    Trainer ("doesn't match the size of optimizer's group"); say which run's flags to keep instead."""
+    saved = optimizer_tensors(folder)
+    now = sum(1 for p in model.parameters() if p.requires_grad)
+    if saved is not None and saved != now:
+        raise ValueError(f"XC_RESUME_FROM {folder}: its optimizer stepped {saved} parameter tensors but this job "
+                         f"trains {now}; resume with the flags the run was started with (which weights are "
+                         "frozen), or start it anew")
+
+
 def resume_from() -> str | None:
     """XC_RESUME_FROM when it names a complete checkpoint; a partial one is an error, not a silent restart."""
     path = os.environ.get("XC_RESUME_FROM")
