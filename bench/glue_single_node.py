@@ -9,7 +9,8 @@ Prints, for every config: samples/s, real tokens/s, MFU (model FLOPs per second 
 over this machine's matmul throughput at the model's shapes and the config's precision, measured in
 the same run), eval accuracy and F1 after the same epochs on the same data (mean over --seeds), the ratios
 to the seeds' recipe; then the bound on what padding alone can give (padded tokens / real tokens)
-and the CPU model and flags. Last line:
+and the CPU model and flags, and the matmul ceiling: the MFU of the model's own matmuls alone at the
+default's shapes (what the step would reach if nothing else took time). Last line:
     mfu=<default's MFU> ratio=<default vs seeds samples/s> acc_delta=<default minus seeds eval accuracy>
 Writes bench/results/glue_single_node.json.
 
@@ -93,6 +94,42 @@ def matmul_peak(dtype_name: str, rows: int = 2048, d: int = 384, ffn: int = 1536
     return matmul_flops({"bf16": torch.bfloat16, "fp32": torch.float32}[dtype_name], rows, d, ffn, seconds)
 
 
+def matmul_ceiling(dtype_name: str, batch: int, tokens: int, seconds: float = 2.0) -> float:
+    """FLOP/s of one encoder layer's own matmuls, forward and backward, at the job's shapes (batch x tokens
+    rows): the q, k, v, o and FFN linears (output, input gradient, weight gradient as autograd lays them out)
+    and attention's score and value products. Their FLOPs are the model FLOPs per layer, so this over the
+    peak is the MFU the step would reach if nothing but its matmuls took time."""
+    import time
+
+    import torch
+    from transformers import AutoConfig
+
+    from training.glue import DEFAULT_MODEL, resolve_model
+
+    cfg = AutoConfig.from_pretrained(resolve_model(DEFAULT_MODEL))
+    dt = {"bf16": torch.bfloat16, "fp32": torch.float32}[dtype_name]
+    d, ffn, heads, rows = cfg.hidden_size, cfg.intermediate_size, cfg.num_attention_heads, batch * tokens
+    calls, flops = [], 0
+    for k, n in [(d, d)] * 4 + [(d, ffn), (ffn, d)]:
+        x, w, g, b = (torch.randn(*s, dtype=dt) for s in ((rows, k), (n, k), (rows, n), (n,)))
+        calls += [lambda x=x, w=w, b=b: torch.addmm(b, x, w.t()), lambda g=g, w=w: torch.mm(g, w),
+                  lambda g=g, x=x: torch.mm(g.t(), x)]
+        flops += 3 * 2 * rows * k * n
+    q, p_ = torch.randn(batch * heads, tokens, d // heads, dtype=dt), torch.randn(batch * heads, tokens, tokens, dtype=dt)
+    kt = q.transpose(1, 2)
+    calls += [lambda: torch.bmm(q, kt), lambda: torch.bmm(p_, q), lambda: torch.bmm(p_, kt.transpose(1, 2)),
+              lambda: torch.bmm(kt, p_), lambda: torch.bmm(p_.transpose(1, 2), q), lambda: torch.bmm(q, kt)]
+    flops += 6 * 2 * batch * heads * tokens * tokens * (d // heads)
+    for call in calls:
+        call()
+    count, start = 0, time.perf_counter()
+    while time.perf_counter() - start < seconds:
+        for call in calls:
+            call()
+        count += 1
+    return flops * count / (time.perf_counter() - start)
+
+
 def cpu_line() -> str:
     model, flags = "?", set()
     for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -163,6 +200,8 @@ def main() -> None:
         r["eval_accuracy_per_run"] = [x for x, _ in accs[name]]
     per_token = model_flops_per_token(real / a.samples)
     peaks = {p: matmul_peak(p) for p in sorted({r["precision"] for r in rows.values()})}
+    default_row = rows.get("default", rows["seeds"])
+    ceiling = matmul_ceiling(default_row["precision"], a.batch, round(real / a.samples))
     base = rows["seeds"]["samples_per_second"]
     print(f"\nglue job, MiniLM-L6, {a.samples} paraphrase pairs, {a.epochs} epoch(s), batch {a.batch}, one process, "
           f"{rows['seeds']['threads']} threads")
@@ -185,16 +224,21 @@ def main() -> None:
         print(f"eval accuracy per run (seeds {a.seeds}): " + "; ".join(
             f"{n} " + " ".join(f"{x:.3f}" for x in r["eval_accuracy_per_run"]) for n, r in rows.items()))
     print(f"padding bound (padded tokens / real tokens): {padded}/{real} = {padded / real:.2f}x")
+    share = default_row["tokens_per_second"] * per_token / ceiling
+    print(f"matmul ceiling: the model's own matmuls alone (forward and backward, {a.batch} x {real / a.samples:.0f} "
+          f"tokens, {default_row['precision']}) run at {ceiling / 1e9:.0f} GFLOP/s, MFU "
+          f"{ceiling / peaks[default_row['precision']]:.3f} if nothing else took time; they are "
+          f"{share:.0%} of the default's step")
     result = {"samples": a.samples, "batch": a.batch, "real_tokens": real, "padded_tokens": padded,
               "padding_bound": padded / real, "configs": rows, "cpu": cpu_line(),
-              "matmul_peak_flops": peaks, "model_flops_per_token": per_token,
+              "matmul_peak_flops": peaks, "model_flops_per_token": per_token, "matmul_ceiling_flops": ceiling,
               "command": f"bench/glue_single_node.py --samples {a.samples} --epochs {a.epochs} --batch {a.batch} "
                          f"--rounds {a.rounds} --seeds {a.seeds} --levers {a.levers}"}
     out = ROOT / "bench" / "results"
     out.mkdir(parents=True, exist_ok=True)
     (out / "glue_single_node.json").write_text(json.dumps(result, indent=2))
     print(f"written to {out / 'glue_single_node.json'}")
-    default = rows.get("default", rows["seeds"])
+    default = default_row
     acc_delta = (default.get("eval_accuracy") or 0.0) - (rows["seeds"].get("eval_accuracy") or 0.0)
     print(f"mfu={default['mfu']:.3f} ratio={default['ratio_vs_seeds']:.2f} acc_delta={acc_delta:.3f}")
 
