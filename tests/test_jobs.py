@@ -228,6 +228,13 @@ def test_qa_on_two_nodes_beats_the_first_words_baseline(cluster2, tmp_path):
     ev = results["eval"]
     assert results["job"] == "qa" and results["world_size"] == 2 and results["backend"] == "gloo"
     assert ev["windows"] > ev["samples"] == 100  # long contexts were split
+    from transformers import AutoModelForQuestionAnswering
+
+    from training.common import DEFAULT_MODEL, resolve_model
+
+    whole = sum(p.numel() for p in AutoModelForQuestionAnswering.from_pretrained(resolve_model(DEFAULT_MODEL)).parameters())
+    assert results["freeze_embeddings"] is True and results["fast_dropout"] is True
+    assert results["trainable_params"] == whole - 30522 * 384  # the word embeddings, frozen by default
     assert ev["eval_f1"] > ev["eval_baseline_f1"] + 8, ev
     assert ev["eval_exact_match"] > 5, ev
     assert "eval exact match" in res.stdout.strip().splitlines()[-1]

@@ -13,7 +13,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from training import common, dist
+from training import common, dist, levers
 
 log = logging.getLogger("training.glue")
 
@@ -35,7 +35,7 @@ def pick_attention(requested: str, max_len: int) -> str:
 
 
 @dataclass
-class ModelArguments:
+class ModelArguments(levers.SpeedArguments):
     model_name_or_path: str = field(default=DEFAULT_MODEL, metadata={"help": "Hub id or local path"})
     cache_dir: str | None = field(default=None, metadata={"help": "Where hub downloads are cached"})
     use_fast_tokenizer: bool = field(default=True)
@@ -45,15 +45,8 @@ class ModelArguments:
     # accuracy over 3 seeds (bench/glue_single_node.py --levers sdpa).
     attn_implementation: str = field(default="auto", metadata={
         "help": "auto (default: eager up to --max_seq_length 128, sdpa beyond) | eager | sdpa"})
-    # torch's CPU dropout was ~23% of a bf16 step here (one Mersenne Twister draw per element, one thread)
-    fast_dropout: bool = field(default=True, metadata={
-        "help": "dropout from 16-bit uniforms, four per 64-bit draw (training/fastdrop.py); False: torch's own"})
     bf16_weights: bool = field(default=False, metadata={
         "help": "bf16 weights with fp32 master copies in AdamW instead of autocast's per-step casts (bf16 only)"})
-    # The word embeddings are over half of MiniLM's weights: their dense gradient, AdamW step and all-reduce
-    # cost a step more than the few rows a batch touches are worth (bench/glue_single_node.py).
-    freeze_embeddings: bool = field(default=True, metadata={
-        "help": "keep the input word embeddings fixed: no gradient, optimizer state or all-reduce for them"})
 
 
 @dataclass
@@ -165,18 +158,6 @@ def write_predictions(trainer, predict_ds, output_dir: str, task: str | None, is
     return {"samples": len(preds), "file": path.name}
 
 
-def resumes_trained_embeddings(model) -> bool:
-    """Whether XC_RESUME_FROM's optimizer stepped every weight: a run started before frozen embeddings were
-    the default, which resumes only as it was started."""
-    from training import spot
-
-    resume = spot.resume_from()
-    if not resume or spot.optimizer_tensors(resume) != sum(1 for p in model.parameters() if p.requires_grad):
-        return False
-    log.warning("%s trained the word embeddings: the resumed run trains them too (--freeze_embeddings False)", resume)
-    return True
-
-
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     info = dist.setup()
@@ -220,14 +201,7 @@ def main(argv: list[str] | None = None) -> int:
     model = common.mean_loss_per_rank(
         AutoModelForSequenceClassification.from_pretrained(model_path, config=config, cache_dir=model_args.cache_dir,
                                                            attn_implementation=attn))
-    if model_args.fast_dropout:
-        from training import fastdrop
-
-        fastdrop.install(model)
-    if model_args.freeze_embeddings and not common.has_flag(argv, "--freeze_embeddings", "--no_freeze_embeddings"):
-        model_args.freeze_embeddings = not resumes_trained_embeddings(model)
-    if model_args.freeze_embeddings:
-        model.get_input_embeddings().weight.requires_grad_(False)
+    levers.apply(model, model_args, argv)
     label_to_id = None if is_regression or hasattr(label_feature, "names") else {v: i for i, v in enumerate(label_list)}
     padding = "max_length" if data_args.pad_to_max_length else False
 

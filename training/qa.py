@@ -20,7 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
-from training import common, dist
+from training import common, dist, levers
 
 log = logging.getLogger("training.qa")
 
@@ -28,7 +28,7 @@ BUNDLED = Path(__file__).resolve().parent / "data" / "squad"
 
 
 @dataclass
-class ModelArguments:
+class ModelArguments(levers.SpeedArguments):
     model_name_or_path: str = field(default=common.DEFAULT_MODEL, metadata={"help": "Hub id or local path"})
     cache_dir: str | None = field(default=None, metadata={"help": "Where hub downloads are cached"})
 
@@ -250,6 +250,7 @@ def main(argv: list[str] | None = None) -> int:
         raise ValueError(f"{model_args.model_name_or_path} has no fast tokenizer; run_qa needs its offset mapping")  # noqa: TRY004
     model = common.mean_loss_per_rank(
         AutoModelForQuestionAnswering.from_pretrained(model_path, config=config, cache_dir=model_args.cache_dir))
+    levers.apply(model, model_args, argv)
     max_len = min(data_args.max_seq_length, tokenizer.model_max_length)
     padding = "max_length" if data_args.pad_to_max_length else False
 
@@ -280,7 +281,9 @@ def main(argv: list[str] | None = None) -> int:
         data_fingerprint=common.fingerprint(data_args.train_file, data_args.validation_file),
         max_seq_length=max_len, doc_stride=data_args.doc_stride,
         padding="max_length" if data_args.pad_to_max_length else f"batch/{data_args.pad_to_multiple_of}",
-        group_by_length=common.length_grouping(args), comm_hook=hook)
+        group_by_length=common.length_grouping(args), comm_hook=hook, fast_dropout=model_args.fast_dropout,
+        freeze_embeddings=model_args.freeze_embeddings,
+        trainable_params=sum(p.numel() for p in model.parameters() if p.requires_grad))
     if train_ds is not None:
         results["train_examples"] = len(train_examples)
     common.train_and_record(trainer, results, train_ds, info)
