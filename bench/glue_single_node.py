@@ -12,9 +12,10 @@ to the seeds' recipe; then the bound on what padding alone can give (padded toke
 and the CPU model and flags, and the matmul ceiling: the MFU of the model's own matmuls alone at the
 default's shapes (what the step would reach if nothing else took time). Last line:
     mfu=<default's MFU> ratio=<default vs seeds samples/s> acc_delta=<default minus seeds eval accuracy>
-Writes bench/results/glue_single_node.json.
+Writes bench/results/glue_single_node.json (glue_single_node-<isa>.json with --onednn-max-isa).
 
     .venv/bin/python bench/glue_single_node.py [--samples 800] [--epochs 2] [--batch 16] [--levers fused-adamw,...]
+        [--onednn-max-isa AVX512_CORE_BF16]     # matmuls without AMX on a Sapphire Rapids: the no-AMX target
 """
 from __future__ import annotations
 
@@ -37,6 +38,10 @@ CONFIGS = {
     "default-16": (["--pad_to_multiple_of", "16"], "auto"),
 }
 # Levers on the default path, measured with --levers (each alone, against "default" in the same run)
+# oneDNN's names for ONEDNN_MAX_CPU_ISA; it ignores any other value without a word
+ONEDNN_ISAS = ["SSE41", "AVX", "AVX2", "AVX2_VNNI", "AVX2_VNNI_2", "AVX512_CORE", "AVX512_CORE_VNNI", "AVX512_CORE_BF16",
+               "AVX512_CORE_FP16", "AVX10_1_512", "AVX512_CORE_AMX", "AVX10_1_512_AMX", "AVX512_CORE_AMX_FP16",
+               "AVX10_1_512_AMX_FP16", "ALL"]
 MALLOC = {"jemalloc": "/lib/x86_64-linux-gnu/libjemalloc.so.2", "tcmalloc": "/lib/x86_64-linux-gnu/libtcmalloc.so.4"}
 LEVERS = {
     "sdpa": (["--attn_implementation", "sdpa"], "auto"),
@@ -138,7 +143,10 @@ def cpu_line() -> str:
         if line.startswith("flags"):
             flags = set(line.split(":", 1)[1].split())
     shown = [f for f in ("amx_bf16", "amx_tile", "avx512_bf16", "avx512f", "avx2") if f in flags]
-    return f"cpu: {model}, {os.cpu_count()} cpus, flags {' '.join(shown) or 'none of amx/avx512'}"
+    line = f"cpu: {model}, {os.cpu_count()} cpus, flags {' '.join(shown) or 'none of amx/avx512'}"
+    if os.environ.get("ONEDNN_MAX_CPU_ISA"):  # the flags above are the CPU's, not what the matmuls used
+        line += f"; oneDNN capped at {os.environ['ONEDNN_MAX_CPU_ISA']} (ONEDNN_MAX_CPU_ISA)"
+    return line
 
 
 def run(name: str, extra: list[str], precision: str, samples: int, batch: int, out: Path, epochs: int = 1,
@@ -172,7 +180,12 @@ def main() -> None:
     p.add_argument("--seeds", default="42", help="comma-separated; eval accuracy and F1 are the mean over them")
     p.add_argument("--configs", default=",".join(CONFIGS), help="comma-separated subset; 'seeds' is always run")
     p.add_argument("--levers", default="", help=f"also these levers on the default path: {','.join(LEVERS)}")
+    p.add_argument("--onednn-max-isa", metavar="ISA", type=str.upper, choices=ONEDNN_ISAS, help="cap oneDNN's instruction set for the peak and every run, "
+                   "e.g. AVX512_CORE_BF16: bf16 matmuls without AMX, as on a CPU with AVX512-BF16 only")
     a = p.parse_args()
+    if a.onednn_max_isa:
+        # read once, at oneDNN's first matmul: set before this process or its runs make one
+        os.environ["ONEDNN_MAX_CPU_ISA"] = a.onednn_max_isa.upper()
     real, padded = padding_bound(a.samples)
     rows: dict[str, dict] = {}
     seeds = [int(x) for x in a.seeds.split(",")]
@@ -233,11 +246,13 @@ def main() -> None:
               "padding_bound": padded / real, "configs": rows, "cpu": cpu_line(),
               "matmul_peak_flops": peaks, "model_flops_per_token": per_token, "matmul_ceiling_flops": ceiling,
               "command": f"bench/glue_single_node.py --samples {a.samples} --epochs {a.epochs} --batch {a.batch} "
-                         f"--rounds {a.rounds} --seeds {a.seeds} --levers {a.levers}"}
+                         f"--rounds {a.rounds} --seeds {a.seeds} --levers {a.levers}"
+                         + (f" --onednn-max-isa {a.onednn_max_isa}" if a.onednn_max_isa else "")}
     out = ROOT / "bench" / "results"
     out.mkdir(parents=True, exist_ok=True)
-    (out / "glue_single_node.json").write_text(json.dumps(result, indent=2))
-    print(f"written to {out / 'glue_single_node.json'}")
+    name = f"glue_single_node-{a.onednn_max_isa.lower()}.json" if a.onednn_max_isa else "glue_single_node.json"
+    (out / name).write_text(json.dumps(result, indent=2))
+    print(f"written to {out / name}")
     default = default_row
     acc_delta = (default.get("eval_accuracy") or 0.0) - (rows["seeds"].get("eval_accuracy") or 0.0)
     print(f"mfu={default['mfu']:.3f} ratio={default['ratio_vs_seeds']:.2f} acc_delta={acc_delta:.3f}")
