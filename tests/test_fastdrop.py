@@ -26,6 +26,16 @@ def test_it_keeps_one_minus_p_scales_the_rest_and_follows_the_seed():
         fastdrop.dropout(x, 1.0)
 
 
+def test_a_bf16_activation_stays_bf16_and_drops_what_an_fp32_one_would():
+    x = torch.randn(64, 384)
+    torch.manual_seed(3)
+    y32 = fastdrop.dropout(x, 0.1)
+    torch.manual_seed(3)
+    y16 = fastdrop.dropout(x.bfloat16(), 0.1)
+    assert y16.dtype == torch.bfloat16 and torch.equal(y16 == 0, y32 == 0)
+    assert torch.allclose(y16.float(), y32, rtol=1e-2, atol=1e-2)
+
+
 def test_its_gradient_flows_through_the_kept_elements_only():
     x = torch.randn(64, 32, requires_grad=True)
     y = fastdrop.dropout(x, 0.5)
