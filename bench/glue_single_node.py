@@ -7,9 +7,9 @@ Same model (MiniLM-L6), same data (the bundled paraphrase set), same machine, ru
   default-16  the default with lengths rounded up to a multiple of 16
 Prints, for every config: samples/s, real tokens/s, MFU (model FLOPs per second of the real tokens
 over this machine's matmul throughput at the model's shapes and the config's precision, measured in
-the same run: the best one-second window before and after the runs), eval accuracy and F1 after the same epochs on the same data (mean over --seeds), the ratios
-to the seeds' recipe; then the bound on what padding alone can give (padded tokens / real tokens)
-and the CPU model and flags, and the matmul ceiling: the MFU of the model's own matmuls alone at the
+the same run: the best one-second window before and after the runs), eval accuracy and F1 after the
+same epochs on the same data (mean over --seeds), the ratios to the seeds' recipe; then the bound on
+what padding alone can give (padded tokens / real tokens) and the CPU model and flags, and the matmul ceiling: the MFU of the model's own matmuls alone at the
 default's shapes (what the step would reach if nothing else took time). Last line:
     mfu=<default's MFU> ratio=<default vs seeds samples/s> acc_delta=<default minus seeds eval accuracy>
 Writes bench/results/glue_single_node.json (glue_single_node-<isa>.json with --onednn-max-isa).
@@ -37,11 +37,11 @@ CONFIGS = {
     "default": ([], "auto"),
     "default-16": (["--pad_to_multiple_of", "16"], "auto"),
 }
-# Levers on the default path, measured with --levers (each alone, against "default" in the same run)
 # oneDNN's names for ONEDNN_MAX_CPU_ISA; it ignores any other value without a word
-ONEDNN_ISAS = ["SSE41", "AVX", "AVX2", "AVX2_VNNI", "AVX2_VNNI_2", "AVX512_CORE", "AVX512_CORE_VNNI", "AVX512_CORE_BF16",
-               "AVX512_CORE_FP16", "AVX10_1_512", "AVX512_CORE_AMX", "AVX10_1_512_AMX", "AVX512_CORE_AMX_FP16",
+ONEDNN_ISAS = ["SSE41", "AVX", "AVX2", "AVX2_VNNI", "AVX2_VNNI_2", "AVX512_CORE", "AVX512_CORE_VNNI",
+               "AVX512_CORE_BF16", "AVX512_CORE_FP16", "AVX10_1_512", "AVX512_CORE_AMX", "AVX10_1_512_AMX", "AVX512_CORE_AMX_FP16",
                "AVX10_1_512_AMX_FP16", "ALL"]
+# Levers on the default path, measured with --levers (each alone, against "default" in the same run)
 MALLOC = {"jemalloc": "/lib/x86_64-linux-gnu/libjemalloc.so.2", "tcmalloc": "/lib/x86_64-linux-gnu/libtcmalloc.so.4"}
 LEVERS = {
     "sdpa": (["--attn_implementation", "sdpa"], "auto"),
@@ -185,12 +185,13 @@ def main() -> None:
     p.add_argument("--seeds", default="42", help="comma-separated; eval accuracy and F1 are the mean over them")
     p.add_argument("--configs", default=",".join(CONFIGS), help="comma-separated subset; 'seeds' is always run")
     p.add_argument("--levers", default="", help=f"also these levers on the default path: {','.join(LEVERS)}")
-    p.add_argument("--onednn-max-isa", metavar="ISA", type=str.upper, choices=ONEDNN_ISAS, help="cap oneDNN's instruction set for the peak and every run, "
-                   "e.g. AVX512_CORE_BF16: bf16 matmuls without AMX, as on a CPU with AVX512-BF16 only")
+    p.add_argument("--onednn-max-isa", metavar="ISA", type=str.upper, choices=ONEDNN_ISAS,
+                   help="cap oneDNN's instruction set for the peak and every run, e.g. AVX512_CORE_BF16: bf16 "
+                        "matmuls without AMX, as on a CPU with AVX512-BF16 only")
     a = p.parse_args()
     if a.onednn_max_isa:
         # read once, at oneDNN's first matmul: set before this process or its runs make one
-        os.environ["ONEDNN_MAX_CPU_ISA"] = a.onednn_max_isa.upper()
+        os.environ["ONEDNN_MAX_CPU_ISA"] = a.onednn_max_isa
     real, padded = padding_bound(a.samples)
     tokens = round(real / a.samples)
     before = {p: matmul_peak(p) for p in ("bf16", "fp32")}
@@ -228,7 +229,8 @@ def main() -> None:
     print(f"\nglue job, MiniLM-L6, {a.samples} paraphrase pairs, {a.epochs} epoch(s), batch {a.batch}, one process, "
           f"{rows['seeds']['threads']} threads")
     print(cpu_line())
-    print("matmul peak at the model's shapes (best of before and after the runs): " + ", ".join(f"{p} {v / 1e9:.0f} GFLOP/s" for p, v in peaks.items())
+    print("matmul peak at the model's shapes (best of before and after the runs): "
+          + ", ".join(f"{p} {v / 1e9:.0f} GFLOP/s" for p, v in peaks.items())
           + f"; model FLOPs per real token {per_token / 1e6:.1f} M ({real / a.samples:.0f} tokens/sample)")
     print(f"{'config':<20}{'padding':<12}{'precision':<11}{'samples/s':>10}{'tokens/s':>10}{'MFU':>7}"
           f"{'eval acc':>9}{'f1':>7}{'vs seeds':>10}{'train s':>9}{'job MFU':>8}   all rounds")
