@@ -9,8 +9,9 @@ Prints, for every config: samples/s, real tokens/s, MFU (model FLOPs per second 
 over this machine's matmul throughput at the model's shapes and the config's precision, measured in
 the same run: the best one-second window before and after the runs), eval accuracy and F1 after the
 same epochs on the same data (mean over --seeds), the ratios to the seeds' recipe; then the bound on
-what padding alone can give (padded tokens / real tokens) and the CPU model and flags, and the matmul ceiling: the MFU of the model's own matmuls alone at the
-default's shapes (what the step would reach if nothing else took time). Last line:
+what padding alone can give (padded tokens / real tokens) and the CPU model and flags, and the matmul
+ceiling: the MFU of the model's own matmuls alone at the default's shapes (what the step would reach
+if nothing else took time). Last line:
     mfu=<default's MFU> ratio=<default vs seeds samples/s> acc_delta=<default minus seeds eval accuracy>
 Writes bench/results/glue_single_node.json (glue_single_node-<isa>.json with --onednn-max-isa).
 
