@@ -185,7 +185,7 @@ def test_gradients_go_on_the_wire_in_bf16_between_hosts_and_fp32_within_one():
     from launch.request import TrainRequest, run_env
 
     hosts = ["10.0.1.5", "10.0.1.6"]
-    # auto: bf16 beat fp32 on the twin at the c6i ratio and lost on loopback (bench/scaling_twin.py, README)
+    # auto: bf16 between hosts (half the bytes on a real link), fp32 on loopback (bench/scaling_twin.py, README)
     assert run_env(TrainRequest(), hosts)["XC_COMM_HOOK"] == "bf16"
     assert run_env(TrainRequest(), ["198.18.0.2", "198.18.0.3"])["XC_COMM_HOOK"] == "bf16"  # the netns twin
     assert run_env(TrainRequest(), ["127.0.0.2", "127.0.0.3"])["XC_COMM_HOOK"] == "none"  # local cluster
