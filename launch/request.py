@@ -35,9 +35,9 @@ BACKENDS = ("auto", "ccl", "gloo")
 PRECISIONS = ("auto", "bf16", "fp32")
 
 
-# bench/scaling_twin.py: on a link as tight as a c6i cluster's bf16 compression beat fp32 in 6 of 10 pairs of runs and
-# tied in one (the twin's drift is as large); it halves the bytes, which a real link pays for (the bench's N-node model).
-# On a loopback local cluster, with no wire, fp32 was faster (README, Benchmarks).
+# bench/scaling_twin.py: on a link as tight as a c6i cluster's bf16 compression beat fp32 in 7 of 10 pairs of runs,
+# tied in one and lost two (the twin's drift is as large); it halves the bytes, which a real link pays for (the
+# bench's N-node model). On a loopback local cluster, with no wire, fp32 was faster (README, Benchmarks).
 DEFAULT_COMM_HOOK = "auto"
 LAUNCH_COMM_HOOKS = ("auto", *COMM_HOOKS)
 
