@@ -121,7 +121,8 @@ def keys(c, cluster=None):
         "ppn": "processes per node (default auto: one per socket)",
         "threads": "OpenMP threads per process (default auto: the process's cores)",
         "backend": "auto | ccl | gloo",
-        "precision": "auto | bf16 | fp32",
+        "precision": "auto (bf16 on AMX; with AVX512-BF16 alone, bf16 if its matmuls time faster than fp32's on "
+                     "every node) | bf16 | fp32",
         "comm-hook": "gradients on the wire between nodes: auto (default: bf16 between hosts, fp32 on one) | none "
                      "(fp32) | bf16 | fp16 (half the bytes)",
         "env": "extra or overriding variable for every rank, KEY=VALUE (repeatable)",

@@ -3,7 +3,8 @@
 Same model (MiniLM-L6), same data (the bundled paraphrase set), same machine, run side by side:
   seeds       pad every example to 128 tokens, fp32, torch's default threads
   dynamic     per-batch padding to the longest example, length grouping, fp32
-  default     the job's default: dynamic padding, precision auto (bf16 where AMX/AVX512-BF16)
+  default     the job's default: dynamic padding, precision auto (bf16 on AMX; with AVX512-BF16 alone, or
+              oneDNN capped below AMX, bf16 only where its matmuls time faster than fp32's)
   default-16  the default with lengths rounded up to a multiple of 16
 Prints, for every config: samples/s, real tokens/s, MFU (model FLOPs per second of the real tokens
 over this machine's matmul throughput at the model's shapes and the config's precision, measured in
@@ -45,6 +46,7 @@ ONEDNN_ISAS = ["SSE41", "AVX", "AVX2", "AVX2_VNNI", "AVX2_VNNI_2", "AVX512_CORE"
 # Levers on the default path, measured with --levers (each alone, against "default" in the same run)
 MALLOC = {"jemalloc": "/lib/x86_64-linux-gnu/libjemalloc.so.2", "tcmalloc": "/lib/x86_64-linux-gnu/libtcmalloc.so.4"}
 LEVERS = {
+    "bf16": ([], "bf16"),  # bf16 autocast whatever auto picks
     "sdpa": (["--attn_implementation", "sdpa"], "auto"),
     "bf16-weights": (["--bf16_weights", "True"], "auto"),
     "torch-dropout": (["--fast_dropout", "False"], "auto"),

@@ -5,11 +5,14 @@ import logging
 import re
 import shlex
 from dataclasses import dataclass
+from pathlib import Path
 
 from cluster.node import Node
 from cluster.remote import connect, remote_home, run
 from core.errors import ClusterError
 from launch import topology
+
+MFU_PY = Path(__file__).resolve().parent.parent / "training" / "mfu.py"
 
 log = logging.getLogger(__name__)
 
@@ -22,6 +25,10 @@ class NodeFacts:
     has_ccl: bool
     has_ipex: bool
     python_ok: str
+    bf16_speedup: float | None = None  # bf16 over fp32 matmul, measured where AVX512-BF16 and no AMX
+
+    def bf16_pays(self) -> bool:
+        return self.topo.amx or (self.topo.bf16 and (self.bf16_speedup or 0.0) >= 1.0)
 
 
 PROBE_PY = ("import importlib.util as u, sys; "
@@ -43,8 +50,21 @@ def probe(node: Node) -> NodeFacts:
         if not py.ok:
             raise ClusterError(f"{node.name}: python {node.python} does not run; set the node up with 'fab setup'")
         m = re.search(r"ccl=(\d) ipex=(\d) py=(\S+)", py.stdout)
+        speedup = bf16_speedup(conn, node) if topo.bf16 and not topo.amx else None
         return NodeFacts(node=node, home=home, topo=topo, has_ccl=m.group(1) == "1",
-                         has_ipex=m.group(2) == "1", python_ok=m.group(3))
+                         has_ipex=m.group(2) == "1", python_ok=m.group(3), bf16_speedup=speedup)
+
+
+def bf16_speedup(conn, node: Node) -> float:
+    """Time bf16 against fp32 matmuls on the node (training/mfu.py, sent as `python -c`: the node may not
+    have this project yet). AVX512-BF16 kernels can be slower than fp32 ones: on Sapphire Rapids cores with
+    oneDNN capped below AMX bf16 ran 0.58x fp32 (README, "Without AMX")."""
+    res = run(conn, f"{shlex.quote(node.python)} -c {shlex.quote(MFU_PY.read_text())}", timeout=120)
+    m = re.search(r"bf16_speedup=([0-9.]+)", res.stdout)
+    if not res.ok or not m:
+        raise ClusterError(f"{node.name}: timing bf16 against fp32 matmuls failed: "
+                           f"{(res.stderr or res.stdout).strip()[-200:]}; pass --precision bf16 or fp32 to skip it")
+    return float(m.group(1))
 
 
 # The rendezvous port on node 0: the one asked for if nothing holds it (TIME_WAIT does not count, as
@@ -87,7 +107,10 @@ def resolve_backend(requested: str, facts: list[NodeFacts]) -> str:
 
 def resolve_precision(requested: str, facts: list[NodeFacts]) -> str:
     if requested == "auto":
-        return "bf16" if all(f.topo.bf16 for f in facts) else "fp32"
+        slow = [f"{f.node.name} {f.bf16_speedup:.2f}x" for f in facts if f.bf16_speedup is not None and not f.bf16_pays()]
+        if slow:
+            log.info("precision auto: fp32, as bf16 matmuls run slower than fp32 ones on %s", ", ".join(slow))
+        return "bf16" if all(f.bf16_pays() for f in facts) else "fp32"
     if requested == "bf16":
         slow = [f.node.name for f in facts if not f.topo.bf16]
         if slow:

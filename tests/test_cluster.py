@@ -56,6 +56,16 @@ def test_keys_give_node0_verified_ssh_to_every_node(cluster2):
     assert "PRIVATE KEY" not in first.stdout + first.stderr
 
 
+def test_the_probe_times_bf16_against_fp32_matmuls_on_a_node_over_ssh(cluster2):
+    from cluster import local, remote
+    from launch import probe
+
+    node = local.nodes(cluster2.state)[1]
+    with remote.connect(node) as conn:  # training/mfu.py sent whole as `python -c`, run by the node's python
+        speedup = probe.bf16_speedup(conn, node)
+    assert 0.01 < speedup < 100, speedup
+
+
 @pytest.mark.slow
 def test_two_node_glue_run_learns_and_records_everything(cluster2):
     before = cluster2.run_dirs()  # other tests share this cluster's runs folder

@@ -62,22 +62,36 @@ def rank_env(env=None) -> tuple[int, int, int]:
             _first(env, _RANK_VARS["local"], 0))
 
 
-def cpu_has_bf16() -> bool:
+def cpu_flags() -> set[str]:
     try:
         with open("/proc/cpuinfo") as f:
-            flags = next(line for line in f if line.startswith("flags")).split()
+            return set(next(line for line in f if line.startswith("flags")).split())
     except (OSError, StopIteration):
-        return False
-    return "amx_bf16" in flags or "avx512_bf16" in flags
+        return set()
 
 
 def resolve_precision(requested: str | None = None) -> str:
+    """auto: bf16 where AMX runs the matmuls; where only AVX512-BF16 (or oneDNN capped below AMX) would,
+    bf16 only if its matmul is measured faster than fp32's (the lowest of all ranks' figures, so they agree)."""
     requested = (requested or os.environ.get("XC_PRECISION") or "auto").lower()
     if requested not in ("auto", "bf16", "fp32"):
         raise ValueError(f"precision {requested!r} is not one of auto, bf16, fp32")
-    if requested == "auto":
-        return "bf16" if cpu_has_bf16() else "fp32"
-    return requested
+    if requested != "auto":
+        return requested
+    flags = cpu_flags()
+    if not ({"amx_bf16", "avx512_bf16"} & flags):
+        return "fp32"
+    if {"amx_bf16", "amx_tile"} <= flags and not os.environ.get("ONEDNN_MAX_CPU_ISA"):
+        return "bf16"  # AMX: 8x fp32's matmul on Sapphire Rapids (README), not worth a second of measuring
+    import torch
+    import torch.distributed as tdist
+
+    from training.mfu import bf16_speedup
+
+    speedup = torch.tensor([bf16_speedup()])
+    if tdist.is_initialized():
+        tdist.all_reduce(speedup, op=tdist.ReduceOp.MIN)
+    return "bf16" if speedup.item() >= 1.0 else "fp32"
 
 
 def ccl_local_pair(local: int, env) -> None:

@@ -23,6 +23,18 @@ def matmul_flops(dtype, rows: int, d: int, ffn: int, seconds: float = PEAK_SECON
     return 2 * rows * d * ffn * count / (time.perf_counter() - start)
 
 
+def bf16_speedup(rows: int = 2048, d: int = 768, ffn: int = 3072, rounds: int = 2, seconds: float = 0.15) -> float:
+    """bf16 over fp32 matmul FLOP/s on this process's threads (BERT-base's FFN shape), the best of `rounds`
+    alternating windows each: what precision auto weighs where no AMX settles it."""
+    import torch
+
+    best = {torch.bfloat16: 0.0, torch.float32: 0.0}
+    for _ in range(rounds):
+        for dtype, top in list(best.items()):
+            best[dtype] = max(top, matmul_flops(dtype, rows, d, ffn, seconds))
+    return best[torch.bfloat16] / best[torch.float32]
+
+
 def ffn_shape(config) -> tuple[int, int]:
     d = getattr(config, "hidden_size", None) or getattr(config, "n_embd", None) or 768
     ffn = getattr(config, "intermediate_size", None) or getattr(config, "n_inner", None) or 4 * d
@@ -49,3 +61,7 @@ def record(results: dict, trainer, bf16: bool) -> None:
     results["mfu"] = {"model_flops_per_s": achieved, "peak_flops_per_s": float(peak.item()),
                       "mfu": achieved / float(peak.item()), "peak_shape": [2048, d, ffn],
                       "precision": "bf16" if bf16 else "fp32"}
+
+
+if __name__ == "__main__":  # the launcher's probe sends this file to a node as `python -c`
+    print(f"bf16_speedup={bf16_speedup():.3f}")

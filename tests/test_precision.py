@@ -1,0 +1,76 @@
+"""precision auto: bf16 where AMX runs the matmuls, a measured choice where only AVX512-BF16 would."""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from cluster.node import Node
+from launch import probe, topology
+from training import dist, mfu
+
+ROOT = Path(__file__).resolve().parent.parent
+DATA = Path(__file__).parent / "data"
+AMX = topology.parse((DATA / "r7iz.metal-16xl.probe").read_text())
+NO_BF16 = topology.parse((DATA / "c6i.16xlarge.probe").read_text())
+AVX512_BF16 = dataclasses.replace(AMX, flags=AMX.flags - {"amx_bf16", "amx_tile", "amx_int8"})
+
+
+def facts(name: str, topo, speedup=None) -> probe.NodeFacts:
+    return probe.NodeFacts(node=Node(name=name, host="127.0.0.2", private_host="127.0.0.2", user="u"), home="/h", topo=topo, has_ccl=False,
+                           has_ipex=False, python_ok="3.11", bf16_speedup=speedup)
+
+
+def test_auto_is_bf16_only_where_every_node_runs_bf16_matmuls_faster(caplog):
+    assert AVX512_BF16.bf16 and not AVX512_BF16.amx
+    assert probe.resolve_precision("auto", [facts("n0", AMX), facts("n1", AMX)]) == "bf16"
+    assert probe.resolve_precision("auto", [facts("n0", AMX), facts("n1", AVX512_BF16, 1.9)]) == "bf16"
+    assert probe.resolve_precision("auto", [facts("n0", AMX), facts("n1", NO_BF16)]) == "fp32"
+    with caplog.at_level(logging.INFO):
+        assert probe.resolve_precision("auto", [facts("n0", AVX512_BF16, 1.9), facts("n1", AVX512_BF16, 0.58)]) == "fp32"
+    assert "bf16 matmuls run slower than fp32 ones on n1 0.58x" in caplog.text
+    # what the user asked for stands, measured or not
+    assert probe.resolve_precision("bf16", [facts("n0", AVX512_BF16, 0.58)]) == "bf16"
+    assert probe.resolve_precision("fp32", [facts("n0", AMX)]) == "fp32"
+
+
+def flags_are(monkeypatch, flags: set[str]) -> list[int]:
+    """cpu_flags() returns `flags`; the measurement is replaced by a counter returning 0.6 (logic only)."""
+    calls: list[int] = []
+    monkeypatch.setattr(dist, "cpu_flags", lambda: flags)
+    monkeypatch.setattr(mfu, "bf16_speedup", lambda: calls.append(1) or 0.6)
+    monkeypatch.delenv("XC_PRECISION", raising=False)
+    return calls
+
+
+def test_in_the_job_amx_is_bf16_without_measuring(monkeypatch):
+    monkeypatch.delenv("ONEDNN_MAX_CPU_ISA", raising=False)
+    calls = flags_are(monkeypatch, {"avx512f", "avx512_bf16", "amx_bf16", "amx_tile"})
+    assert dist.resolve_precision() == "bf16" and not calls
+    assert flags_are(monkeypatch, {"avx512f", "avx2"}) == [] and dist.resolve_precision("auto") == "fp32"
+
+
+def test_in_the_job_avx512_bf16_alone_or_a_capped_onednn_measures(monkeypatch):
+    calls = flags_are(monkeypatch, {"avx512f", "avx512_bf16"})
+    assert dist.resolve_precision("auto") == "fp32" and calls == [1]
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX512_CORE_BF16")  # AMX flags, but oneDNN may not use it
+    calls = flags_are(monkeypatch, {"avx512f", "avx512_bf16", "amx_bf16", "amx_tile"})
+    assert dist.resolve_precision("auto") == "fp32" and calls == [1]
+    assert dist.resolve_precision("bf16") == "bf16" and calls == [1]
+
+
+@pytest.mark.skipif(not ({"amx_bf16", "avx512_bf16"} & dist.cpu_flags()), reason="this CPU has no bf16 instructions")
+def test_a_real_measurement_picks_fp32_where_bf16_matmuls_are_slow():
+    # oneDNN capped at AVX512_CORE converts bf16 for fp32 FMAs: 0.2x fp32 on Sapphire Rapids
+    code = ("from training import dist, mfu; s = mfu.bf16_speedup(); "
+            "print(f'speedup={s:.3f} precision={dist.resolve_precision(\"auto\")}')")
+    env = {**os.environ, "ONEDNN_MAX_CPU_ISA": "AVX512_CORE", "PYTHONPATH": str(ROOT), "XC_PRECISION": ""}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120,
+                         check=True).stdout
+    speedup = float(out.split("speedup=")[1].split()[0])
+    assert 0 < speedup < 1 and out.strip().endswith("precision=fp32"), out
