@@ -74,3 +74,35 @@ def test_a_real_measurement_picks_fp32_where_bf16_matmuls_are_slow():
                          check=True).stdout
     speedup = float(out.split("speedup=")[1].split()[0])
     assert 0 < speedup < 1 and out.strip().endswith("precision=fp32"), out
+
+
+RANK_PY = """
+import os, sys
+import torch.distributed as tdist
+from training import dist, mfu
+rank = int(sys.argv[1])
+tdist.init_process_group("gloo", rank=rank, world_size=2)
+# rank 0 has AMX and measures nothing; rank 1 has AVX512-BF16 alone and times bf16 at 0.6x fp32
+dist.cpu_flags = lambda: {"amx_bf16", "amx_tile", "avx512_bf16"} if rank == 0 else {"avx512_bf16"}
+mfu.bf16_speedup = lambda: 0.6
+print(f"rank {rank} precision={dist.resolve_precision('auto')}", flush=True)
+tdist.destroy_process_group()
+"""
+
+
+def test_ranks_on_unlike_cpus_agree_on_one_precision_instead_of_hanging():
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+           "XC_PRECISION": "", "ONEDNN_MAX_CPU_ISA": ""}
+    ranks = [subprocess.Popen([sys.executable, "-c", RANK_PY, str(r)], env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True) for r in (0, 1)]
+    try:
+        outs = [p.communicate(timeout=120)[0] for p in ranks]
+    finally:  # a rank left waiting in the collective must not outlive the test
+        for p in ranks:
+            p.kill()
+    assert "rank 0 precision=fp32" in outs[0] and "rank 1 precision=fp32" in outs[1], outs

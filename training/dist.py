@@ -78,20 +78,22 @@ def resolve_precision(requested: str | None = None) -> str:
         raise ValueError(f"precision {requested!r} is not one of auto, bf16, fp32")
     if requested != "auto":
         return requested
-    flags = cpu_flags()
-    if not ({"amx_bf16", "avx512_bf16"} & flags):
-        return "fp32"
-    if {"amx_bf16", "amx_tile"} <= flags and not os.environ.get("ONEDNN_MAX_CPU_ISA"):
-        return "bf16"  # AMX: 8x fp32's matmul on Sapphire Rapids (README), not worth a second of measuring
     import torch
     import torch.distributed as tdist
 
-    from training.mfu import bf16_speedup
+    flags = cpu_flags()
+    if not ({"amx_bf16", "avx512_bf16"} & flags):
+        speedup = 0.0
+    elif {"amx_bf16", "amx_tile"} <= flags and not os.environ.get("ONEDNN_MAX_CPU_ISA"):
+        speedup = float("inf")  # AMX: 8x fp32's matmul on Sapphire Rapids (README), not worth a second of measuring
+    else:
+        from training.mfu import bf16_speedup
 
-    speedup = torch.tensor([bf16_speedup()])
-    if tdist.is_initialized():
-        tdist.all_reduce(speedup, op=tdist.ReduceOp.MIN)
-    return "bf16" if speedup.item() >= 1.0 else "fp32"
+        speedup = bf16_speedup()
+    agreed = torch.tensor([speedup], dtype=torch.float64)
+    if tdist.is_initialized():  # every rank takes part, whatever its CPU, and all pick the same
+        tdist.all_reduce(agreed, op=tdist.ReduceOp.MIN)
+    return "bf16" if agreed.item() >= 1.0 else "fp32"
 
 
 def ccl_local_pair(local: int, env) -> None:
