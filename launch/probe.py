@@ -107,10 +107,11 @@ def resolve_backend(requested: str, facts: list[NodeFacts]) -> str:
 
 def resolve_precision(requested: str, facts: list[NodeFacts]) -> str:
     if requested == "auto":
-        slow = [f"{f.node.name} {f.bf16_speedup:.2f}x" for f in facts if f.bf16_speedup is not None and not f.bf16_pays()]
-        if slow:
-            log.info("precision auto: fp32, as bf16 matmuls run slower than fp32 ones on %s", ", ".join(slow))
-        return "bf16" if all(f.bf16_pays() for f in facts) else "fp32"
+        chosen = "bf16" if all(f.bf16_pays() for f in facts) else "fp32"
+        timed = [f"{f.node.name} {f.bf16_speedup:.2f}x" for f in facts if f.bf16_speedup is not None]
+        if timed:  # say what the choice rests on: bf16 matmuls against fp32 ones, where measured
+            log.info("precision auto: %s; bf16 matmuls against fp32 ones timed on %s", chosen, ", ".join(timed))
+        return chosen
     if requested == "bf16":
         slow = [f.node.name for f in facts if not f.topo.bf16]
         if slow:

@@ -33,7 +33,7 @@ def test_auto_is_bf16_only_where_every_node_runs_bf16_matmuls_faster(caplog):
     assert probe.resolve_precision("auto", [facts("n0", AMX), facts("n1", NO_BF16)]) == "fp32"
     with caplog.at_level(logging.INFO):
         assert probe.resolve_precision("auto", [facts("n0", AVX512_BF16, 1.9), facts("n1", AVX512_BF16, 0.58)]) == "fp32"
-    assert "bf16 matmuls run slower than fp32 ones on n1 0.58x" in caplog.text
+    assert "precision auto: fp32; bf16 matmuls against fp32 ones timed on n0 1.90x, n1 0.58x" in caplog.text
     # what the user asked for stands, measured or not
     assert probe.resolve_precision("bf16", [facts("n0", AVX512_BF16, 0.58)]) == "bf16"
     assert probe.resolve_precision("fp32", [facts("n0", AMX)]) == "fp32"
