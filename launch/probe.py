@@ -36,7 +36,8 @@ PROBE_PY = ("import importlib.util as u, sys; "
             "u.find_spec('intel_extension_for_pytorch') is not None, sys.version.split()[0]))")
 
 
-def probe(node: Node) -> NodeFacts:
+def probe(node: Node, time_bf16: bool = True) -> NodeFacts:
+    """The node's facts; with time_bf16 (precision auto), bf16 against fp32 matmuls timed where AMX does not settle it."""
     with connect(node) as conn:
         home = remote_home(conn)
         res = run(conn, topology.PROBE)
@@ -50,7 +51,7 @@ def probe(node: Node) -> NodeFacts:
         if not py.ok:
             raise ClusterError(f"{node.name}: python {node.python} does not run; set the node up with 'fab setup'")
         m = re.search(r"ccl=(\d) ipex=(\d) py=(\S+)", py.stdout)
-        speedup = bf16_speedup(conn, node) if topo.bf16 and not topo.amx else None
+        speedup = bf16_speedup(conn, node) if time_bf16 and topo.bf16 and not topo.amx else None
         return NodeFacts(node=node, home=home, topo=topo, has_ccl=m.group(1) == "1",
                          has_ipex=m.group(2) == "1", python_ok=m.group(3), bf16_speedup=speedup)
 

@@ -1,6 +1,7 @@
 """What the user asked for (TrainRequest), checked, and turned into a launch plan for the nodes probed."""
 from __future__ import annotations
 
+import functools
 import ipaddress
 import logging
 import os
@@ -181,7 +182,7 @@ def plan_run(cluster: Cluster, req: TrainRequest, say) -> tuple[launcher.LaunchP
         req.script = workdir.module_file(wd, req.module)
     nodes = cluster.first(req.nodes)
     say(f"cluster {cluster.spec}: {len(nodes)} of {len(cluster.nodes)} node(s): {', '.join(n.name for n in nodes)}")
-    facts = fan_out(nodes, probe, "probing nodes")
+    facts = fan_out(nodes, functools.partial(probe, time_bf16=req.precision == "auto"), "probing nodes")
     if req.script is None:
         jobdata.check_on_nodes(nodes, req.args)
     backend = resolve_backend(req.backend, facts)

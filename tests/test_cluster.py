@@ -56,14 +56,25 @@ def test_keys_give_node0_verified_ssh_to_every_node(cluster2):
     assert "PRIVATE KEY" not in first.stdout + first.stderr
 
 
-def test_the_probe_times_bf16_against_fp32_matmuls_on_a_node_over_ssh(cluster2):
-    from cluster import local, remote
-    from launch import probe
+def test_the_probe_times_bf16_against_fp32_only_where_amx_does_not_settle_it(cluster2, monkeypatch):
+    import dataclasses
+
+    from cluster import local
+    from launch import probe, topology
+
+    parse = topology.parse
+
+    def flags(add, drop):  # the node's real lscpu, with its bf16 flags set as a CPU of that kind has them
+        return lambda text: dataclasses.replace(parse(text), flags=(parse(text).flags - drop) | add)
 
     node = local.nodes(cluster2.state)[1]
-    with remote.connect(node) as conn:  # training/mfu.py sent whole as `python -c`, run by the node's python
-        speedup = probe.bf16_speedup(conn, node)
-    assert 0.01 < speedup < 100, speedup
+    monkeypatch.setattr(topology, "parse", flags({"avx512_bf16"}, {"amx_bf16", "amx_tile"}))
+    # real SSH; training/mfu.py sent whole as `python -c` and run by the node's python on real matmuls
+    speedup = probe.probe(node).bf16_speedup
+    assert speedup is not None and 0.01 < speedup < 100, speedup
+    assert probe.probe(node, time_bf16=False).bf16_speedup is None  # --precision bf16 or fp32: nothing timed
+    monkeypatch.setattr(topology, "parse", flags({"avx512_bf16", "amx_bf16", "amx_tile"}, set()))
+    assert probe.probe(node).bf16_speedup is None  # AMX settles it
 
 
 @pytest.mark.slow
