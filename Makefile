@@ -12,7 +12,7 @@ TORCH := torch==2.13.0
 help:
 	@echo "make demo   - 2-node local cluster, fine-tune MiniLM on the bundled paraphrase set, stop the cluster"
 	@echo "make test   - the test suite (unit + local-cluster integration)"
-	@echo "make lint   - ruff"
+	@echo "make lint   - ruff, layout rules, doc links, repeated code"
 	@echo "make bench  - benchmarks under bench/"
 
 $(STAMP): pyproject.toml
@@ -45,8 +45,12 @@ test: venv
 test-fast: venv
 	$(BIN)/python -m pytest -q -m "not cluster and not slow"
 
+# ruff, the layout rules (tests/test_layout.py) and the docs' links, and repeated code across the packages.
+LINT_PKGS := core cluster node_setup launch doctor reports infra training fabfile.py __main__.py
 lint: venv
 	$(BIN)/ruff check .
+	$(BIN)/python -m pytest -q tests/test_layout.py tests/test_docs.py
+	$(BIN)/pylint --disable=all --enable=duplicate-code --min-similarity-lines=10 --ignore-imports=yes $(LINT_PKGS)
 
 bench: venv
 	$(BIN)/python bench/glue_single_node.py

@@ -2,7 +2,7 @@
 
 Unit tests check what the ccl path builds (they run everywhere). Tests marked `ccl` run the path end to
 end on a local cluster and need `oneccl_bindings_for_pytorch` importable in this venv (torch-ccl is not
-on PyPI, so CI skips them; README "oneCCL" says how to build it for a local run).
+on PyPI, so CI skips them; docs/software.md "oneCCL" says how to build it for a local run).
 """
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ from training import common, dist
 
 HAVE_CCL = importlib.util.find_spec("oneccl_bindings_for_pytorch") is not None
 needs_ccl = pytest.mark.skipif(not HAVE_CCL, reason="oneccl_bindings_for_pytorch is not installed in this venv "
-                               "(torch-ccl is not on PyPI; see README 'oneCCL')")
+                               "(torch-ccl is not on PyPI; see docs/software.md 'oneCCL')")
 
 
 def test_jobs_leave_the_existing_process_group_to_accelerate():
