@@ -40,10 +40,10 @@ demo: venv
 	$(BIN)/fab demo
 
 test: venv
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q --durations=25
 
 test-fast: venv
-	$(BIN)/python -m pytest -q -m "not cluster and not slow"
+	$(BIN)/python -m pytest -q --durations=15 -m "not cluster and not slow"
 
 # ruff, the layout rules (tests/test_layout.py) and the docs' links, and repeated code across the packages.
 LINT_PKGS := core cluster node_setup launch doctor reports infra training fabfile.py __main__.py

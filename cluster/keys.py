@@ -105,6 +105,9 @@ def setup_keys(cluster: Cluster, nodes: list[Node] | None = None) -> KeysResult:
     return KeysResult(ssh_dir=ssh_dir, authorized=added, host_keys=host_keys)
 
 
+MESH_TIMEOUT_S = 30
+
+
 def verify_mesh(cluster: Cluster, nodes: list[Node] | None = None) -> dict[str, str]:
     """From node 0, ssh to every node with the cluster config; returns node -> problem (empty if fine)."""
     nodes = list(nodes or cluster.nodes)
@@ -112,7 +115,12 @@ def verify_mesh(cluster: Cluster, nodes: list[Node] | None = None) -> dict[str, 
     with connect(nodes[0]) as conn:
         home = remote_home(conn)
         for n in nodes:
-            res = run(conn, f"ssh -F {shlex.quote(home)}/ssh/config {n.name} true", timeout=30)
-            if not res.ok:
+            # the bound runs on node 0, so a slow peer is that peer's problem, not node 0's
+            res = run(conn, f"timeout {MESH_TIMEOUT_S} ssh -F {shlex.quote(home)}/ssh/config {n.name} true",
+                      purpose=f"ssh from node 0 to {n.name}")
+            if res.exited == 124:
+                problems[n.name] = (f"ssh from node 0 did not finish within {MESH_TIMEOUT_S}s (a slow login shell "
+                                    "on that node, e.g. ~/.bashrc running pyenv or conda init?)")
+            elif not res.ok:
                 problems[n.name] = (res.stderr.strip().splitlines() or ["ssh failed"])[-1]
     return problems

@@ -10,6 +10,7 @@ from typing import TypeVar
 
 import paramiko
 from fabric import Connection
+from invoke.exceptions import CommandTimedOut
 
 from cluster.node import Node
 from core.constants import HOME_EXPR
@@ -91,12 +92,34 @@ def connect(node: Node, timeout: float = 10.0) -> Connection:
     return conn
 
 
-def run(conn: Connection, command: str, **kw):
-    """conn.run without echo, never raising on exit status (callers check .ok)."""
+def command_timeout() -> float:
+    """Seconds any one node command may take (XC_SSH_COMMAND_TIMEOUT, default 120): a node that does not
+    answer in time is an error naming it, never a hang."""
+    raw = os.environ.get("XC_SSH_COMMAND_TIMEOUT", "")
+    try:
+        value = float(raw) if raw else 120.0
+    except ValueError:
+        raise ClusterError(f"XC_SSH_COMMAND_TIMEOUT={raw!r} is not a number of seconds; set it to e.g. 120") from None
+    if value <= 0:
+        raise ClusterError(f"XC_SSH_COMMAND_TIMEOUT={raw!r} must be above 0; set it to e.g. 120")
+    return value
+
+
+def run(conn: Connection, command: str, purpose: str = "", **kw):
+    """conn.run without echo, never raising on exit status (callers check .ok), bounded in time: a command
+    that outlasts its timeout is one ClusterError naming the node, what the command was for, and the fix."""
     kw.setdefault("hide", True)
     kw.setdefault("warn", True)
     kw.setdefault("in_stream", False)
-    return conn.run(command, **kw)
+    kw.setdefault("timeout", command_timeout())
+    try:
+        return conn.run(command, **kw)
+    except CommandTimedOut:
+        what = purpose or " ".join(command.split()[:3])
+        raise ClusterError(f"{conn.host}:{conn.port} did not finish {what!r} within {kw['timeout']:g}s; a node whose "
+                           "login shell is slow (~/.bashrc running pyenv or conda init, a stale pyenv lock in "
+                           "~/.pyenv/shims) or that is overloaded stalls every command: fix its shell start-up, "
+                           "or raise XC_SSH_COMMAND_TIMEOUT") from None
 
 
 def remote_home(conn: Connection) -> str:

@@ -278,6 +278,7 @@ def test_clm_on_two_nodes_learns_and_shares_its_token_files(cluster2, tmp_path):
 
 # ---- glue --do_predict -----------------------------------------------------------------------
 
+@pytest.mark.slow  # trains the glue job in-process
 def test_glue_predicts_a_test_file_without_labels_like_run_glue(tmp_path):
     import csv
     import subprocess
@@ -318,6 +319,7 @@ def test_glue_attention_is_eager_for_short_sequences_and_sdpa_for_long_ones():
     assert pick_attention("sdpa", 64) == "sdpa" and pick_attention("eager", 512) == "eager"
 
 
+@pytest.mark.slow  # trains the glue job in-process
 def test_glue_bf16_weights_train_with_fp32_masters_and_refuse_fp32(tmp_path):
     import os
     import subprocess
@@ -338,6 +340,7 @@ def test_glue_bf16_weights_train_with_fp32_masters_and_refuse_fp32(tmp_path):
     assert not (tmp_path / "o2" / "results.json").exists()
 
 
+@pytest.mark.slow  # trains the glue job in-process
 def test_glue_freeze_embeddings_keeps_the_word_embeddings_and_trains_the_rest(tmp_path):
     import os
     import subprocess
@@ -371,6 +374,7 @@ def test_glue_freeze_embeddings_keeps_the_word_embeddings_and_trains_the_rest(tm
     assert not tensor(frozen, layer).equal(tensor(before, layer))
 
 
+@pytest.mark.slow  # trains the glue job in-process
 def test_glue_resumes_a_checkpoint_that_trained_its_embeddings_and_refuses_a_mismatch(tmp_path):
     """A run checkpointed before frozen embeddings were the default resumes as it was started; forcing the
     other choice is a one-line error, not the Trainer's optimizer-group traceback."""
