@@ -72,6 +72,10 @@ def global_env(plan: LaunchPlan) -> dict[str, str]:
         "KMP_HW_SUBSET": "1T",
         # rank.sh pins (per-node CPU sets); without --no-pin placement is the OS's: Intel MPI never pins.
         "I_MPI_PIN": "0",
+        # An unchanged Trainer or accelerate script on a machine without a GPU joins the ranks into one
+        # MULTI_CPU job only when told it runs on CPU (the seeds' --no_cuda, now --use_cpu): transformers'
+        # TrainingArguments and accelerate's AcceleratorState both read this (transformers 5.23, accelerate 1.15).
+        "ACCELERATE_USE_CPU": "true",
     }
     if plan.backend == "ccl":
         env.update(CCL_WORKER_COUNT=str(layout.ccl_workers), CCL_ATL_TRANSPORT="ofi", CCL_PROCESS_LAUNCHER="none",

@@ -156,8 +156,10 @@ def local_files(args: list[str]) -> list[tuple[str, str]]:
     return out
 
 
-def rewrite_files(args: list[str]) -> tuple[list[str], dict[str, Path]]:
-    """Point data-file flags at data/<name> inside the run folder; returns new args and name -> local path."""
+def rewrite_files(args: list[str], base: str = "data") -> tuple[list[str], dict[str, Path]]:
+    """Point data-file flags at <base>/<name>, the run folder's data/ as the rank sees it from its current
+    directory (the run folder, or its work/ with --workdir: base '../data'); returns new args and name -> local
+    path. A relative path is the operator's: resolved against fab's current directory."""
     ship: dict[str, Path] = {}
     out = list(args)
     for i, a in enumerate(out):
@@ -168,7 +170,7 @@ def rewrite_files(args: list[str]) -> tuple[list[str], dict[str, Path]]:
         local = Path(path).expanduser().resolve()
         name = f"{len(ship)}-{local.name}"
         ship[name] = local
-        out[idx] = f"{flag}=data/{name}" if eq else f"data/{name}"
+        out[idx] = f"{flag}={base}/{name}" if eq else f"{base}/{name}"
     return out, ship
 
 
@@ -195,7 +197,7 @@ def plan_run(cluster: Cluster, req: TrainRequest, say) -> tuple[launcher.LaunchP
     layouts = topology.derive_layouts([f.topo for f in facts], ppn, threads, backend)
     node_plans = [launcher.NodePlan(name=f.node.name, layout=lay, malloc=f.topo.malloc)
                   for f, lay in zip(facts, layouts)]
-    args, ship = rewrite_files(req.args)
+    args, ship = rewrite_files(req.args, "../data" if wd is not None else "data")  # the rank's cwd: work/ or not
     if req.resume:
         world = ppn * len(node_plans)
         args, note = same_global_batch(args, int(req.resume["world_size"]), world)

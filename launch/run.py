@@ -20,9 +20,10 @@ from cluster import keys, shipping
 from cluster.node import Node
 from cluster.remote import connect, fan_out, run
 from cluster.resolve import Cluster
+from core.constants import HOME_EXPR
 from core.errors import ClusterError, Interrupted, NodeFailure, Preempted
 from core.render import render
-from launch import detach, launcher, lock, outputs, secrets, workdir
+from launch import detach, launcher, lock, outputs, secrets, userscript, workdir
 from launch.cleanup import Sweep, sweep
 from launch.preflight import preflight
 from launch.probe import NodeFacts
@@ -182,9 +183,9 @@ def _run(cluster: Cluster, req: TrainRequest, plan: launcher.LaunchPlan, facts: 
                 secrets.forget([(f.node, f"{f.home}/runs/{plan.run_id}") for f in facts])
             if mirror:
                 mirror.stop()
-            if req.script is None:  # after Ctrl-C without the weights: the user asked to stop, not to wait
-                _bring_home(master, run_dir, remote_out, dataclasses.replace(req, fetch_model=False)
-                            if ctrl_c.pressed else req, say)
+            # every ending brings the output home; after Ctrl-C without the weights (the user asked to stop, not to wait)
+            _bring_home(master, run_dir, remote_out, dataclasses.replace(req, fetch_model=False)
+                        if ctrl_c.pressed else req, say)
     wall = time.monotonic() - started
     if ctrl_c.pressed:
         swept = cleanup(nodes, plan.run_id)  # the second look: what the first sweep left, if anything
@@ -219,7 +220,13 @@ def _run(cluster: Cluster, req: TrainRequest, plan: launcher.LaunchPlan, facts: 
     elif req.script is None:
         results = _fetch_results(master, plan, args)
     else:
-        results = None
+        results = userscript.trainer_results(run_dir / "output")
+    alone = userscript.one_job_problem(nodes, plan.run_id, plan.world_size, HOME_EXPR)
+    if alone:
+        finish_run(run_dir, record, "failed", 0, wall, results, reason=alone, **extra)
+        raise ClusterError(f"run {plan.run_id} finished but {alone}; a Trainer or accelerate script needs "
+                           "ACCELERATE_USE_CPU=true (fab sets it) or --use_cpu True, a plain torch script "
+                           "torch.distributed.init_process_group (see docs/scripts.md)")
     finish_run(run_dir, record, "ok", 0, wall, results, **extra)
     return RunResult(run_id=plan.run_id, run_dir=run_dir, exit_code=0, wall_s=wall, results=results)
 
@@ -278,8 +285,7 @@ class CtrlC:
 
 
 def _remote_output_dir(master: NodeFacts, plan: launcher.LaunchPlan, args: list[str]) -> str:
-    out_dir = _output_dir(args)
-    return out_dir if out_dir.startswith("/") else f"{master.home}/runs/{plan.run_id}/{out_dir}"
+    return userscript.remote_output_dir(f"{master.home}/runs/{plan.run_id}", args, plan.workdir is not None)
 
 
 def _bring_home(master: NodeFacts, run_dir: Path, remote_out: str, req: TrainRequest, say) -> None:
@@ -317,15 +323,6 @@ def _preempted(nodes, plan, master, run_dir, remote_out, record, req, notice, ex
     rel = ckpt.relative_to(run_dir.parent.parent) if run_dir.parent.parent in ckpt.parents else ckpt
     raise Preempted(f"run {plan.run_id} preempted on {node} at step {step}: checkpoint saved ({rel}); "
                     f"resume with 'fab train --resume {plan.run_id}'", run_id=plan.run_id, node=node)
-
-
-def _output_dir(args: list[str]) -> str:
-    for i, a in enumerate(args):
-        if a == "--output_dir":
-            return args[i + 1]
-        if a.startswith("--output_dir="):
-            return a.split("=", 1)[1]
-    return "output"
 
 
 def _fetch_results(master: NodeFacts, plan: launcher.LaunchPlan, args: list[str]) -> dict | None:

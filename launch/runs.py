@@ -23,7 +23,8 @@ log = logging.getLogger(__name__)
 def metric(summary: dict) -> str:
     ev = summary.get("eval") or {}
     for key, label, fmt in (("eval_accuracy", "acc", "{:.3f}"), ("eval_f1", "f1", "{:.3f}"),
-                            ("eval_exact_match", "em", "{:.1f}"), ("eval_perplexity", "ppl", "{:.2f}")):
+                            ("eval_exact_match", "em", "{:.1f}"), ("eval_perplexity", "ppl", "{:.2f}"),
+                            ("eval_loss", "loss", "{:.4f}")):  # a user's Trainer script: its eval loss at least
         if key in ev:
             return f"{label} {fmt.format(ev[key])}"
     return "-"

@@ -17,10 +17,12 @@ class OutputRouter(io.TextIOBase):
     """Turns mpirun's '[rank] line' output into '[rank host] line', logs everything, draws progress."""
 
     RANK_LINE = re.compile(r"^\[(\d+)\] ?(.*)$")
+    CHUNK_TAG = re.compile(r"\[(\d+)\] ?")
 
     def __init__(self, plan: launcher.LaunchPlan, out: TextIO, log_file: TextIO):
         self.plan, self.out, self.log_file = plan, out, log_file
         self.buffer = ""
+        self.partial: dict[int, str] = {}  # a rank's text written without its newline yet
         self.lock = threading.Lock()
         self.tty = hasattr(out, "isatty") and out.isatty()
         self.progress_shown = False
@@ -32,13 +34,30 @@ class OutputRouter(io.TextIOBase):
             self.buffer += text
             *lines, self.buffer = self.buffer.split("\n")
             for line in lines:
-                self._line(line.rstrip("\r"))
+                self._split(line.rstrip("\r"))
         return len(text)
+
+    def _split(self, line: str) -> None:
+        """mpirun -l tags every chunk a rank writes, also one without a newline: '[0] abc[1] xyz' then '[0] def'.
+        Each rank's pieces are joined into its own line, so its tag leads the line it belongs to."""
+        tags = [m for m in self.CHUNK_TAG.finditer(line) if int(m.group(1)) < self.plan.world_size]
+        if not tags or tags[0].start() != 0:
+            self._line(line)
+            return
+        for m, nxt in zip(tags, [*tags[1:], None]):
+            rank, piece = int(m.group(1)), line[m.end():nxt.start() if nxt else len(line)]
+            if nxt is None:  # the newline closes this rank's line
+                self._line(f"[{rank}] {self.partial.pop(rank, '')}{piece}")
+            else:
+                self.partial[rank] = self.partial.get(rank, "") + piece
 
     def flush_rest(self) -> None:
         if self.buffer:
-            self._line(self.buffer)
+            self._split(self.buffer)
             self.buffer = ""
+        for rank in sorted(self.partial):
+            self._line(f"[{rank}] {self.partial[rank]}")
+        self.partial.clear()
         if self.progress_shown:
             self.out.write("\n")
             self.progress_shown = False
