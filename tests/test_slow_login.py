@@ -11,7 +11,6 @@ import time
 from pathlib import Path
 
 import pytest
-
 from conftest import start_cluster
 
 pytestmark = pytest.mark.cluster
