@@ -42,6 +42,35 @@ def fab(*args: str, env: dict | None = None, timeout: float = 900, check: bool =
     return res
 
 
+def fab_in_process(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    """The `fab` CLI run in this process (Fabric's own Program, the project's fabfile from ROOT), for checks
+    that end before anything is started: ~0.75 s of interpreter start-up saved per call. Same result shape
+    as fab(); the environment, argv and current directory are restored afterwards."""
+    import io
+    from contextlib import redirect_stderr, redirect_stdout
+
+    from fabric.main import make_program
+
+    saved_env, saved_argv, saved_cwd = dict(os.environ), sys.argv, os.getcwd()
+    out, err = io.StringIO(), io.StringIO()
+    code = 0
+    os.environ.update(env or {})
+    sys.argv = ["fab", *args]  # core.cli.job_args reads the text after `--` from here
+    os.chdir(ROOT)
+    try:
+        with redirect_stdout(out), redirect_stderr(err):
+            try:
+                make_program().run(["fab", *args], exit=True)
+            except SystemExit as exc:
+                code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+    finally:
+        os.environ.clear()
+        os.environ.update(saved_env)
+        sys.argv = saved_argv
+        os.chdir(saved_cwd)
+    return subprocess.CompletedProcess(["fab", *args], code, out.getvalue(), err.getvalue())
+
+
 class LocalCluster:
     def __init__(self, state_root: Path, runs: Path, nodes: int, port: int):
         self.state_root, self.runs, self.count, self.port = state_root, runs, nodes, port

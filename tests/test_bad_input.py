@@ -1,6 +1,8 @@
 """Bad input, tried by the dozen: every task refuses it with one line naming the fix, before anything starts.
 
-Each case is a real `fab` call. It must exit 1 with exactly one 'error:' line (the last), of the form
+Each case is a `fab` call: a real `fab` process for every case that needs a cluster or an environment of
+its own, and for the first case of each task (the CLI wiring, end to end); the CLI run in-process for the rest
+(the tasks' own flag rules). It must exit 1 with exactly one 'error:' line (the last), of the form
 'error: <what>; <fix>', no traceback, no new run folder, and no process of any run alive. Cases without a
 cluster get an empty state folder of their own (and must not start an sshd in it); cases that need one
 share the session's 2-node local cluster.
@@ -14,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, fab, processes_with_cmdline, processes_with_env
+from conftest import ROOT, fab, fab_in_process, processes_with_cmdline, processes_with_env
 
 
 @dataclass
@@ -257,6 +259,19 @@ def _ccl_on_nodes() -> bool:
     return importlib.util.find_spec("oneccl_bindings_for_pytorch") is not None  # local nodes run this python
 
 
+def _subprocess_ids() -> set[str]:
+    """The cases that run as a real `fab` process, proving the CLI wiring end to end: every case that needs a
+    cluster, and the first of each task's own. The rest check the tasks' own flag rules in-process."""
+    first: dict[str, str] = {}
+    for case in CASES:
+        first.setdefault(shlex.split(case.command)[0], case.id)
+    # a case with an environment of its own too: some settings are read once, when their module is imported
+    return set(first.values()) | {c.id for c in CASES if c.cluster or c.env}
+
+
+SUBPROCESS = _subprocess_ids()
+
+
 def _params():
     for case in CASES:
         marks = [pytest.mark.cluster] if case.cluster else []
@@ -358,7 +373,8 @@ def test_bad_input_is_one_line_and_starts_nothing(case, data, tmp_path, request)
     before = set(runs.iterdir()) if runs.exists() else set()
     undo = globals()[case.prepare](state) if case.prepare else None
     try:
-        res = fab(*[w.format(d=data, state=state) for w in shlex.split(case.command)], env=env, timeout=120)
+        argv = [w.format(d=data, state=state) for w in shlex.split(case.command)]
+        res = fab(*argv, env=env, timeout=120) if case.id in SUBPROCESS else fab_in_process(*argv, env=env)
     finally:
         if undo:
             undo()
