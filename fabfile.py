@@ -28,6 +28,7 @@ from launch import resume as resume_lib
 from launch import run as train_lib
 from launch import runs as runs_lib
 from launch import stop as stop_lib
+from launch import supervisor as supervisor_lib
 from node_setup import profiles as profiles_lib
 from node_setup import setup as setup_lib
 from reports import bench as bench_lib
@@ -181,14 +182,15 @@ def train(c, nodes=None, job=None, script=None, workdir=None, module=None, launc
     if not resume or as_int(timeout, "--timeout", 1) != 300:
         req.timeout_s = as_int(timeout, "--timeout", 1)
     restarts, wait = as_int(max_restarts, "--max-restarts", 0), as_int(restart_wait, "--restart-wait", 0)
-    req.detach = bool(detach)
-    if req.detach and restarts:
-        raise ClusterError("--detach and --max-restarts exclude each other (restarts need a fab that stays); drop "
-                           "one of them")
+    req.detach = bool(detach) and not restarts  # with restarts, a supervisor process of its own runs it attached
     request_lib.validate(req)  # every flag and data file before the cluster is asked anything
     chosen = open_cluster(_cluster(c, cluster))
     print(status_lib.cluster_line(chosen), flush=True)
-    result = restarts_lib.train_with_restarts(chosen.spec, req, restarts, wait)
+    runs_lib.reap_all(request_lib.RUNS)  # runs whose fab died: recorded abandoned before this one starts
+    if detach and restarts:
+        supervisor_lib.start(chosen.spec, req, restarts, wait, sys.stdout)
+        return
+    result = restarts_lib.train_with_restarts(chosen, req, restarts, wait)
     if not result.detached:
         print(records.result_line(result))
 
@@ -216,6 +218,9 @@ def runs(c):
 def status(c, cluster=None, no_runs=False):
     """The active cluster: nodes (node 0 first), type, spot or on-demand, state, uptime, $/h, and runs left on them."""
     lines, ok = status_lib.status(open_cluster(_cluster(c, cluster), require_running=False), check_runs=not no_runs)
+    if not no_runs:
+        lines += [f"runs: {rid} recorded abandoned (its fab or supervisor died; nothing of it left on the nodes)"
+                  for rid in runs_lib.reap_all(request_lib.RUNS)]
     print("\n".join(lines))
     if not ok:
         sys.exit(1)

@@ -78,6 +78,7 @@ class TrainRequest:
     pin: bool = True
     timeout_s: int = 300
     runs_dir: Path = RUNS
+    restart_of: str | None = None  # the run this one resumes by itself (--max-restarts): it names this one
     save_every: str = spot.DEFAULT_SAVE_EVERY
     fetch_model: bool = True
     resume: dict | None = None  # set by launch.resume: run_id, step, checkpoint (local folder)
