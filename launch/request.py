@@ -15,7 +15,7 @@ from cluster.resolve import Cluster
 from core.cli import writable_dir
 from core.constants import PROJECT_ROOT
 from core.errors import ClusterError
-from launch import jobdata, launcher, secrets, topology, workdir
+from launch import jobdata, jobflags, launcher, secrets, topology, workdir
 from launch.probe import NodeFacts, master_port, probe, resolve_backend, resolve_precision
 from training import spot
 from training.dist import COMM_HOOKS
@@ -145,15 +145,11 @@ def validate(req: TrainRequest) -> workdir.Workdir | None:
 def local_files(args: list[str]) -> list[tuple[str, str]]:
     """(flag, path) for every data-file flag in the job arguments (both '--f x' and '--f=x')."""
     out = []
-    for i, a in enumerate(args):
-        flag, eq, value = a.partition("=")
-        if flag in FILE_FLAGS:
-            if eq:
-                out.append((flag, value))
-            elif i + 1 < len(args):
-                out.append((flag, args[i + 1]))
-            else:
-                raise ClusterError(f"{flag} needs a file path; pass the data file after it")
+    for f in jobflags.parse(args):
+        if f.name in FILE_FLAGS:
+            if f.value is None:
+                raise ClusterError(f"{f.name} needs a file path", "pass the data file after it")
+            out.append((f.name, f.value))
     return out
 
 
@@ -209,7 +205,7 @@ def plan_run(cluster: Cluster, req: TrainRequest, say) -> tuple[launcher.LaunchP
     else:
         entry = launcher.JOBS[req.job]
         label = req.job
-        if not any(a == "--output_dir" or a.startswith("--output_dir=") for a in args):
+        if not jobflags.has(args, "--output_dir"):
             args += ["--output_dir", "output"]
     env = run_env(req, [n.private_host for n in nodes])
     plan = launcher.LaunchPlan(
@@ -280,26 +276,11 @@ def file_digest(path: str) -> str:
 
 
 def _flag(args: list[str], name: str) -> str | None:
-    for i, a in enumerate(args):
-        if a == name and i + 1 < len(args):
-            return args[i + 1]
-        if a.startswith(name + "="):
-            return a.split("=", 1)[1]
-    return None
+    return jobflags.get(args, name)
 
 
 def _without(args: list[str], name: str) -> list[str]:
-    out, skip = [], False
-    for a in args:
-        if skip:
-            skip = False
-            continue
-        if a == name:
-            skip = True
-            continue
-        if not a.startswith(name + "="):
-            out.append(a)
-    return out
+    return jobflags.without(args, name)
 
 
 def same_global_batch(args: list[str], old_world: int, new_world: int) -> tuple[list[str], str | None]:

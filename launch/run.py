@@ -20,7 +20,7 @@ from cluster.remote import connect, fan_out, run
 from cluster.resolve import Cluster
 from core.errors import ClusterError
 from core.render import render
-from launch import detach, launcher, lock, outputs, records, secrets, workdir
+from launch import detach, jobflags, launcher, lock, outputs, records, secrets, workdir
 from launch.cleanup import Sweep, sweep
 from launch.lifecycle import Outcome, Run, end
 from launch.preflight import preflight
@@ -263,12 +263,7 @@ def _bring_home(master: NodeFacts, run_dir: Path, remote_out: str, req: TrainReq
 
 
 def _output_dir(args: list[str]) -> str:
-    for i, a in enumerate(args):
-        if a == "--output_dir":
-            return args[i + 1]
-        if a.startswith("--output_dir="):
-            return a.split("=", 1)[1]
-    return "output"
+    return jobflags.get(args, "--output_dir", "output")
 
 
 # The demo's job flags: small enough for a 2-core machine, long enough to learn the task.

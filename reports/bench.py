@@ -17,7 +17,7 @@ from typing import TextIO
 
 from cluster.resolve import Cluster
 from core.errors import ClusterError
-from launch import records, secrets
+from launch import jobflags, records, secrets
 from launch.request import TrainRequest, new_run_id, validate
 from launch.run import train
 
@@ -94,17 +94,7 @@ def load_run(run_dir: Path) -> RunRecord:
 
 def flag_values(args: list[str]) -> dict[str, str]:
     """'--a 1 --b --c=x' -> {'--a': '1', '--b': '', '--c': 'x'}; the output folder is not a difference."""
-    out: dict[str, str] = {}
-    i = 0
-    while i < len(args):
-        a = args[i]
-        if a.startswith("--"):
-            flag, eq, value = a.partition("=")
-            if not eq and i + 1 < len(args) and not args[i + 1].startswith("--"):
-                value = args[i + 1]
-                i += 1
-            out[flag] = value
-        i += 1
+    out = jobflags.values(args)
     out.pop("--output_dir", None)
     return out
 

@@ -240,3 +240,45 @@ def test_stop_follows_a_resume_chain_to_its_newest_run(tmp_path):
 def _mk(p: Path) -> Path:
     p.mkdir(parents=True)
     return p
+
+
+# -- the request, resolved once ------------------------------------------------------------------------
+def _resumable(runs: Path) -> None:
+    d = _mk(runs / "old")
+    request = {"job": "glue", "script": None, "args": ["--seed", "1"], "ppn": "1", "threads": "2", "backend": "gloo",
+               "precision": "fp32", "env": {}, "save_every": "20", "pin": True, "timeout_s": 900, "data": {}}
+    RunRecord("old", Status.PREEMPTED, request=request, world_size=2, nodes=[{}, {}]).save(d)
+    ck = _mk(d / "checkpoints" / "step-20")
+    (ck / "model.safetensors").write_bytes(b"w")
+    (ck / spot.COMPLETE_MARKER).write_text("{}")
+
+
+def test_resume_keeps_recorded_values_only_for_flags_not_given(tmp_path):
+    from launch.train_flags import TrainFlags, resolve
+
+    _resumable(tmp_path)
+    kept = resolve(TrainFlags(resume="old"), tmp_path).req
+    assert (kept.ppn, kept.threads, kept.timeout_s, kept.backend, kept.save_every) == ("1", "2", 900, "gloo", "20")
+    # a flag given at its default value still says what the user wants: it resets the recorded one
+    reset = resolve(TrainFlags(resume="old", ppn="auto", timeout="300", backend="auto"), tmp_path).req
+    assert (reset.ppn, reset.timeout_s, reset.backend, reset.threads) == ("auto", 300, "auto", "2")
+    assert reset.resume["step"] == 20 and reset.args == ["--seed", "1"]
+    new = resolve(TrainFlags(job_args=["--seed", "2"]), tmp_path)
+    assert (new.req.ppn, new.req.timeout_s, new.req.launcher, new.max_restarts, new.supervised) == \
+        ("auto", 300, "python", 0, False)
+    both = resolve(TrainFlags(detach=True, max_restarts="2"), tmp_path)
+    assert both.supervised and not both.req.detach and both.max_restarts == 2  # the supervisor runs it attached
+    with pytest.raises(ClusterError) as exc:
+        resolve(TrainFlags(resume="old", job_args=["--seed", "3"]), tmp_path)
+    assert exc.value.fix == "drop --job/--script/--workdir/--module/--launcher and the flags after --"
+
+
+def test_one_parser_reads_job_flags():
+    from launch import jobflags
+
+    argv = ["--a", "1", "--b", "--c=x=y", "pos", "--a", "2", "--d"]
+    assert jobflags.values(argv) == {"--a": "2", "--b": "", "--c": "x=y", "--d": ""}
+    assert jobflags.get(argv, "--a") == "2" and jobflags.get(argv, "--b") is None
+    assert jobflags.get(argv, "--zz", "dflt") == "dflt"
+    assert jobflags.without(argv, "--a") == ["--b", "--c=x=y", "pos", "--d"]
+    assert jobflags.has(argv, "--d") and not jobflags.has(argv, "--e")
