@@ -211,6 +211,14 @@ def supervisor_alive(sup: dict | None) -> bool | None:
     pid = int(sup.get("pid") or 0)
     if pid <= 0:
         return None
+    if not Path("/proc/self/stat").is_file():  # no /proc (macOS): the pid alone, without the reuse check
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            return True
+        return True
     start = _start_time(pid)
     return start is not None and (sup.get("start") is None or start == sup.get("start"))
 
