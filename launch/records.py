@@ -193,10 +193,12 @@ def update(run_dir: Path, to: Status, **fields) -> RunRecord:
 
 # -- the process that ends a run ---------------------------------------------------------------------
 def _start_time(pid: int) -> str | None:
+    """The process's start time (clock ticks after boot); None when it is gone or a zombie."""
     try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19]
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     except (OSError, IndexError):
         return None
+    return None if fields[0] == "Z" or len(fields) < 20 else fields[19]
 
 
 def this_process() -> dict:
