@@ -1,6 +1,7 @@
 """What the user asked for (TrainRequest), checked, and turned into a launch plan for the nodes probed."""
 from __future__ import annotations
 
+import dataclasses
 import functools
 import ipaddress
 import logging
@@ -84,6 +85,8 @@ class TrainRequest:
     resume: dict | None = None  # set by launch.resume: run_id, step, checkpoint (local folder)
     run_id: str | None = None
     detach: bool = False  # return once the ranks run; launch.detach concludes the run later
+    # what validate() found (the scanned --workdir), so the plan does not check again; set by validate only
+    checked: tuple | None = field(default=None, repr=False, compare=False)
     concurrent: bool = False  # run even while another run holds the cluster's lock  # chosen by the caller (doctor) so it can end the run by id; default: a new one
 
 
@@ -139,6 +142,7 @@ def validate(req: TrainRequest) -> workdir.Workdir | None:
     if bundled:
         jobdata.check(req.job, req.args, files)
     writable_dir(req.runs_dir, "the runs folder", "set XC_RUNS_DIR to a writable folder")
+    req.checked = (wd,)  # the one validation: plan_run reads it instead of scanning again
     return wd
 
 
@@ -173,10 +177,12 @@ def new_run_id(label: str) -> str:
     return f"{time.strftime('%Y%m%d-%H%M%S')}-{label}-{random.randbytes(2).hex()}"
 
 
-def plan_run(cluster: Cluster, req: TrainRequest, say) -> tuple[launcher.LaunchPlan, list[NodeFacts], list[str], dict]:
-    wd = validate(req)
+def plan_run(cluster: Cluster, req: TrainRequest, say
+             ) -> tuple[launcher.LaunchPlan, list[NodeFacts], list[str], dict, TrainRequest]:
+    """The plan for the nodes probed; also the request as the run goes on with it (a copy: never changed in place)."""
+    wd = req.checked[0] if req.checked else validate(req)
     if req.module and req.script is None:  # own code from here on: the run keys its bundled-job steps on script
-        req.script = workdir.module_file(wd, req.module)
+        req = dataclasses.replace(req, script=workdir.module_file(wd, req.module))
     nodes = cluster.first(req.nodes)
     say(f"cluster {cluster.spec}: {len(nodes)} of {len(cluster.nodes)} node(s): {', '.join(n.name for n in nodes)}")
     facts = fan_out(nodes, functools.partial(probe, time_bf16=req.precision == "auto"), "probing nodes")
@@ -214,7 +220,7 @@ def plan_run(cluster: Cluster, req: TrainRequest, say) -> tuple[launcher.LaunchP
         args=tuple(args), env_overrides=secrets.split(env, req.valueless)[0],
         secret_env=secrets.split(req.env, req.valueless)[1], pin=req.pin, timeout_s=req.timeout_s,
         launcher=req.launcher, workdir=wd)
-    return plan, facts, args, ship
+    return plan, facts, args, ship, req
 
 
 def fits(ppn: int, threads: int | None, facts: list[NodeFacts]) -> None:

@@ -88,7 +88,7 @@ def train(cluster: Cluster, req: TrainRequest, out: TextIO = sys.stdout) -> RunR
         out.write(msg + "\n")
         out.flush()
 
-    plan, facts, args, ship = plan_run(cluster, req, say)
+    plan, facts, args, ship, req = plan_run(cluster, req, say)
     for line in describe(plan, facts):
         say(line)
     nodes = [f.node for f in facts]

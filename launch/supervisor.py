@@ -8,6 +8,7 @@ the run id and returns. The supervisor writes its pid into every run record it r
 Run as `python -m launch.supervisor` (stdin: the pickled job)."""
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import pickle
@@ -37,7 +38,7 @@ def start(spec: str, req, max_restarts: int, restart_wait: float, out: TextIO) -
     folder = Path(req.runs_dir) / FOLDER
     folder.mkdir(parents=True, exist_ok=True)
     log_path = folder / f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}.log"
-    job = pickle.dumps({"spec": spec, "req": req, "max_restarts": max_restarts, "restart_wait": restart_wait})
+    job = payload(spec, req, max_restarts, restart_wait)
     with log_path.open("wb") as sink:
         proc = subprocess.Popen([sys.executable, "-m", "launch.supervisor"], cwd=PROJECT_ROOT, stdin=subprocess.PIPE,
                                 stdout=sink, stderr=subprocess.STDOUT, start_new_session=True)
@@ -72,6 +73,13 @@ def start(spec: str, req, max_restarts: int, restart_wait: float, out: TextIO) -
         time.sleep(0.5)
     raise ClusterError(f"the run's supervisor (pid {proc.pid}) did not start the ranks within {START_TIMEOUT_S}s",
                        f"see {log_path}; end it with 'fab stop {run_id}'" if run_id else f"see {log_path}")
+
+
+def payload(spec: str, req, max_restarts: int, restart_wait: float) -> bytes:
+    """What the supervisor is handed on its stdin. What validate() found stays here (a scanned --workdir holds
+    a lock): the supervisor, a process of its own, checks the request once itself."""
+    return pickle.dumps({"spec": spec, "req": dataclasses.replace(req, checked=None), "max_restarts": max_restarts,
+                         "restart_wait": restart_wait})
 
 
 def _ranks_running(run_dir: Path) -> bool:

@@ -282,3 +282,19 @@ def test_one_parser_reads_job_flags():
     assert jobflags.get(argv, "--zz", "dflt") == "dflt"
     assert jobflags.without(argv, "--a") == ["--b", "--c=x=y", "pos", "--d"]
     assert jobflags.has(argv, "--d") and not jobflags.has(argv, "--e")
+
+
+def test_the_supervisors_job_crosses_a_pipe_even_with_a_scanned_workdir(tmp_path):
+    import pickle
+
+    from launch import supervisor
+    from launch.request import TrainRequest, validate
+
+    (tmp_path / "train.py").write_text("print(1)\n")
+    req = TrainRequest(job=None, script="train.py", workdir=str(tmp_path), runs_dir=tmp_path / "runs",
+                       env={"HF_TOKEN": "s3cret"}, valueless={"HF_TOKEN"})
+    validate(req)
+    assert req.checked and req.checked[0] is not None  # plan_run will not scan --workdir again
+    job = pickle.loads(supervisor.payload("local", req, 2, 60))
+    assert job["req"].checked is None and job["req"].workdir == str(tmp_path) and job["max_restarts"] == 2
+    assert job["req"].env == {"HF_TOKEN": "s3cret"}  # on the pipe only: fab writes no file with it
