@@ -41,7 +41,8 @@ def stop(cluster: Cluster, run_id: str, runs_dir: Path) -> str:
         rec = records.RunRecord(run_id=run_id)
     if rec.can(Status.STOPPED) and (alive or killed or not (rec.status and rec.status.terminal)
                                     or rec.status == Status.RESTARTING):
-        rec.transition(Status.STOPPED, stopped_at=records.now_iso(), cleanup=swept.to_dict(),
+        wall = rec.wall_s or (time.time() - rec.started_at if rec.started_at else 0.0)
+        rec.transition(Status.STOPPED, stopped_at=records.now_iso(), cleanup=swept.to_dict(), wall_s=round(wall, 3),
                        exit_code=rec.exit_code if rec.exit_code != -1 else 143)
         run_dir.mkdir(parents=True, exist_ok=True)
         rec.save(run_dir)
