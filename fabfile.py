@@ -24,10 +24,11 @@ from doctor import status as status_lib
 from launch import records
 from launch import request as request_lib
 from launch import restarts as restarts_lib
-from launch import resume as resume_lib
 from launch import run as train_lib
 from launch import runs as runs_lib
 from launch import stop as stop_lib
+from launch import supervisor as supervisor_lib
+from launch import train_flags as flags_lib
 from node_setup import profiles as profiles_lib
 from node_setup import setup as setup_lib
 from reports import bench as bench_lib
@@ -141,54 +142,23 @@ def keys(c, cluster=None):
     },
 )
 @cli
-def train(c, nodes=None, job=None, script=None, workdir=None, module=None, launcher="python", ppn="auto",
-          threads="auto", backend="auto", precision="auto", comm_hook=None,
-          env=None, cluster=None, master_port=None, no_pin=False, timeout="300", save_every=None, no_fetch_model=False,
-          resume=None, max_restarts="0", restart_wait="600", concurrent=False, detach=False):
+def train(c, nodes=None, job=None, script=None, workdir=None, module=None, launcher=None, ppn=None, threads=None,
+          backend=None, precision=None, comm_hook=None, env=None, cluster=None, master_port=None, no_pin=False,
+          timeout=None, save_every=None, no_fetch_model=False, resume=None, max_restarts=None, restart_wait=None,
+          concurrent=False, detach=False):
     """Run a training job across the cluster with mpirun; results land in runs/<run-id>/."""
-    n = as_int(nodes, "--nodes", 1) if nodes is not None else None
-    if job and script:
-        raise ClusterError(f"--job {job} and --script {script} exclude each other; pass --job for a bundled job or "
-                           "--script for your own")
-    if module and (job or script):
-        raise ClusterError(f"--module {module} and --{'job ' + job if job else 'script ' + script} exclude each "
-                           "other; pass one of them")
-    if resume:
-        if job or script or workdir or module or launcher != "python" or job_args():
-            raise ClusterError(f"--resume {resume} runs that run's own job and flags; drop --job/--script/--workdir/"
-                               "--module/--launcher and the flags after --")
-        req = resume_lib.resume_request(resume, request_lib.RUNS, nodes=n, fetch_model=not no_fetch_model)
-    else:
-        req = request_lib.TrainRequest(nodes=n, job=job or "glue", script=script, workdir=workdir, module=module,
-                                       launcher=launcher, args=job_args(), env=env_pairs(env),
-                                       valueless=valueless_keys(env),
-                                     fetch_model=not no_fetch_model)
-        if save_every is not None:
-            req.save_every = str(save_every)
-    # on --resume the recorded choices stand unless a flag says otherwise
-    for name, value, default in (("ppn", str(ppn), "auto"), ("threads", str(threads), "auto"),
-                                 ("backend", backend, "auto"), ("precision", precision, "auto")):
-        if not resume or value != default:
-            setattr(req, name, value)
-    if comm_hook is not None:
-        req.comm_hook = str(comm_hook)
-    if resume:
-        req.env.update(env_pairs(env))
-        req.valueless |= valueless_keys(env)
-    req.master_port = as_int(master_port, "--master-port", 1024, 65535) if master_port else None
-    req.pin = req.pin and not no_pin
-    req.concurrent = bool(concurrent)
-    if not resume or as_int(timeout, "--timeout", 1) != 300:
-        req.timeout_s = as_int(timeout, "--timeout", 1)
-    restarts, wait = as_int(max_restarts, "--max-restarts", 0), as_int(restart_wait, "--restart-wait", 0)
-    req.detach = bool(detach)
-    if req.detach and restarts:
-        raise ClusterError("--detach and --max-restarts exclude each other (restarts need a fab that stays); drop "
-                           "one of them")
-    request_lib.validate(req)  # every flag and data file before the cluster is asked anything
+    r = flags_lib.resolve(flags_lib.TrainFlags(
+        nodes, job, script, workdir, module, launcher, ppn, threads, backend, precision, comm_hook, list(env or []),
+        master_port, bool(no_pin), timeout, save_every, bool(no_fetch_model), resume, max_restarts, restart_wait,
+        bool(concurrent), bool(detach), job_args()), request_lib.RUNS)
+    request_lib.validate(r.req)  # every flag and data file before the cluster is asked anything
     chosen = open_cluster(_cluster(c, cluster))
     print(status_lib.cluster_line(chosen), flush=True)
-    result = restarts_lib.train_with_restarts(chosen.spec, req, restarts, wait)
+    runs_lib.reap_all(request_lib.RUNS)  # runs whose fab died: recorded abandoned before this one starts
+    if r.supervised:
+        supervisor_lib.start(chosen.spec, r.req, r.max_restarts, r.restart_wait, sys.stdout)
+        return
+    result = restarts_lib.train_with_restarts(chosen, r.req, r.max_restarts, r.restart_wait)
     if not result.detached:
         print(records.result_line(result))
 
@@ -216,6 +186,9 @@ def runs(c):
 def status(c, cluster=None, no_runs=False):
     """The active cluster: nodes (node 0 first), type, spot or on-demand, state, uptime, $/h, and runs left on them."""
     lines, ok = status_lib.status(open_cluster(_cluster(c, cluster), require_running=False), check_runs=not no_runs)
+    if not no_runs:
+        lines += [f"runs: {rid} recorded abandoned (its fab or supervisor died; nothing of it left on the nodes)"
+                  for rid in runs_lib.reap_all(request_lib.RUNS)]
     print("\n".join(lines))
     if not ok:
         sys.exit(1)

@@ -14,7 +14,7 @@ from invoke.exceptions import CommandTimedOut
 
 from cluster.node import Node
 from core.constants import HOME_EXPR
-from core.errors import ClusterError, NodeFailure
+from core.errors import ClusterError, HostKeyUnknown, NodeFailure, Unreachable
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -48,6 +48,15 @@ def recorded_in(node: Node, spec: str) -> Path | None:
     return files[0] if files else None
 
 
+class _Unknown(paramiko.SSHException):
+    """Raised by the policy for a host key in no known_hosts file: told apart by type, not by text."""
+
+
+class _Reject(paramiko.MissingHostKeyPolicy):
+    def missing_host_key(self, client, hostname, key):
+        raise _Unknown(hostname)
+
+
 def connect(node: Node, timeout: float = 10.0) -> Connection:
     """An open Connection; unknown or changed host keys are refused, never added."""
     kwargs: dict = {"timeout": timeout, "banner_timeout": timeout, "auth_timeout": timeout}
@@ -58,7 +67,7 @@ def connect(node: Node, timeout: float = 10.0) -> Connection:
         kwargs["allow_agent"] = False
     conn = Connection(node.host, user=node.user, port=node.port, connect_kwargs=kwargs,
                       inline_ssh_env=True)
-    conn.client.set_missing_host_key_policy(paramiko.RejectPolicy())
+    conn.client.set_missing_host_key_policy(_Reject())
     for f in known_hosts_files(node):
         conn.client.load_host_keys(str(f))
     where = f"{node.name} ({node.host}:{node.port})"
@@ -77,18 +86,18 @@ def connect(node: Node, timeout: float = 10.0) -> Connection:
     except paramiko.AuthenticationException:
         raise ClusterError(f"{where}: SSH login as {node.user!r} refused; check the key (XC_SSH_KEY) "
                            "and that it is in the node's authorized_keys") from None
+    except _Unknown:
+        if node.labels.get("instance_id"):
+            raise HostKeyUnknown(f"{where}: host key not yet known", "its keys are read from the instance's console "
+                                 "output once it has booted: retry in a minute") from None
+        raise HostKeyUnknown(f"{where}: host key unknown", "compare its fingerprint with one from a trusted "
+                             "channel and add it to ~/.ssh/known_hosts, or set XC_KNOWN_HOSTS") from None
     except paramiko.SSHException as exc:
-        if "not found in known_hosts" in str(exc):
-            if node.labels.get("instance_id"):
-                raise ClusterError(f"{where}: host key not yet known; its keys are read from the instance's console "
-                                   "output once it has booted: retry in a minute") from None
-            raise ClusterError(f"{where}: host key unknown; compare its fingerprint with one from a trusted "
-                               "channel and add it to ~/.ssh/known_hosts, or set XC_KNOWN_HOSTS") from None
-        raise ClusterError(f"{where}: SSH failed: {exc}") from None
+        raise ClusterError(f"{where}: SSH failed: {exc}", "check the node's sshd") from None
     except (TimeoutError, OSError) as exc:
         reason = getattr(exc, "strerror", None) or str(exc) or type(exc).__name__
-        raise ClusterError(f"{where} is unreachable ({reason}); check that the node is up "
-                           "('fab local-up' or 'pulumi up') and that SSH is allowed from this machine") from None
+        raise Unreachable(f"{where} is unreachable ({reason})", "check that the node is up ('fab local-up' or "
+                          "'pulumi up') and that SSH is allowed from this machine", node=node.name) from None
     return conn
 
 
@@ -130,25 +139,35 @@ def remote_home(conn: Connection) -> str:
 
 
 def fan_out(nodes: list[Node], fn: Callable[[Node], T], what: str, max_workers: int = 32) -> list[T]:
-    """Run fn(node) on every node in parallel; collect all failures into one NodeFailure."""
+    """Run fn(node) on every node in parallel; collect all failures into one NodeFailure whose ``errors``
+    keeps each node's own exception (as fabric's GroupResult does), and whose ``lost`` names the
+    nodes that did not answer."""
     results: dict[str, T] = {}
-    errors: dict[str, str] = {}
+    errors: dict[str, BaseException] = {}
 
     def call(node):
         try:
             results[node.name] = fn(node)
-        except ClusterError as exc:
-            errors[node.name] = str(exc)
         except Exception as exc:  # a node's failure is reported, not a traceback
-            log.debug("%s on %s failed", what, node.name, exc_info=True)
-            errors[node.name] = f"{node.name}: {type(exc).__name__}: {exc}"
+            if not isinstance(exc, ClusterError):
+                log.debug("%s on %s failed", what, node.name, exc_info=True)
+            errors[node.name] = exc
 
     with ThreadPoolExecutor(max_workers=min(max_workers, max(1, len(nodes)))) as pool:
         list(pool.map(call, nodes))
     if errors:
         names = [n.name for n in nodes if n.name in errors]
+        lines = {n: _line(n, errors[n]) for n in names}
+        lost = [n for n in names if isinstance(errors[n], Unreachable)]
         if len(names) == 1:
-            raise NodeFailure(f"{what} failed: {errors[names[0]]}", names)
-        detail = "; ".join(errors[n] for n in names)
-        raise NodeFailure(f"{what} failed on {len(names)} nodes: {detail}", names)
+            exc = errors[names[0]]
+            fix = exc.fix if isinstance(exc, ClusterError) else ""
+            raise NodeFailure(f"{what} failed: {exc.what if isinstance(exc, ClusterError) else lines[names[0]]}",
+                              names, lost=lost, errors=errors, fix=fix)
+        raise NodeFailure(f"{what} failed on {len(names)} nodes: " + "; ".join(lines[n] for n in names), names,
+                          lost=lost, errors=errors, fix="")
     return [results[n.name] for n in nodes]
+
+
+def _line(name: str, exc: BaseException) -> str:
+    return exc.text if isinstance(exc, ClusterError) else f"{name}: {type(exc).__name__}: {exc}"

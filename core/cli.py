@@ -11,7 +11,7 @@ import sys
 from fabric.executor import Executor
 from invoke.exceptions import Exit
 
-from core.errors import ClusterError
+from core.errors import ClusterError, format_error
 
 
 class JobArgsExecutor(Executor):
@@ -48,7 +48,7 @@ def cli(fn):
         except KeyboardInterrupt:  # before a run's own handler is in place, or in a task without one
             raise Exit("interrupted", code=130) from None
         except ClusterError as exc:
-            raise Exit(f"{getattr(exc, 'prefix', 'error: ')}{exc}", code=getattr(exc, "exit_code", 1)) from None
+            raise Exit(format_error(exc), code=exc.exit_code) from None
     return wrapper
 
 

@@ -76,9 +76,3 @@ class Report:
 
     def _order(self, name: str) -> int:
         return self.nodes.index(name) if name in self.nodes else len(self.nodes)
-
-
-def split_fix(message: str) -> tuple[str, str]:
-    """'what is wrong; how to fix it' -> (what, fix)."""
-    what, _, fix = message.partition("; ")
-    return what, fix

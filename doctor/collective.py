@@ -14,7 +14,8 @@ from cluster.node import Node
 from cluster.remote import connect, run
 from cluster.resolve import Cluster
 from core.errors import ClusterError
-from core.report import CLUSTER, Row, split_fix
+from core.report import CLUSTER, Row
+from launch import records
 from launch.request import TrainRequest, new_run_id
 from launch.run import cleanup, train
 
@@ -96,7 +97,7 @@ def rendezvous_rows(nodes: list[Node], port: int) -> list[Row]:
     try:
         conn = connect(master)
     except ClusterError as exc:
-        return [Row(n.name, check, False, f"not checked: {split_fix(str(exc))[0]}", skipped=True) for n in clients]
+        return [Row(n.name, check, False, f"not checked: {exc.what}", skipped=True) for n in clients]
     with conn:
         listener = conn.run(listen, asynchronous=True, hide=True, warn=True, in_stream=False)
 
@@ -186,13 +187,9 @@ def collective_cause(output: str) -> str | None:
 
 
 def _recorded_backend(run_dir) -> str | None:
-    """The backend fab train resolved, from the run's summary.json (absent when it failed before planning)."""
-    import json
-
-    try:
-        return json.loads((run_dir / "summary.json").read_text()).get("backend")
-    except (OSError, ValueError):
-        return None
+    """The backend fab train resolved, from the run's record (absent when it failed before planning)."""
+    rec = records.load_or_none(run_dir)
+    return rec.backend if rec else None
 
 
 def allreduce_row(cluster: Cluster, nodes: list[Node], port: int, backend: str = "auto",
@@ -238,7 +235,8 @@ def allreduce_row(cluster: Cluster, nodes: list[Node], port: int, backend: str =
             return Row(CLUSTER, check, False, f"the {used} job failed after {wall:.0f} s: {cause}",
                        f"fix {cause.split(':')[0]} on the nodes (or compare with --backend gloo); the log is under "
                        f"{folder}/runs")
-        what = split_fix(str(outcome["error"]))[0]
+        err = outcome["error"]
+        what = err.what if isinstance(err, ClusterError) else str(err)
         return Row(CLUSTER, check, False, f"the {used} job failed after {wall:.0f} s: {what}",
                    f"see the rows above and the log under {folder}/runs")
     world = int(lines[0][1]) if lines else 0

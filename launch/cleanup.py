@@ -50,7 +50,7 @@ def runs_alive(nodes: list[Node], unasked: dict[str, str] | None = None) -> dict
         except Exception as exc:  # an unreachable node has nothing we could find
             log.debug("listing runs on %s", node.name, exc_info=True)
             if unasked is not None:
-                unasked[node.name] = str(exc).split("; ")[0]
+                unasked[node.name] = exc.what if isinstance(exc, ClusterError) else f"{type(exc).__name__}: {exc}"
             return
         for line in res.stdout.splitlines():
             word, _, rest = line.partition(" ")
@@ -109,7 +109,7 @@ def sweep(nodes: list[Node], run_id: str, timeout: float = 60) -> Sweep:
             with connect(node) as conn:
                 res = run(conn, script, timeout=timeout)
         except ClusterError as exc:
-            result.unchecked[node.name] = str(exc).split(";")[0]
+            result.unchecked[node.name] = exc.what
             return
         except Exception as exc:  # a dropped connection or a timeout: say so, never claim it is clean
             log.debug("clean-up on %s", node.name, exc_info=True)

@@ -10,10 +10,8 @@ wrapper.pid (the shell that waits for mpirun) and, once mpirun has ended, exit_c
 from __future__ import annotations
 
 import io
-import json
 import logging
 import shlex
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,10 +20,11 @@ from typing import TextIO
 from cluster.node import Node
 from cluster.remote import connect, run
 from core.errors import ClusterError
-from launch import lock, outputs, secrets
+from launch import lock, outputs, records, secrets
 from launch.cleanup import runs_alive, sweep
-from launch.records import RunResult, finish_run
-from launch.stream import OutputRouter, failed_rank
+from launch.lifecycle import Outcome, Run, end
+from launch.records import RunRecord, RunResult, Status
+from launch.stream import OutputRouter
 
 log = logging.getLogger(__name__)
 
@@ -62,65 +61,51 @@ def wrapper_command(remote_run: str, mpirun_dir: str, argv_text: str, python: st
             "< /dev/null & echo $! > wrapper.pid; }")
 
 
-def start(facts, plan, command: str, run_dir: Path, record: dict, say, out: TextIO = sys.stdout) -> RunResult:
-    """Start the wrapper on node 0 (facts[0]), wait until every node runs its ranks (or mpirun already
-    ended), record the run as running. Raises ClusterError when the ranks did not start."""
-    nodes = [f.node for f in facts]
-    master, remote_run = nodes[0], f"{facts[0].home}/runs/{plan.run_id}"
-    record.update(detached=True, started_at=time.time(), remote_run=remote_run)
+def start(facts, r: Run, command: str, say) -> RunResult:
+    """Start the wrapper on node 0, wait until every node runs its ranks (or mpirun already ended), record
+    the run as running. Raises ClusterError when the ranks did not start."""
+    plan, master = r.plan, r.master
+    r.record.detached, r.record.remote_run, r.record.started_at = True, r.remote_run, time.time()
     with connect(master) as conn:
         res = run(conn, command, timeout=60)
     if not res.ok:
-        raise ClusterError(f"could not start mpirun on {master.name}: {res.stderr.strip()[-300:]}")
-    finish_run(run_dir, record, "running", -1, 0.0, None)
+        raise ClusterError(f"could not start mpirun on {master.name}: {res.stderr.strip()[-300:]}",
+                           "check the node with 'fab doctor'")
+    r.write(Status.RUNNING, -1, 0.0)
     deadline = time.monotonic() + START_TIMEOUT_S
     while time.monotonic() < deadline:
-        if _ended(master, remote_run) is not None:
+        if _ended(master, r.remote_run) is not None:
             break  # a short job may end before we look: conclude it now, as an attached run would
-        alive = runs_alive(nodes).get(plan.run_id, {})
-        if all(alive.get(n.name, 0) >= plan.ppn for n in nodes):
+        alive = runs_alive(r.nodes).get(plan.run_id, {})
+        if all(alive.get(n.name, 0) >= plan.ppn for n in r.nodes):
             if plan.secret_env:  # every rank has read it, and the log filter did at its start
                 secrets.forget([(f.node, f"{f.home}/runs/{plan.run_id}") for f in facts])
-            say(f"run {plan.run_id} detached: {plan.world_size} rank(s) running on {len(nodes)} node(s); follow it "
+            say(f"run {plan.run_id} detached: {plan.world_size} rank(s) running on {len(r.nodes)} node(s); follow it "
                 f"with 'fab logs {plan.run_id} -f', list runs with 'fab runs', end it with 'fab stop {plan.run_id}'")
-            return RunResult(run_id=plan.run_id, run_dir=run_dir, exit_code=0, wall_s=0.0, results=None,
+            return RunResult(run_id=plan.run_id, run_dir=r.run_dir, exit_code=0, wall_s=0.0, results=None,
                              detached=True)
         time.sleep(0.5)
     else:
-        sweep(nodes, plan.run_id)
-        finish_run(run_dir, record, "failed", 1, time.time() - record["started_at"], None,
-                   reason=f"the ranks did not all start within {START_TIMEOUT_S}s")
-        raise ClusterError(f"run {plan.run_id}: the ranks did not all start within {START_TIMEOUT_S}s; see "
-                           f"'fab logs {plan.run_id}'")
-    summary = conclude(run_dir, master_node(record), out=None)
-    if summary["status"] != "ok":
-        raise ClusterError(f"run {plan.run_id} {summary['status']}: {summary.get('reason', 'see its log')} "
-                           f"(log: {run_dir / 'log.txt'})")
-    return RunResult(run_id=plan.run_id, run_dir=run_dir, exit_code=0, wall_s=summary["wall_s"],
-                     results=results_of(run_dir))
+        sweep(r.nodes, plan.run_id)
+        r.write(Status.FAILED, 1, time.time() - r.record.started_at,
+                reason=f"the ranks did not all start within {START_TIMEOUT_S}s")
+        raise ClusterError(f"run {plan.run_id}: the ranks did not all start within {START_TIMEOUT_S}s",
+                           f"see 'fab logs {plan.run_id}'")
+    rec = conclude(r.run_dir, master, out=None)
+    if rec.status != Status.OK:
+        raise ClusterError(f"run {plan.run_id} {rec.status}: {rec.reason or 'see its log'}",
+                           f"read its log in {r.run_dir / 'log.txt'}")
+    return RunResult(run_id=plan.run_id, run_dir=r.run_dir, exit_code=0, wall_s=rec.wall_s,
+                     results=records.results_of(r.run_dir))
 
 
 # -- reading records ------------------------------------------------------------------------------
-def load(run_dir: Path) -> dict:
-    try:
-        return json.loads((run_dir / "summary.json").read_text())
-    except (OSError, ValueError):
-        raise ClusterError(f"{run_dir} has no readable summary.json; pass a run id from 'fab runs'") from None
+def master_node(rec: RunRecord) -> Node:
+    return Node(**rec.nodes[0])
 
 
-def master_node(summary: dict) -> Node:
-    return Node(**summary["nodes"][0])
-
-
-def log_plan(summary: dict) -> LogPlan:
-    return LogPlan(summary["run_id"], int(summary["ppn"]), tuple(n["name"] for n in summary["nodes"]))
-
-
-def results_of(run_dir: Path) -> dict | None:
-    try:
-        return json.loads((run_dir / "results.json").read_text())
-    except (OSError, ValueError):
-        return None
+def log_plan(rec: RunRecord) -> LogPlan:
+    return LogPlan(rec.run_id, int(rec.ppn or 1), tuple(rec.node_names))
 
 
 def _ended(master: Node, remote_run: str) -> tuple[int, float] | None:
@@ -134,61 +119,42 @@ def _ended(master: Node, remote_run: str) -> tuple[int, float] | None:
         return None
 
 
-def is_running_detached(summary: dict) -> bool:
-    return bool(summary.get("detached")) and summary.get("status") == "running"
+def is_running_detached(rec: RunRecord) -> bool:
+    return bool(rec.detached) and not rec.supervisor and rec.status == Status.RUNNING
 
 
 # -- ending ---------------------------------------------------------------------------------------
-def conclude(run_dir: Path, master: Node, out: TextIO | None) -> dict:
-    """If the detached run has ended on node 0: its log, results and outputs home, its clean-up and
-    summary, as for an attached run. Returns the summary (status still 'running' while it runs)."""
-    summary = load(run_dir)
-    if not is_running_detached(summary):
-        return summary
-    remote_run = summary["remote_run"]
-    ended = _ended(master, remote_run)
+def conclude(run_dir: Path, master: Node, out: TextIO | None) -> RunRecord:
+    """If the detached run has ended on node 0: its log and outputs home, then the one ending every run
+    has (launch.lifecycle.end). Returns the record (still running while it runs)."""
+    rec = records.load(run_dir)
+    if not is_running_detached(rec):
+        return rec
+    ended = _ended(master, rec.remote_run)
     if ended is None:
-        return summary
+        return rec
     code, ended_at = ended
-    plan = log_plan(summary)
-    nodes = [Node(**n) for n in summary["nodes"]]
+    plan = log_plan(rec)
+    nodes = [Node(**n) for n in rec.nodes]
     with connect(master) as conn:
         text = io.BytesIO()
-        conn.get(f"{remote_run}/mpirun.log", text)
-    wall = max(0.0, ended_at - float(summary["started_at"]))  # node 0's clock and ours: the same host or NTP
+        conn.get(f"{rec.remote_run}/mpirun.log", text)
+    wall = max(0.0, ended_at - float(rec.started_at or ended_at))  # node 0's clock and ours: one host or NTP
     with (run_dir / "log.txt").open("w") as log_file:
         router = OutputRouter(plan, out or io.StringIO(), log_file)
         router.write(text.getvalue().decode(errors="replace"))
         router.flush_rest()
-    record = {k: v for k, v in summary.items() if k not in ("status", "exit_code", "wall_s")}
-    remote_out = summary.get("remote_output") or f"{remote_run}/output"
-    job = summary.get("job")
-    results = None
-    if code == 0 or len(router.finished) == plan.world_size:
-        if job:
-            results = _fetch_json(master, f"{remote_out}/results.json")
-            _bring_home(master, remote_out, run_dir)
-        swept = sweep(nodes, plan.run_id)  # a rank's teardown crash after [finished]: nothing may be left
-        finish_run(run_dir, record, "ok", 0, wall, results, cleanup=swept.to_dict(),
-                   **({"crashed_after_finish": {"exit_code": code}} if code else {}))
-    else:
-        swept = sweep(nodes, plan.run_id)
-        node, reason = failed_rank(router.lines, plan)
-        if job:
-            _bring_home(master, remote_out, run_dir)
-        finish_run(run_dir, record, "failed", code, wall, None, failed_node=node, reason=reason,
-                   cleanup=swept.to_dict())
-    lock.release(nodes, plan.run_id)
-    return load(run_dir)
-
-
-def _fetch_json(master: Node, path: str) -> dict | None:
-    with connect(master) as conn:
-        res = run(conn, f"cat {shlex.quote(path)}", timeout=60)
+    home = rec.remote_run.rsplit("/runs/", 1)[0]
+    r = Run(rec.run_id, run_dir.parent, home, nodes, plan, rec,
+            remote_output=rec.remote_output or f"{rec.remote_run}/output", is_job=bool(rec.job))
+    if r.is_job:
+        _bring_home(master, r.remote_output, run_dir)
     try:
-        return json.loads(res.stdout) if res.ok else None
-    except ValueError:
-        return None
+        end(r, Outcome(code, router.lines, router.finished, wall), lambda msg: log.info("%s", msg))
+    except ClusterError as exc:  # the record says how it ended; whoever looked reads it there
+        log.debug("run %s ended: %s", rec.run_id, exc)
+    lock.release(nodes, plan.run_id)
+    return records.load(run_dir)
 
 
 def _bring_home(master: Node, remote_out: str, run_dir: Path) -> None:

@@ -19,6 +19,7 @@ from pathlib import Path
 from cluster.node import Node
 from cluster.remote import connect, fan_out, run
 from core.errors import ClusterError
+from launch import jobflags
 
 # Numeric job flags: flag -> (type, lowest, highest, lowest excluded). Others are left to the job's parser.
 NUMBERS = {
@@ -42,17 +43,7 @@ HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]{0,95}(/[A-Za-z0-9][\w.-]{0,95})?")
 
 def flag_values(args: list[str]) -> list[tuple[str, str | None]]:
     """(flag, value) for every --flag in the job arguments ('--f v', '--f=v'; None when no value follows)."""
-    out = []
-    for i, a in enumerate(args):
-        if not a.startswith("--"):
-            continue
-        flag, eq, value = a.partition("=")
-        if eq:
-            out.append((flag, value))
-        else:
-            nxt = args[i + 1] if i + 1 < len(args) else None
-            out.append((flag, None if nxt is None or nxt.startswith("--") else nxt))
-    return out
+    return jobflags.pairs(args)
 
 
 def check(job: str, args: list[str], files: list[tuple[str, str]]) -> None:

@@ -61,10 +61,10 @@ def take(nodes: list[Node], run_id: str, say, runs_dir: Path | None = None) -> N
 
 def _ended(summary: Path) -> bool:
     """A run that wrote its final record; a detached or attached run records 'running' while it goes on."""
-    try:
-        return json.loads(summary.read_text()).get("status") != "running"
-    except (OSError, ValueError):
-        return False
+    from launch import records
+
+    rec = records.load_or_none(summary.parent)
+    return rec is not None and rec.status is not None and rec.status.terminal
 
 
 def release(nodes: list[Node], run_id: str) -> None:

@@ -14,7 +14,7 @@ from cluster.node import Node
 from cluster.remote import connect, remote_home, run
 from cluster.resolve import Cluster
 from core.errors import ClusterError
-from core.report import CLUSTER, Report, Row, split_fix
+from core.report import CLUSTER, Report, Row
 from launch import topology
 from node_setup import profiles
 from node_setup.setup import installed_versions
@@ -33,6 +33,7 @@ class Facts:
 
     node: Node
     error: str = ""
+    fix: str = ""  # how to fix what ``error`` says
     home: str = ""
     python: str | None = None  # version of node.python, None if it does not run
     code: str | None = None  # digest of the installed copy of this revision, None if not there
@@ -58,13 +59,13 @@ def gather(node: Node, digest: str, full: bool, python_word: str | None = None,
     try:
         conn = connect(node)
     except ClusterError as exc:
-        facts.error = str(exc)
+        facts.error, facts.fix = exc.what, exc.fix
         return facts
     with conn:
         try:
             facts.home = remote_home(conn)
         except ClusterError as exc:
-            facts.error = str(exc)
+            facts.error, facts.fix = exc.what, exc.fix
             return facts
         res = run(conn, f"{shlex.quote(node.python)} -c 'import sys; print(sys.version.split()[0])'", timeout=30)
         facts.python = res.stdout.strip() if res.ok else None
@@ -102,7 +103,7 @@ def gather_all(nodes: list[Node], **kw) -> list[Facts]:
             return gather(node, **kw)
         except Exception as exc:  # a command past its timeout, a dropped connection: this node's row
             log.debug("gather on %s", node.name, exc_info=True)
-            return Facts(node, error=f"{node.name}: {type(exc).__name__}: {exc}; check the node's load and sshd")
+            return Facts(node, error=f"{node.name}: {type(exc).__name__}: {exc}", fix="check the node's load and sshd")
 
     with ThreadPoolExecutor(max_workers=min(32, len(nodes))) as pool:
         return list(pool.map(one, nodes))
@@ -120,8 +121,7 @@ def preflight_rows(facts: list[Facts], digest: str) -> list[Row]:
     for f in facts:
         n = f.node
         if f.error:
-            what, fix = split_fix(f.error)
-            rows.append(Row(n.name, "reachable", False, what, fix))
+            rows.append(Row(n.name, "reachable", False, f.error, f.fix))
             continue
         rows.append(Row(n.name, "reachable", True, f"{n.user}@{n.host}:{n.port}, work folder {f.home}"))
         if f.python:

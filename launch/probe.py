@@ -9,7 +9,7 @@ from pathlib import Path
 
 from cluster.node import Node
 from cluster.remote import connect, remote_home, run
-from core.errors import ClusterError
+from core.errors import ClusterError, PortHeld
 from launch import topology
 
 MFU_PY = Path(__file__).resolve().parent.parent / "training" / "mfu.py"
@@ -89,8 +89,8 @@ def master_port(node: Node, wanted: int | None) -> int:
         res = run(conn, f"{shlex.quote(node.python)} -c {shlex.quote(PORT_PY)} {int(wanted or 0)}", timeout=30)
     word, _, rest = res.stdout.strip().partition(" ")
     if word == "busy":
-        raise ClusterError(f"--master-port {wanted} is in use on {node.name} ({rest}); leave --master-port out "
-                           "to get a free port, or pass another")
+        raise PortHeld(f"--master-port {wanted} is in use on {node.name} ({rest})", "leave --master-port out "
+                       "to get a free port, or pass another")
     if word != "free":
         raise ClusterError(f"{node.name}: could not check the rendezvous port: {(res.stderr or res.stdout).strip()[-200:]}")
     return int(rest)

@@ -1,17 +1,246 @@
-"""A run's records in runs/<run-id>/: summary.json (status, nodes, command, environment, what --resume needs), results.json, and the one-line result."""
+"""A run's record in runs/<run-id>/summary.json: one typed RunRecord with a Status and named transitions,
+written from the dataclass and read back into it (older records too); results.json and the one-line result.
+
+Model: skypilot's sky/jobs/state.py (a status enum with terminal and failure sets, every change of state
+through one function)."""
 from __future__ import annotations
 
+import dataclasses
+import enum
 import json
 import logging
-from dataclasses import dataclass
+import os
+import socket
+import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
-from cluster.resolve import Cluster
-from launch import launcher, secrets
-from launch.probe import NodeFacts
-from launch.request import TrainRequest, file_digest, local_files
+from core.errors import ClusterError, NoRecord
 
 log = logging.getLogger(__name__)
+
+
+class Status(str, enum.Enum):
+    RUNNING = "running"
+    OK = "ok"
+    FAILED = "failed"
+    PREEMPTED = "preempted"
+    INTERRUPTED = "interrupted"
+    STOPPED = "stopped"
+    RESTARTING = "restarting"  # ended by a preemption or a lost node; its supervisor waits to resume it
+    ABANDONED = "abandoned"  # its supervisor died without ending it and nothing of it is left on the nodes
+
+    def __str__(self) -> str:
+        return self.value
+
+    @property
+    def terminal(self) -> bool:
+        return self in TERMINAL
+
+    @property
+    def failure(self) -> bool:
+        return self in FAILURES
+
+
+TERMINAL = frozenset({Status.OK, Status.FAILED, Status.PREEMPTED, Status.INTERRUPTED, Status.STOPPED,
+                      Status.ABANDONED})
+FAILURES = frozenset({Status.FAILED, Status.PREEMPTED, Status.INTERRUPTED, Status.STOPPED, Status.ABANDONED})
+# Named transitions: a new record (None) may be born running or already ended (a failure before launch).
+TRANSITIONS: dict[Status | None, frozenset[Status]] = {
+    None: frozenset(Status) - {Status.RESTARTING, Status.ABANDONED},
+    Status.RUNNING: frozenset(Status) - {Status.RUNNING},
+    Status.PREEMPTED: frozenset({Status.RESTARTING, Status.STOPPED}),
+    Status.FAILED: frozenset({Status.RESTARTING, Status.STOPPED}),  # a lost node: restart, or stopped by hand
+    Status.RESTARTING: frozenset({Status.PREEMPTED, Status.FAILED, Status.STOPPED, Status.ABANDONED}),
+    Status.OK: frozenset(), Status.INTERRUPTED: frozenset({Status.STOPPED}), Status.STOPPED: frozenset(),
+    Status.ABANDONED: frozenset({Status.STOPPED}),
+}
+
+
+class BadTransition(RuntimeError):
+    """A programming error: the lifecycle asked for a change of state its table does not allow."""
+
+
+# Fields every summary.json carries (None included); the optional ones appear only when set.
+ALWAYS = ("run_id", "status", "exit_code", "wall_s", "cluster", "nodes", "job", "script", "args", "module",
+          "launcher", "workdir", "world_size", "ppn", "backend", "precision", "env", "node_env", "pinning",
+          "topology", "request")
+
+
+@dataclass
+class RunRecord:
+    run_id: str
+    status: Status | None = None  # None until first written
+    exit_code: int = -1
+    wall_s: float = 0.0
+    cluster: str | None = None
+    nodes: list[dict] = field(default_factory=list)
+    job: str | None = None
+    script: str | None = None
+    args: list[str] = field(default_factory=list)
+    module: str | None = None
+    launcher: str | None = None
+    workdir: dict | None = None
+    world_size: int | None = None
+    ppn: int | None = None
+    backend: str | None = None
+    precision: str | None = None
+    env: dict = field(default_factory=dict)
+    node_env: dict = field(default_factory=dict)
+    pinning: dict = field(default_factory=dict)
+    topology: dict = field(default_factory=dict)
+    request: dict | None = None  # what --resume needs to run the same job again
+    # optional: written only when set
+    command: list[str] | None = None
+    code: str | None = None
+    started_at: float | None = None
+    detached: bool | None = None
+    remote_run: str | None = None
+    remote_output: str | None = None
+    resumed_from: dict | None = None
+    reason: str | None = None
+    failed_node: str | None = None
+    lost_nodes: list[str] | None = None
+    cleanup: dict | None = None
+    preempted: dict | None = None
+    cause: str | None = None  # what took the node: "spot interruption", "group termination" (ranks may say)
+    crashed_after_finish: dict | None = None
+    train_samples_per_second: float | None = None
+    eval: dict | None = None
+    stopped_at: str | None = None
+    supervisor: dict | None = None  # {"pid", "host", "start"}: the process that ends this run
+    restart: dict | None = None  # {"attempt", "of", "ended": status, "why"} while restarting
+    restarted_as: str | None = None
+    abandoned: dict | None = None  # what the look that found it abandoned saw
+    extra: dict = field(default_factory=dict)  # keys this version does not know, kept as they were
+
+    # -- the one way a status changes ----------------------------------------------------------------
+    def can(self, to: Status) -> bool:
+        return to in TRANSITIONS[self.status]
+
+    def transition(self, to: Status, **fields) -> RunRecord:
+        if to not in TRANSITIONS[self.status]:
+            raise BadTransition(f"run {self.run_id}: {self.status} -> {to} is not a transition")
+        self.status = Status(to)
+        for k, v in fields.items():
+            if k not in _FIELDS:
+                raise BadTransition(f"RunRecord has no field {k!r}")
+            setattr(self, k, v)
+        return self
+
+    @property
+    def node_names(self) -> list[str]:
+        return [n.get("name", "?") for n in self.nodes]
+
+    # -- summary.json ------------------------------------------------------------------------------------
+    def to_json(self) -> dict:
+        out = dict(self.extra)
+        for f in dataclasses.fields(self):
+            if f.name == "extra":
+                continue
+            value = getattr(self, f.name)
+            if f.name in ALWAYS or value is not None:
+                out[f.name] = value.value if isinstance(value, Status) else value
+        return out
+
+    @classmethod
+    def from_json(cls, data: dict) -> RunRecord:
+        known = {k: v for k, v in data.items() if k in _FIELDS and k != "extra"}
+        extra = {k: v for k, v in data.items() if k not in _FIELDS}
+        status = known.pop("status", None)
+        try:
+            known["status"] = Status(status) if status is not None else None
+        except ValueError:  # a status this version does not know: shown as failed, kept as it was
+            known["status"], extra["status_unknown"] = Status.FAILED, status
+        return cls(run_id=str(known.pop("run_id", data.get("run_id", "?"))), extra=extra, **known)
+
+    def save(self, run_dir: Path) -> None:
+        run_dir = Path(run_dir)
+        tmp = run_dir / "summary.json.part"  # readers in other processes never see half a record
+        tmp.write_text(json.dumps(self.to_json(), indent=2, sort_keys=True, default=str))
+        os.replace(tmp, run_dir / "summary.json")
+
+
+_FIELDS = {f.name for f in dataclasses.fields(RunRecord)}
+
+
+def load(run_dir: Path) -> RunRecord:
+    run_dir = Path(run_dir)
+    try:
+        data = json.loads((run_dir / "summary.json").read_text())
+    except (OSError, ValueError):
+        raise NoRecord(f"{run_dir} has no readable summary.json", "pass a run id from 'fab runs'") from None
+    if not isinstance(data, dict):
+        raise NoRecord(f"{run_dir}/summary.json is not a run record", "pass a run id from 'fab runs'")
+    data.setdefault("run_id", run_dir.name)
+    return RunRecord.from_json(data)
+
+
+def load_or_none(run_dir: Path) -> RunRecord | None:
+    try:
+        return load(run_dir)
+    except ClusterError:
+        return None
+
+
+def update(run_dir: Path, to: Status, **fields) -> RunRecord:
+    """Read, move to `to`, write: for the processes that change a record they did not create."""
+    rec = load(run_dir)
+    rec.transition(to, **fields)
+    rec.save(run_dir)
+    return rec
+
+
+# -- the process that ends a run ---------------------------------------------------------------------
+def _start_time(pid: int) -> str | None:
+    """The process's start time (clock ticks after boot); None when it is gone or a zombie."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    return None if fields[0] == "Z" or len(fields) < 20 else fields[19]
+
+
+def this_process() -> dict:
+    """What identifies this process later: pid, host and its start time (so a reused pid is not taken for it)."""
+    return {"pid": os.getpid(), "host": socket.gethostname(), "start": _start_time(os.getpid())}
+
+
+def supervisor_alive(sup: dict | None) -> bool | None:
+    """True/False for a supervisor on this host; None when it cannot be told from here (another host, none)."""
+    if not sup or sup.get("host") != socket.gethostname():
+        return None
+    pid = int(sup.get("pid") or 0)
+    if pid <= 0:
+        return None
+    if not Path("/proc/self/stat").is_file():  # no /proc (macOS): the pid alone, without the reuse check
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            return True
+        return True
+    start = _start_time(pid)
+    return start is not None and (sup.get("start") is None or start == sup.get("start"))
+
+
+def merge_results(record: RunRecord, run_dir: Path, results: dict | None) -> None:
+    if results:
+        record.train_samples_per_second = results.get("train", {}).get("train_samples_per_second")
+        record.eval = results.get("eval")
+        (Path(run_dir) / "results.json").write_text(json.dumps(results, indent=2, sort_keys=True))
+
+
+def results_of(run_dir: Path) -> dict | None:
+    try:
+        return json.loads((Path(run_dir) / "results.json").read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def now_iso() -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%S%z")
 
 
 @dataclass
@@ -22,40 +251,39 @@ class RunResult:
     wall_s: float
     results: dict | None
     failed_node: str | None = None
-    detached: bool = False  # still running on the nodes: 'fab logs -f' or 'fab runs' concludes it
+    detached: bool = False  # still running without this fab: 'fab logs -f' or 'fab runs' shows its end
 
 
-def new_record(cluster: Cluster, req: TrainRequest, plan: launcher.LaunchPlan, facts: list[NodeFacts],
-            args: list[str]) -> dict:
-    nodes = [f.node for f in facts]
-    return {
-        "run_id": plan.run_id, "cluster": cluster.spec, "nodes": [n.to_dict() for n in nodes],
-        "job": req.job if not req.script else None, "script": req.script, "args": list(args),
-        "module": req.module, "launcher": plan.launcher,
-        "workdir": plan.workdir.record() if plan.workdir is not None else None,  # path, digest, files, bytes
-        "world_size": plan.world_size, "ppn": plan.ppn, "backend": plan.backend, "precision": plan.precision,
-        "env": {**launcher.global_env(plan), **{k: secrets.MASK for k in plan.secret_env}},
-        "node_env": {p.name: launcher.node_env(plan, p) for p in plan.nodes},
-        "pinning": {p.name: dict(launcher.rank_cpus(p)) for p in plan.nodes},
-        "topology": {f.node.name: f.topo.to_dict() for f in facts},
-        # what --resume needs to run the same job again
-        "request": {"job": req.job, "script": req.script, "workdir": req.workdir, "module": req.module,
-                    "launcher": req.launcher, "args": list(req.args), "ppn": req.ppn,
-                    "threads": req.threads, "backend": req.backend, "precision": req.precision,
-                    "comm_hook": req.comm_hook, "env": secrets.masked(req.env, req.valueless), "save_every": req.save_every, "pin": req.pin, "timeout_s": req.timeout_s,
-                    "data": {str(Path(p).expanduser().resolve()): file_digest(p) for _, p in local_files(req.args)}},
-    }
+def new_record(cluster, req, plan, facts, args: list[str]) -> RunRecord:
+    """The record of a run about to start (status None until it is first written)."""
+    from launch import launcher, secrets
+    from launch.request import file_digest, local_files
+
+    return RunRecord(
+        run_id=plan.run_id, cluster=cluster.spec, nodes=[f.node.to_dict() for f in facts],
+        job=req.job if not req.script else None, script=req.script, args=list(args), module=req.module,
+        launcher=plan.launcher, workdir=plan.workdir.record() if plan.workdir is not None else None,
+        world_size=plan.world_size, ppn=plan.ppn, backend=plan.backend, precision=plan.precision,
+        env={**launcher.global_env(plan), **{k: secrets.MASK for k in plan.secret_env}},
+        node_env={p.name: launcher.node_env(plan, p) for p in plan.nodes},
+        pinning={p.name: dict(launcher.rank_cpus(p)) for p in plan.nodes},
+        topology={f.node.name: f.topo.to_dict() for f in facts},
+        request={"job": req.job, "script": req.script, "workdir": req.workdir, "module": req.module,
+                 "launcher": req.launcher, "args": list(req.args), "ppn": req.ppn, "threads": req.threads,
+                 "backend": req.backend, "precision": req.precision, "comm_hook": req.comm_hook,
+                 "env": secrets.masked(req.env, req.valueless), "save_every": req.save_every, "pin": req.pin,
+                 "timeout_s": req.timeout_s,
+                 "data": {str(Path(p).expanduser().resolve()): file_digest(p) for _, p in local_files(req.args)}},
+        started_at=time.time())
 
 
-def finish_run(run_dir: Path, record: dict, status: str, exit_code: int, wall: float, results: dict | None,
-            **extra) -> None:
-    summary = dict(record, status=status, exit_code=exit_code, wall_s=round(wall, 3), **extra)
-    if results:
-        tr = results.get("train", {})
-        summary["train_samples_per_second"] = tr.get("train_samples_per_second")
-        summary["eval"] = results.get("eval")
-        (run_dir / "results.json").write_text(json.dumps(results, indent=2, sort_keys=True))
-    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2, sort_keys=True, default=str))
+def finish_run(run_dir: Path, record: RunRecord, status: Status, exit_code: int, wall: float,
+               results: dict | None, **fields) -> RunRecord:
+    """Every state a run's own process writes goes through here: transition, results, summary.json."""
+    record.transition(Status(status), exit_code=exit_code, wall_s=round(wall, 3), **fields)
+    merge_results(record, run_dir, results)
+    record.save(run_dir)
+    return record
 
 
 def result_line(result: RunResult) -> str:

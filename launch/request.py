@@ -1,6 +1,7 @@
 """What the user asked for (TrainRequest), checked, and turned into a launch plan for the nodes probed."""
 from __future__ import annotations
 
+import dataclasses
 import functools
 import ipaddress
 import logging
@@ -15,7 +16,7 @@ from cluster.resolve import Cluster
 from core.cli import writable_dir
 from core.constants import PROJECT_ROOT
 from core.errors import ClusterError
-from launch import jobdata, launcher, secrets, topology, workdir
+from launch import jobdata, jobflags, launcher, secrets, topology, workdir
 from launch.probe import NodeFacts, master_port, probe, resolve_backend, resolve_precision
 from training import spot
 from training.dist import COMM_HOOKS
@@ -78,11 +79,14 @@ class TrainRequest:
     pin: bool = True
     timeout_s: int = 300
     runs_dir: Path = RUNS
+    restart_of: str | None = None  # the run this one resumes by itself (--max-restarts): it names this one
     save_every: str = spot.DEFAULT_SAVE_EVERY
     fetch_model: bool = True
     resume: dict | None = None  # set by launch.resume: run_id, step, checkpoint (local folder)
     run_id: str | None = None
     detach: bool = False  # return once the ranks run; launch.detach concludes the run later
+    # what validate() found (the scanned --workdir), so the plan does not check again; set by validate only
+    checked: tuple | None = field(default=None, repr=False, compare=False)
     concurrent: bool = False  # run even while another run holds the cluster's lock  # chosen by the caller (doctor) so it can end the run by id; default: a new one
 
 
@@ -138,21 +142,18 @@ def validate(req: TrainRequest) -> workdir.Workdir | None:
     if bundled:
         jobdata.check(req.job, req.args, files)
     writable_dir(req.runs_dir, "the runs folder", "set XC_RUNS_DIR to a writable folder")
+    req.checked = (wd,)  # the one validation: plan_run reads it instead of scanning again
     return wd
 
 
 def local_files(args: list[str]) -> list[tuple[str, str]]:
     """(flag, path) for every data-file flag in the job arguments (both '--f x' and '--f=x')."""
     out = []
-    for i, a in enumerate(args):
-        flag, eq, value = a.partition("=")
-        if flag in FILE_FLAGS:
-            if eq:
-                out.append((flag, value))
-            elif i + 1 < len(args):
-                out.append((flag, args[i + 1]))
-            else:
-                raise ClusterError(f"{flag} needs a file path; pass the data file after it")
+    for f in jobflags.parse(args):
+        if f.name in FILE_FLAGS:
+            if f.value is None:
+                raise ClusterError(f"{f.name} needs a file path", "pass the data file after it")
+            out.append((f.name, f.value))
     return out
 
 
@@ -178,10 +179,12 @@ def new_run_id(label: str) -> str:
     return f"{time.strftime('%Y%m%d-%H%M%S')}-{label}-{random.randbytes(2).hex()}"
 
 
-def plan_run(cluster: Cluster, req: TrainRequest, say) -> tuple[launcher.LaunchPlan, list[NodeFacts], list[str], dict]:
-    wd = validate(req)
+def plan_run(cluster: Cluster, req: TrainRequest, say
+             ) -> tuple[launcher.LaunchPlan, list[NodeFacts], list[str], dict, TrainRequest]:
+    """The plan for the nodes probed; also the request as the run goes on with it (a copy: never changed in place)."""
+    wd = req.checked[0] if req.checked else validate(req)
     if req.module and req.script is None:  # own code from here on: the run keys its bundled-job steps on script
-        req.script = workdir.module_file(wd, req.module)
+        req = dataclasses.replace(req, script=workdir.module_file(wd, req.module))
     nodes = cluster.first(req.nodes)
     say(f"cluster {cluster.spec}: {len(nodes)} of {len(cluster.nodes)} node(s): {', '.join(n.name for n in nodes)}")
     facts = fan_out(nodes, functools.partial(probe, time_bf16=req.precision == "auto"), "probing nodes")
@@ -210,7 +213,7 @@ def plan_run(cluster: Cluster, req: TrainRequest, say) -> tuple[launcher.LaunchP
     else:
         entry = launcher.JOBS[req.job]
         label = req.job
-        if not any(a == "--output_dir" or a.startswith("--output_dir=") for a in args):
+        if not jobflags.has(args, "--output_dir"):
             args += ["--output_dir", "output"]
     env = run_env(req, [n.private_host for n in nodes])
     plan = launcher.LaunchPlan(
@@ -219,7 +222,7 @@ def plan_run(cluster: Cluster, req: TrainRequest, say) -> tuple[launcher.LaunchP
         args=tuple(args), env_overrides=secrets.split(env, req.valueless)[0],
         secret_env=secrets.split(req.env, req.valueless)[1], pin=req.pin, timeout_s=req.timeout_s,
         launcher=req.launcher, workdir=wd)
-    return plan, facts, args, ship
+    return plan, facts, args, ship, req
 
 
 def fits(ppn: int, threads: int | None, facts: list[NodeFacts]) -> None:
@@ -281,26 +284,11 @@ def file_digest(path: str) -> str:
 
 
 def _flag(args: list[str], name: str) -> str | None:
-    for i, a in enumerate(args):
-        if a == name and i + 1 < len(args):
-            return args[i + 1]
-        if a.startswith(name + "="):
-            return a.split("=", 1)[1]
-    return None
+    return jobflags.get(args, name)
 
 
 def _without(args: list[str], name: str) -> list[str]:
-    out, skip = [], False
-    for a in args:
-        if skip:
-            skip = False
-            continue
-        if a == name:
-            skip = True
-            continue
-        if not a.startswith(name + "="):
-            out.append(a)
-    return out
+    return jobflags.without(args, name)
 
 
 def same_global_batch(args: list[str], old_world: int, new_world: int) -> tuple[list[str], str | None]:

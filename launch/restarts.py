@@ -5,6 +5,7 @@ is not restarted: it would crash again.
 """
 from __future__ import annotations
 
+import dataclasses
 import shlex
 import sys
 import time
@@ -13,10 +14,11 @@ from typing import TextIO
 
 from cluster.node import Node
 from cluster.remote import connect, fan_out, run
-from cluster.resolve import open_cluster
-from core.errors import ClusterError, NodeFailure, Preempted
+from cluster.resolve import Cluster, open_cluster
+from core.errors import ClusterError, NoCheckpoint, NodeFailure, Preempted
+from launch import records
 from launch import resume as resume_lib
-from launch.records import RunResult
+from launch.records import RunResult, Status
 from launch.request import TrainRequest
 from launch.run import train
 from training import spot
@@ -61,7 +63,7 @@ def missing(spec: str, count: int, endpoint: str) -> str | None:
         nodes = open_cluster(spec).first(count)
         states = fan_out(nodes, lambda n: node_ready(n, endpoint), "reaching the nodes")
     except ClusterError as exc:
-        return str(exc).split(";")[0]
+        return exc.what
     doomed = [s for s in states if s != "ok"]
     return "; ".join(doomed) or None
 
@@ -92,9 +94,7 @@ def next_request(run_id: str, req: TrainRequest, say) -> TrainRequest:
         try:
             nxt = resume_lib.resume_request(current, req.runs_dir, nodes=req.nodes, fetch_model=req.fetch_model)
             break
-        except ClusterError as exc:
-            if "no complete checkpoint" not in str(exc):
-                raise
+        except NoCheckpoint:
             earlier = resume_lib.resumed_from(req.runs_dir, current)
             if earlier is None:
                 say(f"no checkpoint of {run_id} came home before it ended: starting it again from step 0")
@@ -106,41 +106,43 @@ def next_request(run_id: str, req: TrainRequest, say) -> TrainRequest:
     return nxt
 
 
-def train_with_restarts(spec: str, req: TrainRequest, max_restarts: int = 0, restart_wait: float = 600,
+def train_with_restarts(cluster: Cluster, req: TrainRequest, max_restarts: int = 0, restart_wait: float = 600,
                         out: TextIO = sys.stdout, poll_s: float = POLL_S) -> RunResult:
+    """Run, and after a preemption or a lost node wait for the cluster and resume, up to max_restarts times.
+    The run that ended is recorded `restarting` while this waits, and names the run it was resumed as."""
     def say(msg: str) -> None:
         out.write(msg + "\n")
         out.flush()
 
     if max_restarts < 0:
-        raise ClusterError(f"--max-restarts {max_restarts} must be 0 or more")
+        raise ClusterError(f"--max-restarts {max_restarts} must be 0 or more", "pass 0 or more")
     if restart_wait < 0:
-        raise ClusterError(f"--restart-wait {restart_wait} must be 0 or more seconds")
+        raise ClusterError(f"--restart-wait {restart_wait} must be 0 or more seconds", "pass 0 or more")
     attempt = 0
     while True:
         try:
-            return train(open_cluster(spec), req, out)
+            return train(cluster, req, out)
         except (Preempted, NodeFailure) as exc:
             why = why_restart(exc)
             if why is None or attempt >= max_restarts:
                 raise
             attempt += 1
-            count = _node_count(req, exc.run_id)
+            run_dir = Path(req.runs_dir) / exc.run_id
+            rec = records.load(run_dir)
+            ended = rec.status
+            rec.transition(Status.RESTARTING, restart={"attempt": attempt, "of": max_restarts, "ended": str(ended),
+                                                        "why": why})
+            rec.save(run_dir)
+            count = req.nodes or len(rec.nodes)
             say(f"restart {attempt} of {max_restarts}: {why}; waiting up to {restart_wait:.0f}s for the cluster")
             endpoint = req.env.get("XC_IMDS_ENDPOINT") or spot.DEFAULT_IMDS
             try:
-                wait_for_nodes(spec, count, restart_wait, endpoint, say, poll_s)
+                wait_for_nodes(cluster.spec, count, restart_wait, endpoint, say, poll_s)
             except ClusterError as wait_exc:
-                raise type(exc)(f"{wait_exc}; {exc}", **_same(exc)) from None
-            req = next_request(exc.run_id, req, say)
-
-
-def _node_count(req: TrainRequest, run_id: str) -> int:
-    if req.nodes:
-        return req.nodes
-    import json
-
-    return len(json.loads((Path(req.runs_dir) / run_id / "summary.json").read_text())["nodes"])
+                records.update(run_dir, ended, restart=None)
+                raise type(exc)(f"{wait_exc.text}; {exc.what}", fix=exc.fix, **_same(exc)) from None
+            req = dataclasses.replace(next_request(exc.run_id, req, say), restart_of=exc.run_id)
+            cluster = open_cluster(cluster.spec)  # a replaced node has a new address: discover them anew
 
 
 def _same(exc: ClusterError) -> dict:

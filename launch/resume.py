@@ -2,12 +2,11 @@
 at home (shipped from the operator's copy, so a new node 0 works), in a new run folder."""
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 
-from core.errors import ClusterError
-from launch import outputs, secrets
+from core.errors import ClusterError, NoCheckpoint, NoRecord
+from launch import outputs, records, secrets
 from launch.request import TrainRequest, file_digest
 
 
@@ -15,10 +14,10 @@ def resume_request(run_id: str, runs_dir: Path, nodes: int | None = None, fetch_
     """The request that continues RUN; refuses a finished run, changed data, a missing checkpoint."""
     run_dir = Path(runs_dir) / run_id
     try:
-        summary = json.loads((run_dir / "summary.json").read_text())
-    except (OSError, ValueError):
-        raise ClusterError(f"--resume {run_id}: no readable {run_dir}/summary.json; pass the id of a run "
-                           f"under {runs_dir} (ls {runs_dir})") from None
+        summary = records.load(run_dir).to_json()
+    except NoRecord:
+        raise NoRecord(f"--resume {run_id}: no readable {run_dir}/summary.json; pass the id of a run "
+                       f"under {runs_dir} (ls {runs_dir})") from None
     if summary.get("status") == "ok":
         raise ClusterError(f"--resume {run_id}: that run finished; its results are in {run_dir} (nothing to resume)")
     request = summary.get("request")
@@ -28,7 +27,7 @@ def resume_request(run_id: str, runs_dir: Path, nodes: int | None = None, fetch_
                            "resume from XC_RESUME_FROM or --resume_from_checkpoint)")
     home = outputs.home_checkpoints(run_dir)
     if not home:
-        raise ClusterError(f"--resume {run_id}: no complete checkpoint in {run_dir}/checkpoints; start the run anew")
+        raise NoCheckpoint(f"--resume {run_id}: no complete checkpoint in {run_dir}/checkpoints; start the run anew")
     step, checkpoint = home[-1]
     if not fetch_model_ok(checkpoint):
         raise ClusterError(f"--resume {run_id}: checkpoint step-{step} has no model weights (the run used "
@@ -57,11 +56,8 @@ def resume_request(run_id: str, runs_dir: Path, nodes: int | None = None, fetch_
 
 def resumed_from(runs_dir: Path, run_id: str) -> str | None:
     """The run that run_id resumed, if any."""
-    try:
-        summary = json.loads((Path(runs_dir) / run_id / "summary.json").read_text())
-    except (OSError, ValueError):
-        return None
-    return (summary.get("resumed_from") or {}).get("run_id")
+    rec = records.load_or_none(Path(runs_dir) / run_id)
+    return ((rec.resumed_from if rec else None) or {}).get("run_id")
 
 
 def fetch_model_ok(checkpoint: Path) -> bool:

@@ -5,9 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import io
-import json
 import logging
-import re
 import shlex
 import signal
 import sys
@@ -20,18 +18,17 @@ from cluster import keys, shipping
 from cluster.node import Node
 from cluster.remote import connect, fan_out, run
 from cluster.resolve import Cluster
-from core.constants import HOME_EXPR
-from core.errors import ClusterError, Interrupted, NodeFailure, Preempted
+from core.errors import ClusterError
 from core.render import render
-from launch import detach, launcher, lock, outputs, secrets, userscript, workdir
+from launch import detach, launcher, lock, outputs, records, secrets, userscript, workdir
 from launch.cleanup import Sweep, sweep
+from launch.lifecycle import Outcome, Run, end
 from launch.preflight import preflight
 from launch.probe import NodeFacts
-from launch.records import RunResult, finish_run, new_record, result_line
+from launch.records import RunResult, Status, new_record, result_line, this_process
 from launch.request import TrainRequest, describe, plan_run, validate
-from launch.stream import OutputRouter, failed_rank
+from launch.stream import OutputRouter
 from launch.watchdog import Watchdog
-from training import spot
 
 log = logging.getLogger(__name__)
 
@@ -91,7 +88,7 @@ def train(cluster: Cluster, req: TrainRequest, out: TextIO = sys.stdout) -> RunR
         out.write(msg + "\n")
         out.flush()
 
-    plan, facts, args, ship = plan_run(cluster, req, say)
+    plan, facts, args, ship, req = plan_run(cluster, req, say)
     for line in describe(plan, facts):
         say(line)
     nodes = [f.node for f in facts]
@@ -113,49 +110,55 @@ def train(cluster: Cluster, req: TrainRequest, out: TextIO = sys.stdout) -> RunR
 def _run(cluster: Cluster, req: TrainRequest, plan: launcher.LaunchPlan, facts: list[NodeFacts], args: list[str],
          ship: dict[str, Path], say, out: TextIO) -> RunResult:
     nodes = [f.node for f in facts]
-    run_dir = Path(req.runs_dir) / plan.run_id
-    try:
-        run_dir.mkdir(parents=True)
-    except OSError as exc:
-        raise ClusterError(f"cannot create the run folder {run_dir}: {exc.strerror}; set XC_RUNS_DIR to a writable "
-                           "folder") from None
-    say(f"run {plan.run_id}: results in {run_dir}")
-
+    master = facts[0]
     record = new_record(cluster, req, plan, facts, args)
+    r = Run(plan.run_id, Path(req.runs_dir), master.home, nodes, plan, record,
+            remote_output=_remote_output_dir(master, plan, args), is_job=req.script is None,
+            fetch_model=req.fetch_model)
+    try:
+        r.run_dir.mkdir(parents=True)
+    except OSError as exc:
+        raise ClusterError(f"cannot create the run folder {r.run_dir}: {exc.strerror}",
+                           "set XC_RUNS_DIR to a writable folder") from None
+    say(f"run {plan.run_id}: results in {r.run_dir}")
+    if req.restart_of:  # the run that ended names the one that goes on for it
+        ended = records.load(r.run_dir.parent / req.restart_of)
+        records.update(r.run_dir.parent / req.restart_of, Status((ended.restart or {}).get("ended", "failed")),
+                       restarted_as=plan.run_id, restart=None)
     if req.resume:
-        record["resumed_from"] = {"run_id": req.resume["run_id"], "step": req.resume["step"]}
+        record.resumed_from = {"run_id": req.resume["run_id"], "step": req.resume["step"]}
+    # who ends this run: this process (fab, or the supervisor of a detached run with restarts); a plain
+    # detached run is ended by whichever fab looks after node 0's wrapper has finished
+    record.supervisor = None if req.detach else this_process()
     try:
         ks_dir, digest = _prepare(cluster, req, plan, facts, ship)
     except BaseException as exc:  # the run folder exists: it gets its record
         stopped = isinstance(exc, KeyboardInterrupt)
-        finish_run(run_dir, record, "interrupted" if stopped else "failed", 130 if stopped else 1, 0.0, None,
+        r.write(Status.INTERRUPTED if stopped else Status.FAILED, 130 if stopped else 1, 0.0,
                 reason=f"before launch: {'interrupted' if stopped else exc}")
         raise
     say(f"code {digest} on every node")
-    master = facts[0]
     mpirun = str(Path(master.node.python).parent / "mpirun")
     argv = launcher.mpirun_argv(plan, ssh_config=f"{ks_dir}/config", mpirun=mpirun)
-    command = (f"cd {shlex.quote(master.home)}/runs/{plan.run_id} && "
+    command = (f"cd {shlex.quote(r.remote_run)} && "
                f"PATH={shlex.quote(str(Path(mpirun).parent))}:$PATH exec {launcher.shell_join(argv)}")
-    record.update(command=argv, code=digest)
-    (run_dir / "command.sh").write_text(command + "\n")
+    record.command, record.code = argv, digest
+    (r.run_dir / "command.sh").write_text(command + "\n")
     if req.detach:
-        remote_run = f"{master.home}/runs/{plan.run_id}"
-        record["remote_output"] = _remote_output_dir(master, plan, args)
+        record.remote_output = r.remote_output
         say(f"launching {plan.world_size} rank(s) with mpirun on {master.node.name}, detached")
-        return detach.start(facts, plan, detach.wrapper_command(
-            remote_run, str(Path(mpirun).parent), launcher.shell_join(argv), master.node.python,
-            f"{master.home}/code/{digest}", bool(plan.secret_env)), run_dir, record, say, out)
-    finish_run(run_dir, record, "running", -1, 0.0, None)  # 'fab runs' lists it while it goes on
+        return detach.start(facts, r, detach.wrapper_command(
+            r.remote_run, str(Path(mpirun).parent), launcher.shell_join(argv), master.node.python,
+            f"{master.home}/code/{digest}", bool(plan.secret_env)), say)
+    r.write(Status.RUNNING, -1, 0.0)  # 'fab runs' lists it while it goes on
     say(f"launching {plan.world_size} rank(s) with mpirun on {master.node.name}")
     started = time.monotonic()
     exit_code = 1
-    remote_out = _remote_output_dir(master, plan, args)
     mirror = None
-    if req.script is None:
-        mirror = outputs.CheckpointMirror(master.node, run_dir, remote_out, req.fetch_model)
+    if r.is_job:
+        mirror = outputs.CheckpointMirror(master.node, r.run_dir, r.remote_output, req.fetch_model)
         mirror.start()
-    with (run_dir / "log.txt").open("w") as log_file:
+    with (r.run_dir / "log.txt").open("w") as log_file:
         router = OutputRouter(plan, out, log_file)
         ctrl_c = CtrlC(nodes, plan.run_id, say)
         watch = Watchdog(nodes, plan.run_id, lambda: cleanup(nodes, plan.run_id))
@@ -175,7 +178,7 @@ def _run(cluster: Cluster, req: TrainRequest, plan: launcher.LaunchPlan, facts: 
             say("interrupted: stopping every rank")
             swept = cleanup(nodes, plan.run_id)
             say(f"run {plan.run_id} interrupted: {swept.claim()}")
-            finish_run(run_dir, record, "interrupted", 130, time.monotonic() - started, None, cleanup=swept.to_dict())
+            r.write(Status.INTERRUPTED, 130, time.monotonic() - started, cleanup=swept.to_dict())
             raise
         finally:
             router.flush_rest()
@@ -183,52 +186,11 @@ def _run(cluster: Cluster, req: TrainRequest, plan: launcher.LaunchPlan, facts: 
                 secrets.forget([(f.node, f"{f.home}/runs/{plan.run_id}") for f in facts])
             if mirror:
                 mirror.stop()
-            # every ending brings the output home; after Ctrl-C without the weights (the user asked to stop, not to wait)
-            _bring_home(master, run_dir, remote_out, dataclasses.replace(req, fetch_model=False)
+            # every ending brings the output home; after Ctrl-C without the weights (the user asked to stop)
+            _bring_home(master, r.run_dir, r.remote_output, dataclasses.replace(req, fetch_model=False)
                         if ctrl_c.pressed else req, say)
-    wall = time.monotonic() - started
-    if ctrl_c.pressed:
-        swept = cleanup(nodes, plan.run_id)  # the second look: what the first sweep left, if anything
-        finish_run(run_dir, record, "interrupted", 130, wall, None, cleanup=swept.to_dict())
-        raise Interrupted(f"run {plan.run_id} interrupted after {wall:.0f}s: {swept.claim()} (log: {run_dir / 'log.txt'})")
-    extra: dict = {}
-    notice = next((ln for ln in router.lines if spot.PREEMPTED_TAG in ln), None)
-    if exit_code != 0 and notice:
-        _preempted(nodes, plan, master, run_dir, remote_out, record, req, notice, exit_code, wall, say)
-    if exit_code != 0:
-        swept = cleanup(nodes, plan.run_id)
-        node, reason = watch.failure or failed_rank(router.lines, plan)
-        # oneCCL may abort a rank during interpreter shutdown: once every rank has finished its work
-        # and rank 0's results are written, the run counts, and the record says what happened after.
-        done = len(router.finished) == plan.world_size
-        results = _fetch_results(master, plan, args) if done and req.script is None else None
-        if not done or (req.script is None and results is None):
-            lost = sorted(swept.unchecked)
-            if lost and (node is None or node not in lost):
-                node, reason = lost[0], f"{lost[0]} stopped answering ({reason})"
-            finish_run(run_dir, record, "failed", exit_code, wall, None, failed_node=node, reason=reason,
-                    cleanup=swept.to_dict(), lost_nodes=lost)
-            hint = ""
-            if lost and req.script is None and outputs.home_checkpoints(run_dir):
-                hint = f"; resume with 'fab train --resume {plan.run_id}'"
-            raise NodeFailure(f"run {plan.run_id} failed after {wall:.0f}s: {reason}; {swept.claim()} "
-                              f"(log: {run_dir / 'log.txt'}){hint}", [node] if node else [], run_id=plan.run_id,
-                              lost=lost)
-        say(f"note: {reason} after every rank had finished its work; the results are kept ({swept.claim()})")
-        extra = {"crashed_after_finish": {"node": node, "reason": reason, "exit_code": exit_code},
-                 "cleanup": swept.to_dict()}
-    elif req.script is None:
-        results = _fetch_results(master, plan, args)
-    else:
-        results = userscript.trainer_results(run_dir / "output")
-    alone = userscript.one_job_problem(nodes, plan.run_id, plan.world_size, HOME_EXPR)
-    if alone:
-        finish_run(run_dir, record, "failed", 0, wall, results, reason=alone, **extra)
-        raise ClusterError(f"run {plan.run_id} finished but {alone}; a Trainer or accelerate script needs "
-                           "ACCELERATE_USE_CPU=true (fab sets it) or --use_cpu True, a plain torch script "
-                           "torch.distributed.init_process_group (see docs/scripts.md)")
-    finish_run(run_dir, record, "ok", 0, wall, results, **extra)
-    return RunResult(run_id=plan.run_id, run_dir=run_dir, exit_code=0, wall_s=wall, results=results)
+    return end(r, Outcome(exit_code, router.lines, router.finished, time.monotonic() - started,
+                          watch.failure, bool(ctrl_c.pressed)), say)
 
 
 def _prepare(cluster: Cluster, req: TrainRequest, plan: launcher.LaunchPlan, facts: list[NodeFacts],
@@ -297,42 +259,6 @@ def _bring_home(master: NodeFacts, run_dir: Path, remote_out: str, req: TrainReq
                 + ("" if req.fetch_model else " (model weights left on the node: --no-fetch-model)"))
     except Exception as exc:  # node 0 gone: what came home while the run went on is what there is
         log.warning("could not bring the outputs home from %s: %s", master.node.name, exc, exc_info=log.isEnabledFor(logging.DEBUG))
-
-
-def _preempted(nodes, plan, master, run_dir, remote_out, record, req, notice, exit_code, wall, say) -> None:
-    m = re.search(r"rank=(\d+) step=(\d+)", notice)
-    rank, step = (int(m.group(1)), int(m.group(2))) if m else (0, -1)
-    node = plan.rank_host(rank) if rank < plan.world_size else "?"
-    swept = cleanup(nodes, plan.run_id)
-    try:
-        got = outputs.fetch_checkpoint(master.node, run_dir, remote_out, req.fetch_model)
-    except Exception as exc:
-        log.warning("the notice's checkpoint did not come home: %s", exc, exc_info=log.isEnabledFor(logging.DEBUG))
-        got = None
-    home = outputs.home_checkpoints(run_dir)
-    ckpt = run_dir / "checkpoints" / f"step-{step}"
-    if not home:
-        finish_run(run_dir, record, "failed", exit_code, wall, None, failed_node=node, cleanup=swept.to_dict(),
-                reason=f"spot notice on {node} at step {step}, but no checkpoint reached {run_dir}/checkpoints")
-        raise NodeFailure(f"run {plan.run_id} preempted on {node} at step {step} and no checkpoint came home; "
-                          f"{swept.claim()}", [node], run_id=plan.run_id, lost=sorted(swept.unchecked))
-    if got is None or got[0] != step:
-        step, ckpt = home[-1]
-    finish_run(run_dir, record, "preempted", spot.PREEMPTED_EXIT, wall, None, preempted={
-        "node": node, "rank": rank, "step": step, "checkpoint": str(ckpt)}, cleanup=swept.to_dict())
-    rel = ckpt.relative_to(run_dir.parent.parent) if run_dir.parent.parent in ckpt.parents else ckpt
-    raise Preempted(f"run {plan.run_id} preempted on {node} at step {step}: checkpoint saved ({rel}); "
-                    f"resume with 'fab train --resume {plan.run_id}'", run_id=plan.run_id, node=node)
-
-
-def _fetch_results(master: NodeFacts, plan: launcher.LaunchPlan, args: list[str]) -> dict | None:
-    out_dir = _remote_output_dir(master, plan, args)
-    with connect(master.node) as conn:
-        res = run(conn, f"cat {shlex.quote(out_dir)}/results.json")
-    if not res.ok:
-        log.warning("the job wrote no results.json in %s", out_dir)
-        return None
-    return json.loads(res.stdout)
 
 
 # The demo's job flags: small enough for a 2-core machine, long enough to learn the task.

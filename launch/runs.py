@@ -12,16 +12,16 @@ from typing import TextIO
 
 from cluster.remote import connect
 from core.errors import ClusterError
-from launch import detach
-from launch.records import RunResult, result_line
+from launch import detach, lifecycle, records
+from launch.records import RunRecord, RunResult, Status, result_line
 from launch.stop import check_run_id
 from launch.stream import OutputRouter
 
 log = logging.getLogger(__name__)
 
 
-def metric(summary: dict) -> str:
-    ev = summary.get("eval") or {}
+def metric(rec: RunRecord) -> str:
+    ev = rec.eval or {}
     for key, label, fmt in (("eval_accuracy", "acc", "{:.3f}"), ("eval_f1", "f1", "{:.3f}"),
                             ("eval_exact_match", "em", "{:.1f}"), ("eval_perplexity", "ppl", "{:.2f}"),
                             ("eval_loss", "loss", "{:.4f}")):  # a user's Trainer script: its eval loss at least
@@ -30,34 +30,59 @@ def metric(summary: dict) -> str:
     return "-"
 
 
-def _wall(summary: dict) -> str:
-    if summary.get("status") == "running" and summary.get("started_at"):
-        return f"{time.time() - float(summary['started_at']):.0f}s+"
-    wall = summary.get("wall_s")
-    return f"{float(wall):.0f}s" if isinstance(wall, (int, float)) else "-"
+def _wall(rec: RunRecord) -> str:
+    if rec.status == Status.RUNNING and rec.started_at:
+        return f"{time.time() - float(rec.started_at):.0f}s+"
+    return f"{float(rec.wall_s):.0f}s" if isinstance(rec.wall_s, (int, float)) else "-"
+
+
+def look(run_dir: Path, rec: RunRecord) -> RunRecord:
+    """The record as it stands now: a detached run that ended is concluded, a run nobody will end is
+    recorded abandoned. Never raises for a node that does not answer."""
+    try:
+        if detach.is_running_detached(rec):
+            return detach.conclude(run_dir, detach.master_node(rec), None)
+        return lifecycle.reap(run_dir, rec)
+    except Exception as exc:  # node 0 unreachable: the run as its record says
+        log.debug("looking at %s", run_dir.name, exc_info=True)
+        log.warning("run %s: could not ask its nodes how it stands: %s", run_dir.name, exc)
+        return rec
+
+
+def look_all(runs_dir: Path) -> list[RunRecord]:
+    """Every run under runs_dir, newest first, each as it stands now (see look)."""
+    runs_dir = Path(runs_dir)
+    folders = sorted((d for d in runs_dir.iterdir() if (d / "summary.json").is_file()), reverse=True) \
+        if runs_dir.is_dir() else []
+    out = []
+    for folder in folders:
+        rec = records.load_or_none(folder)
+        if rec is not None:
+            out.append(look(folder, rec))
+    return out
+
+
+def reap_all(runs_dir: Path) -> list[str]:
+    """Look at every run recorded as going on; the ids of those recorded abandoned by this look."""
+    runs_dir = Path(runs_dir)
+    found = []
+    for folder in sorted(runs_dir.iterdir()) if runs_dir.is_dir() else []:
+        rec = records.load_or_none(folder) if (folder / "summary.json").is_file() else None
+        if rec is not None and rec.status in (Status.RUNNING, Status.RESTARTING) and \
+                look(folder, rec).status == Status.ABANDONED:
+            found.append(rec.run_id)
+    return found
 
 
 def list_runs(runs_dir: Path, out: TextIO) -> int:
     """Print one row per run, newest first; returns how many."""
-    runs_dir = Path(runs_dir)
-    folders = sorted((d for d in runs_dir.iterdir() if (d / "summary.json").is_file()), reverse=True) \
-        if runs_dir.is_dir() else []
     rows = []
-    for folder in folders:
-        try:
-            summary = detach.load(folder)
-        except ClusterError:
-            continue
-        if detach.is_running_detached(summary):
-            try:
-                summary = detach.conclude(folder, detach.master_node(summary), None)
-            except Exception as exc:  # node 0 unreachable: list the run as its record says
-                log.debug("concluding %s", folder.name, exc_info=True)
-                log.warning("run %s: could not ask node 0 whether it ended: %s", folder.name, exc)
-        job = summary.get("job") or Path(summary.get("script") or "?").name
-        sps = summary.get("train_samples_per_second")
-        rows.append((folder.name, job, str(len(summary.get("nodes", []))), summary.get("status", "?"),
-                     _wall(summary), metric(summary), f"{sps:.1f}" if isinstance(sps, (int, float)) else "-"))
+    for rec in look_all(runs_dir):
+        job = rec.job or Path(rec.script or "?").name
+        sps = rec.train_samples_per_second
+        status = str(rec.status) + (f" -> {rec.restarted_as}" if rec.restarted_as else "")
+        rows.append((rec.run_id, job, str(len(rec.nodes)), status, _wall(rec), metric(rec),
+                     f"{sps:.1f}" if isinstance(sps, (int, float)) else "-"))
     if not rows:
         out.write(f"no runs in {runs_dir}; start one with 'fab train'\n")
         return 0
@@ -67,18 +92,18 @@ def list_runs(runs_dir: Path, out: TextIO) -> int:
     return len(rows)
 
 
-def show_log(runs_dir: Path, run_id: str, follow: bool, out: TextIO) -> str | None:
-    """Print the run's log; with follow, until a detached run ends (then conclude it). Returns a closing
-    line for a run concluded here, else None."""
+def show_log(runs_dir: Path, run_id: str, follow: bool, out: TextIO, poll_s: float = 1.0) -> str | None:
+    """Print the run's log; with follow, until the run ends (a detached run is then concluded; a supervised
+    run is followed through its restarts). Returns a closing line when following, else None."""
     check_run_id(run_id, runs_dir)
     run_dir = Path(runs_dir) / run_id
     if not run_dir.is_dir():
-        raise ClusterError(f"no run {run_id} in {runs_dir}; pass an id from 'fab runs'")
-    summary = detach.load(run_dir)
-    plan = detach.log_plan(summary)
-    if detach.is_running_detached(summary):
-        master = detach.master_node(summary)
-        remote = shlex.quote(summary["remote_run"])
+        raise ClusterError(f"no run {run_id} in {runs_dir}", "pass an id from 'fab runs'")
+    rec = records.load(run_dir)
+    plan = detach.log_plan(rec)
+    if detach.is_running_detached(rec):
+        master = detach.master_node(rec)
+        remote = shlex.quote(rec.remote_run)
         command = (f"cd {remote} && tail -n +1 --pid=\"$(cat wrapper.pid)\" -f mpirun.log" if follow
                    else f"cat {remote}/mpirun.log")
         router = OutputRouter(plan, out, io.StringIO())  # log.txt is written once, when the run is concluded
@@ -87,18 +112,62 @@ def show_log(runs_dir: Path, run_id: str, follow: bool, out: TextIO) -> str | No
         router.flush_rest()
         if not follow:
             return None
-        summary = detach.conclude(run_dir, master, None)
-        if summary.get("status") == "ok":
-            return result_line(RunResult(run_id, run_dir, 0, float(summary.get("wall_s") or 0),
-                                         detach.results_of(run_dir)))
-        return f"run {run_id} {summary.get('status')}: {summary.get('reason', 'see the log above')}"
+        return closing(detach.conclude(run_dir, master, None), run_dir)
+    if follow and rec.supervisor and (supervised_alive(rec) or rec.restarted_as or not rec.status.terminal):
+        return _follow_supervised(Path(runs_dir), rec, out, poll_s)
     log_file = run_dir / "log.txt"
     if not log_file.is_file():
-        if summary.get("status") == "running":
-            raise ClusterError(f"run {run_id} is running attached to another fab, which shows its output; its log "
-                               f"is written when it ends")
-        raise ClusterError(f"run {run_id} has no log.txt (it ended before launch: {summary.get('reason', '?')})")
+        if rec.status == Status.RUNNING:
+            raise ClusterError(f"run {run_id} is running attached to another fab, which shows its output",
+                               f"its log is written as it goes; follow it with 'fab logs {run_id} -f'")
+        raise ClusterError(f"run {run_id} has no log.txt (it ended before launch: {rec.reason or '?'})",
+                           f"see {run_dir / 'summary.json'}")
     router = OutputRouter(plan, out, io.StringIO())
     router.write(log_file.read_text())
     router.flush_rest()
-    return None
+    return closing(rec, run_dir) if follow else None
+
+
+def supervised_alive(rec: RunRecord) -> bool:
+    return bool(records.supervisor_alive(rec.supervisor))
+
+
+def closing(rec: RunRecord, run_dir: Path) -> str:
+    if rec.status == Status.OK:
+        return result_line(RunResult(rec.run_id, run_dir, 0, float(rec.wall_s or 0), records.results_of(run_dir)))
+    return f"run {rec.run_id} {rec.status}: {rec.reason or 'see the log above'}"
+
+
+def _follow_supervised(runs_dir: Path, rec: RunRecord, out: TextIO, poll_s: float) -> str:
+    """Tail runs/<id>/log.txt as the run's supervisor writes it; on to the run it restarted as; until the
+    supervisor has ended the last run of the chain (or is gone: then the record says abandoned)."""
+    while True:
+        run_dir = runs_dir / rec.run_id
+        router = OutputRouter(detach.log_plan(rec), out, io.StringIO())
+        offset = 0
+        while True:
+            rec = look(run_dir, records.load(run_dir))
+            data = _read_from(run_dir / "log.txt", offset)
+            offset += len(data)
+            router.write(data.decode(errors="replace"))
+            if rec.restarted_as or (rec.status.terminal and not supervised_alive(rec)):
+                break
+            time.sleep(poll_s)
+        router.flush_rest()
+        if not rec.restarted_as:
+            return closing(rec, run_dir)
+        out.write(f"run {rec.run_id} {rec.status}; resumed as run {rec.restarted_as}\n")
+        nxt = runs_dir / rec.restarted_as
+        while not (nxt / "summary.json").is_file():
+            time.sleep(poll_s)
+        rec = records.load(nxt)
+
+
+def _read_from(path: Path, offset: int) -> bytes:
+    try:
+        with path.open("rb") as f:
+            f.seek(offset)
+            data = f.read()
+    except OSError:
+        return b""
+    return data[:data.rfind(b"\n") + 1]  # whole lines only: the rest comes with the next read

@@ -2,17 +2,18 @@
 and record the run as stopped (also a run whose fab died and left no record)."""
 from __future__ import annotations
 
-import json
+import os
 import re
+import signal
 import time
 from pathlib import Path
 
 from cluster.resolve import Cluster
 from core.errors import ClusterError, NodeFailure
-from launch import lock
+from launch import lock, records
 from launch.cleanup import runs_alive, sweep
+from launch.records import Status
 
-FINAL = ("ok", "failed", "preempted", "interrupted", "stopped")
 RUN_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
 
 
@@ -25,26 +26,55 @@ def check_run_id(run_id: str, runs_dir: Path) -> None:
 
 def stop(cluster: Cluster, run_id: str, runs_dir: Path) -> str:
     check_run_id(run_id, runs_dir)
+    run_id = latest(Path(runs_dir), run_id)  # a supervised run goes on under the id it was resumed as
     nodes = list(cluster.nodes)
+    run_dir = Path(runs_dir) / run_id
+    rec = records.load_or_none(run_dir)
+    killed = _end_supervisor(rec)
     alive = runs_alive(nodes).get(run_id)
-    if not alive and not (Path(runs_dir) / run_id).is_dir():  # a mistyped id gets no folder of its own
-        raise ClusterError(f"no run {run_id}: no folder in {runs_dir} and no process of it on the nodes; pass an "
-                           f"id from 'ls {runs_dir}' or from the runs row of 'fab doctor'")
+    if not alive and not run_dir.is_dir():  # a mistyped id gets no folder of its own
+        raise ClusterError(f"no run {run_id}: no folder in {runs_dir} and no process of it on the nodes",
+                           f"pass an id from 'ls {runs_dir}' or from the runs row of 'fab doctor'")
     swept = sweep(nodes, run_id)
     lock.release(nodes, run_id)
-    summary_path = Path(runs_dir) / run_id / "summary.json"
-    try:
-        summary = json.loads(summary_path.read_text())
-    except (OSError, ValueError):
-        summary = {"run_id": run_id}
-    if alive or summary.get("status") not in FINAL:
-        summary.update(status="stopped", stopped_at=time.strftime("%Y-%m-%dT%H:%M:%S%z"), cleanup=swept.to_dict(),
-                       exit_code=summary.get("exit_code", 143))
-        summary_path.parent.mkdir(parents=True, exist_ok=True)
-        summary_path.write_text(json.dumps(summary, indent=2, sort_keys=True, default=str))
+    if rec is None:  # a run whose fab died before it wrote a record
+        rec = records.RunRecord(run_id=run_id)
+    if rec.can(Status.STOPPED) and (alive or killed or not (rec.status and rec.status.terminal)
+                                    or rec.status == Status.RESTARTING):
+        wall = rec.wall_s or (time.time() - rec.started_at if rec.started_at else 0.0)
+        rec.transition(Status.STOPPED, stopped_at=records.now_iso(), cleanup=swept.to_dict(), wall_s=round(wall, 3),
+                       exit_code=rec.exit_code if rec.exit_code != -1 else 143)
+        run_dir.mkdir(parents=True, exist_ok=True)
+        rec.save(run_dir)
     if not swept.clean:
-        raise NodeFailure(f"run {run_id}: {swept.claim()}", sorted({*swept.left, *swept.unchecked}))
+        raise NodeFailure(f"run {run_id}: {swept.claim()}", sorted({*swept.left, *swept.unchecked}), fix="")
+    sup = f"its supervisor (pid {rec.supervisor['pid']}) ended; " if killed else ""
     if alive:
         where = ", ".join(f"{n} ({c})" for n, c in alive.items())
-        return f"run {run_id} stopped: killed its processes on {where}; {swept.claim()}"
-    return f"run {run_id} had no process on the nodes; {swept.claim()}"
+        return f"run {run_id} stopped: {sup}killed its processes on {where}; {swept.claim()}"
+    return f"run {run_id} had no process on the nodes; {sup}{swept.claim()}"
+
+
+def latest(runs_dir: Path, run_id: str) -> str:
+    """The last run of a resume chain that run_id starts (run_id itself when it was not resumed)."""
+    seen = {run_id}
+    while True:
+        rec = records.load_or_none(runs_dir / run_id)
+        if rec is None or not rec.restarted_as or rec.restarted_as in seen:
+            return run_id
+        run_id = rec.restarted_as
+        seen.add(run_id)
+
+
+def _end_supervisor(rec: records.RunRecord | None, wait_s: float = 10.0) -> bool:
+    """SIGTERM to the run's supervisor when it lives on this host (so it starts no restart); True if it ended."""
+    if rec is None or not records.supervisor_alive(rec.supervisor) or rec.supervisor["pid"] == os.getpid():
+        return False
+    try:
+        os.kill(int(rec.supervisor["pid"]), signal.SIGTERM)
+    except ProcessLookupError:
+        return False
+    deadline = time.monotonic() + wait_s
+    while time.monotonic() < deadline and records.supervisor_alive(rec.supervisor):
+        time.sleep(0.1)
+    return True

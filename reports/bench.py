@@ -17,7 +17,7 @@ from typing import TextIO
 
 from cluster.resolve import Cluster
 from core.errors import ClusterError
-from launch import secrets
+from launch import jobflags, records, secrets
 from launch.request import TrainRequest, new_run_id, validate
 from launch.run import train
 
@@ -83,29 +83,18 @@ def parse_sizes(text: str, available: int | None = None, cluster: str = "") -> l
 
 def load_run(run_dir: Path) -> RunRecord:
     run_dir = Path(run_dir)
-    summary_path, results_path = run_dir / "summary.json", run_dir / "results.json"
-    if not summary_path.is_file():
-        raise ClusterError(f"run {run_dir.name} has no summary.json in {run_dir}; pass the id of a finished run")
-    summary = json.loads(summary_path.read_text())
-    if summary.get("status") != "ok" or not results_path.is_file():
-        raise ClusterError(f"run {run_dir.name} did not finish ({summary.get('status')}); "
-                           "a report compares finished runs only")
-    return RunRecord(run_dir.name, run_dir, json.loads(results_path.read_text()), summary)
+    results_path = run_dir / "results.json"
+    if not (run_dir / "summary.json").is_file():
+        raise ClusterError(f"run {run_dir.name} has no summary.json in {run_dir}", "pass the id of a finished run")
+    rec = records.load(run_dir)
+    if rec.status != records.Status.OK or not results_path.is_file():
+        raise ClusterError(f"run {run_dir.name} did not finish ({rec.status})", "a report compares finished runs only")
+    return RunRecord(run_dir.name, run_dir, json.loads(results_path.read_text()), rec.to_json())
 
 
 def flag_values(args: list[str]) -> dict[str, str]:
     """'--a 1 --b --c=x' -> {'--a': '1', '--b': '', '--c': 'x'}; the output folder is not a difference."""
-    out: dict[str, str] = {}
-    i = 0
-    while i < len(args):
-        a = args[i]
-        if a.startswith("--"):
-            flag, eq, value = a.partition("=")
-            if not eq and i + 1 < len(args) and not args[i + 1].startswith("--"):
-                value = args[i + 1]
-                i += 1
-            out[flag] = value
-        i += 1
+    out = jobflags.values(args)
     out.pop("--output_dir", None)
     return out
 

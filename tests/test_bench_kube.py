@@ -16,6 +16,7 @@ import yaml
 from conftest import fab
 
 from core.errors import ClusterError
+from launch import records
 from node_setup import profiles
 from reports import bench, kube
 
@@ -30,9 +31,9 @@ def fake_run(root: Path, run_id: str, nodes: int, sps: float, args=None, model="
     d = root / run_id
     d.mkdir(parents=True)
     node_list = [{"name": f"node{i}", "labels": dict(labels or {})} for i in range(nodes)]
-    (d / "summary.json").write_text(json.dumps({
-        "status": "ok", "wall_s": 100.0 / nodes + 10, "nodes": node_list, "cluster": "local", "world_size": nodes,
-        "args": args if args is not None else ["--seed", "1", "--output_dir", "output"]}))
+    records.RunRecord(run_id, records.Status.OK, wall_s=100.0 / nodes + 10, nodes=node_list, cluster="local",
+                      world_size=nodes, args=args if args is not None else ["--seed", "1", "--output_dir", "output"]
+                      ).save(d)
     (d / "results.json").write_text(json.dumps({
         "job": "glue", "model": model, "world_size": nodes, "precision": "bf16", "data_fingerprint": fingerprint,
         "train_file": f"/x/code/{run_id}/train.csv", "per_device_train_batch_size": 8,
@@ -116,8 +117,9 @@ def test_runs_that_differ_are_refused(tmp_path, change, message):
 
 def test_a_failed_run_is_not_compared(tmp_path):
     d = fake_run(tmp_path, "bad", 1, 10.0)
-    summary = json.loads((d / "summary.json").read_text())
-    (d / "summary.json").write_text(json.dumps(dict(summary, status="failed")))
+    rec = records.load(d)
+    rec.status = records.Status.FAILED  # as a failed run leaves it
+    rec.save(d)
     with pytest.raises(ClusterError, match="did not finish"):
         bench.load_run(d)
 
@@ -206,7 +208,7 @@ def test_bench_one_and_two_nodes_writes_report_and_chart_from_the_runs(cluster2,
     own = []
     for row, run_id in zip(rows, saved["runs"]):
         results = json.loads((runs_dir / run_id / "results.json").read_text())
-        summary = json.loads((runs_dir / run_id / "summary.json").read_text())
+        summary = records.load(runs_dir / run_id).to_json()
         assert results["world_size"] == row["nodes"] and summary["args"][:len(BENCH_ARGS)] == BENCH_ARGS
         own.append(results["train"]["train_samples_per_second"])
         assert row["train_samples_per_second"] == own[-1]
@@ -235,9 +237,9 @@ def test_bench_one_and_two_nodes_writes_report_and_chart_from_the_runs(cluster2,
     # ... and a refusal when one run's flags were different
     changed = runs_dir / "changed"
     shutil.copytree(runs_dir / saved["runs"][1], changed)
-    summary = json.loads((changed / "summary.json").read_text())
-    summary["args"] = [a if a != "7" else "8" for a in summary["args"]]  # --seed 7 -> 8
-    (changed / "summary.json").write_text(json.dumps(summary))
+    rec = records.load(changed)
+    rec.args = [a if a != "7" else "8" for a in rec.args]  # --seed 7 -> 8
+    rec.save(changed)
     bad = cluster2.fab("bench", "--runs", f"{saved['runs'][0]},changed", env=env, timeout=120)
     assert bad.returncode != 0
     assert bad.stderr.strip().splitlines()[-1].startswith("error: runs ") and "differ in --seed (7 vs 8)" in bad.stderr

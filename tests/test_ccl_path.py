@@ -15,7 +15,7 @@ import pytest
 from conftest import processes_with_env, start_cluster
 
 from doctor import collective as doctor
-from launch import cleanup
+from launch import cleanup, records
 from training import common, dist
 
 HAVE_CCL = importlib.util.find_spec("oneccl_bindings_for_pytorch") is not None
@@ -128,7 +128,7 @@ def test_failed_run_cleans_up_what_mpirun_does_not_own_and_says_so_after_checkin
     assert processes_with_env(f"XC_RUN_ID={run_id}") == []
     last = res.stderr.strip().splitlines()[-1]
     assert "nothing is left running (checked on every node)" in last, last
-    summary = json.loads((cluster2.runs / run_id / "summary.json").read_text())
+    summary = records.load(cluster2.runs / run_id).to_json()
     assert summary["status"] == "failed" and summary["cleanup"]["clean"] is True
     assert sum(summary["cleanup"]["killed"].values()) >= 2  # both planted sleeps
 
@@ -161,7 +161,7 @@ def test_a_crash_after_every_rank_finished_does_not_fail_the_run(cluster2, tmp_p
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
     assert "after every rank had finished its work" in res.stdout
     run_id = (cluster2.run_dirs() - before).pop()
-    summary = json.loads((cluster2.runs / run_id / "summary.json").read_text())
+    summary = records.load(cluster2.runs / run_id).to_json()
     assert summary["status"] == "ok"
     assert summary["crashed_after_finish"]["node"] == "node1"
 
@@ -170,7 +170,7 @@ def test_a_crash_after_every_rank_finished_does_not_fail_the_run(cluster2, tmp_p
     res = cluster2.fab("train", "--nodes", "2", "--script", str(script), timeout=300)
     assert res.returncode == 1 and "node1" in res.stderr.strip().splitlines()[-1]
     run_id = (cluster2.run_dirs() - before).pop()
-    assert json.loads((cluster2.runs / run_id / "summary.json").read_text())["status"] == "failed"
+    assert records.load(cluster2.runs / run_id).to_json()["status"] == "failed"
 
 
 # ---- the ccl path end to end (bindings needed) ----------------------------------------------------

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 from conftest import FAB, ROOT, processes_with_cmdline, processes_with_env, start_cluster
 
+from launch import records
 from launch.run import DEMO_ARGS
 
 pytestmark = pytest.mark.cluster
@@ -89,7 +90,7 @@ def test_two_node_glue_run_learns_and_records_everything(cluster2):
     assert "[0 node0] [progress] step" in out
     run_dir = cluster2.runs / (cluster2.run_dirs() - before).pop()
     results = json.loads((run_dir / "results.json").read_text())
-    summary = json.loads((run_dir / "summary.json").read_text())
+    summary = records.load(run_dir).to_json()
     assert results["world_size"] == 2 and results["backend"] == "gloo"
     ev = results["eval"]
     assert ev["eval_accuracy"] > ev["eval_majority_rate"] + 0.05, ev
@@ -194,7 +195,7 @@ def test_killed_rank_fails_the_whole_job_quickly_and_leaves_nothing(cluster2):
     last = out.strip().splitlines()[-1]
     assert last.startswith("error: run") and "node1" in last, last
     assert processes_with_env(f"XC_RUN_ID={run_id}") == []
-    summary = json.loads((cluster2.runs / run_id / "summary.json").read_text())
+    summary = records.load(cluster2.runs / run_id).to_json()
     assert summary["status"] == "failed" and summary["failed_node"] == "node1"
     assert not (cluster2.runs / run_id / "results.json").exists()  # no partial result presented
 
@@ -233,7 +234,7 @@ def test_master_port_is_free_per_run_and_a_held_one_is_refused_before_launch(clu
         assert cluster2.run_dirs() == before  # refused before the run folder
         ran = cluster2.fab("train", "--script", str(script), timeout=300)
         assert ran.returncode == 0, ran.stdout[-2000:] + ran.stderr[-2000:]
-    summary = json.loads((cluster2.runs / (cluster2.run_dirs() - before).pop() / "summary.json").read_text())
+    summary = records.load(cluster2.runs / (cluster2.run_dirs() - before).pop()).to_json()
     assert summary["env"]["MASTER_PORT"] != "29500" and 1024 <= int(summary["env"]["MASTER_PORT"]) <= 65535
 
 
@@ -351,7 +352,7 @@ def test_one_ctrl_c_stops_the_run_within_seconds_and_leaves_nothing(cluster2):
     assert "interrupted: stopping every rank" in out
     last = err.strip().splitlines()[-1]
     assert last.startswith(f"run {run_id} interrupted after ") and "nothing is left running (checked on every node)" in last
-    summary = json.loads((cluster2.runs / run_id / "summary.json").read_text())
+    summary = records.load(cluster2.runs / run_id).to_json()
     assert summary["status"] == "interrupted" and summary["exit_code"] == 130
     assert not (cluster2.runs / run_id / "results.json").exists()
     assert processes_with_env(f"XC_RUN_ID={run_id}") == []
@@ -369,7 +370,7 @@ def test_a_rank_that_raises_is_named_with_its_exception_not_traceback(cluster2, 
     last = res.stderr.strip().splitlines()[-1]
     assert "rank 1 on node1 failed: ValueError: the CSV has no rows" in last, last
     assert took < 60, f"{took:.0f}s: rank 0 was not stopped when rank 1 died"
-    summary = json.loads((cluster2.runs / (cluster2.run_dirs() - before).pop() / "summary.json").read_text())
+    summary = records.load(cluster2.runs / (cluster2.run_dirs() - before).pop()).to_json()
     assert summary["reason"] == "rank 1 on node1 failed: ValueError: the CSV has no rows"
     assert summary["failed_node"] == "node1"
 
@@ -413,7 +414,7 @@ def test_one_run_at_a_time_and_an_orphaned_run_is_found_and_stopped(cluster2, tm
     assert stopped.stdout.startswith(f"run {run_a} stopped: killed its processes on node0")
     assert "nothing is left running (checked on every node)" in stopped.stdout
     assert processes_with_env(f"XC_RUN_ID={run_a}") == []
-    assert json.loads((cluster2.runs / run_a / "summary.json").read_text())["status"] == "stopped"
+    assert records.load(cluster2.runs / run_a).to_json()["status"] == "stopped"
     after = cluster2.fab("train", "--script", str(hello), timeout=300)  # the cluster is free again
     assert after.returncode == 0, after.stdout[-2000:] + after.stderr[-2000:]
 
@@ -461,7 +462,7 @@ def test_a_dead_mpi_proxy_ends_the_run_within_a_minute_naming_its_node(cluster2,
     last = out.strip().splitlines()[-1]
     assert last.startswith(f"error: run {run_id} failed") and "node1" in last and "Traceback" not in last, last
     assert processes_with_env(f"XC_RUN_ID={run_id}") == []
-    summary = json.loads((cluster2.runs / run_id / "summary.json").read_text())
+    summary = records.load(cluster2.runs / run_id).to_json()
     assert summary["status"] == "failed"
 
 

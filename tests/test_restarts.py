@@ -11,14 +11,15 @@ import subprocess
 import threading
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from conftest import FAB, ROOT, fab, processes_with_env, start_cluster
 from fake_imds import FakeIMDS
 
 from core.errors import ClusterError, NodeFailure, Preempted
-from launch import restarts
-from launch.records import RunResult
+from launch import records, restarts
+from launch.records import RunRecord, RunResult, Status, load
 from launch.request import TrainRequest
 from launch.run import DEMO_ARGS
 from training import spot
@@ -45,16 +46,17 @@ def test_wait_for_nodes_says_each_new_problem_once_and_gives_up_after_the_wait(m
         restarts.wait_for_nodes("local", 2, 0, "http://x", said.append, poll_s=0)
 
 
+LOCAL = SimpleNamespace(spec="local")  # what train_with_restarts reads of a cluster: its spec, to rediscover it
+
+
 def _fake_run(runs: Path, run_id: str, status: str, step: int | None, resumed_from: str | None = None) -> None:
     d = runs / run_id
     d.mkdir(parents=True)
     request = {"job": "glue", "script": None, "args": ["--seed", "1"], "ppn": "auto", "threads": "auto",
                "backend": "gloo", "precision": "fp32", "env": {}, "save_every": "20", "pin": True,
                "timeout_s": 300, "data": {}}
-    summary = {"status": status, "request": request, "world_size": 2, "nodes": [{}, {}]}
-    if resumed_from:
-        summary["resumed_from"] = {"run_id": resumed_from, "step": 1}
-    (d / "summary.json").write_text(json.dumps(summary))
+    RunRecord(run_id, Status(status), request=request, world_size=2, nodes=[{}, {}],
+              resumed_from={"run_id": resumed_from, "step": 1} if resumed_from else None).save(d)
     if step is not None:
         ck = d / "checkpoints" / f"step-{step}"
         ck.mkdir(parents=True)
@@ -74,7 +76,7 @@ def test_restarts_resume_from_the_newest_checkpoint_along_the_resume_chain(tmp_p
         return RunResult("c", tmp_path / "c", 0, 1.0, {})
 
     monkeypatch.setattr(restarts, "train", fake_train)
-    monkeypatch.setattr(restarts, "open_cluster", lambda spec: None)
+    monkeypatch.setattr(restarts, "open_cluster", lambda spec: LOCAL)
     monkeypatch.setattr(restarts, "wait_for_nodes", lambda *a, **k: None)
     lines = []
 
@@ -86,8 +88,10 @@ def test_restarts_resume_from_the_newest_checkpoint_along_the_resume_chain(tmp_p
             pass
 
     first = TrainRequest(nodes=2, job="glue", runs_dir=tmp_path, master_port=29611)
-    assert restarts.train_with_restarts("local", first, max_restarts=1, restart_wait=5, out=Out()).run_id == "c"
+    assert restarts.train_with_restarts(LOCAL, first, max_restarts=1, restart_wait=5, out=Out()).run_id == "c"
     again = calls[1]
+    # the run that was lost waits as 'restarting' and is resumed under a name of its own: the record says so
+    assert again.restart_of == "b" and load(tmp_path / "b").restart["ended"] == "failed"
     assert again.resume["run_id"] == "a" and again.resume["step"] == 20
     assert again.args == ["--seed", "1"] and again.master_port == 29611
     assert "restart 1 of 1: run b lost node1" in "".join(lines)
@@ -101,20 +105,22 @@ def test_no_restart_left_ends_with_the_failure_and_the_wait_problem(tmp_path, mo
                         "'fab train --resume a'", run_id="a", node="node1")
 
     monkeypatch.setattr(restarts, "train", preempted)
-    monkeypatch.setattr(restarts, "open_cluster", lambda spec: None)
+    monkeypatch.setattr(restarts, "open_cluster", lambda spec: LOCAL)
     monkeypatch.setattr(restarts, "missing", lambda *a: "node1 has a spot interruption notice")
     req = TrainRequest(nodes=2, runs_dir=tmp_path)
     with pytest.raises(Preempted) as exc:
-        restarts.train_with_restarts("local", req, max_restarts=0, out=io.StringIO())
+        restarts.train_with_restarts(LOCAL, req, max_restarts=0, out=io.StringIO())
     assert str(exc.value).endswith("resume with 'fab train --resume a'")
     with pytest.raises(Preempted) as exc:
-        restarts.train_with_restarts("local", req, max_restarts=2, restart_wait=0, out=io.StringIO(),
+        restarts.train_with_restarts(LOCAL, req, max_restarts=2, restart_wait=0, out=io.StringIO(),
                                      poll_s=0)
     assert str(exc.value).startswith("the cluster did not have 2 node(s) within --restart-wait 0s (node1 has a "
                                      "spot interruption notice); run a preempted")
     assert exc.value.run_id == "a" and exc.value.exit_code == 75
+    rec = load(tmp_path / "a")  # waited as 'restarting', and ends as it ended when the wait gave up
+    assert rec.status == Status.PREEMPTED and rec.restart is None
     with pytest.raises(ClusterError, match="--max-restarts -1 must be 0 or more"):
-        restarts.train_with_restarts("local", req, max_restarts=-1)
+        restarts.train_with_restarts(LOCAL, req, max_restarts=-1)
 
 
 class Lines:
@@ -201,7 +207,7 @@ def test_a_preempted_run_and_a_killed_node_are_resumed_by_themselves(tmp_path):
     assert "restart 1 of 2: run " + first + " was preempted on node" in text
     assert "restart 2 of 2: run " + second + " lost node1" in text
     assert re.search(rf"run {third} finished in \d+s eval accuracy", text)
-    s1, s2, s3 = (json.loads((lc.runs / r / "summary.json").read_text()) for r in (first, second, third))
+    s1, s2, s3 = (records.load(lc.runs / r).to_json() for r in (first, second, third))
     assert s1["status"] == "preempted"
     assert s2["status"] == "failed" and s2["lost_nodes"] == ["node1"] and s2["resumed_from"]["run_id"] == first
     assert s3["status"] == "ok" and s3["resumed_from"]["run_id"] == second
@@ -229,7 +235,7 @@ def test_a_run_that_fails_while_staging_still_gets_its_record(cluster2, monkeypa
     with pytest.raises(ClusterError, match="could not be built"):
         train_lib.train(open_cluster("local"), req, out=io.StringIO())
     (run_dir,) = (tmp_path / "runs").iterdir()
-    summary = json.loads((run_dir / "summary.json").read_text())
+    summary = records.load(run_dir).to_json()
     assert summary["status"] == "failed" and summary["exit_code"] == 1
     assert summary["reason"] == "before launch: the code tarball could not be built"
     assert summary["request"]["args"] == list(DEMO_ARGS)  # a record good enough to run it again
@@ -251,7 +257,7 @@ def test_losing_node0_mid_run_ends_with_a_record_and_nothing_left_on_the_others(
         out.thread.join(10)
         text = "".join(out.lines)
         assert proc.returncode == 1, text[-3000:]
-        summary = json.loads((lc.runs / run_id / "summary.json").read_text())
+        summary = records.load(lc.runs / run_id).to_json()
         assert summary["status"] == "failed" and summary["failed_node"] == "node0", summary.get("reason")
         assert summary["lost_nodes"] == ["node0"]
         assert summary["cleanup"]["unchecked"].keys() == {"node0"}  # not claimed clean: it could not be looked at

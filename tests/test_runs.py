@@ -3,17 +3,19 @@ run, `fab logs RUN -f` follows to the end and brings the results home, `fab runs
 failed and a stopped run, and `fab stop` leaves nothing running."""
 from __future__ import annotations
 
-import json
 import time
 from pathlib import Path
 
 import pytest
 from conftest import processes_with_cmdline, processes_with_env
 
+from launch import records
+
 pytestmark = pytest.mark.cluster
 
 SLOW = """\
 import os, sys, time
+
 for i in range(int(sys.argv[1])):
     print(f"tick {i} token {os.environ.get('HF_TOKEN', '-')}", flush=True)
     time.sleep(1)
@@ -34,7 +36,7 @@ def test_detach_then_logs_follow_to_the_end_brings_results_home(cluster2, tmp_pa
     run_id = run_id_of(res)
     assert f"follow it with 'fab logs {run_id} -f'" in res.stdout
     assert processes_with_env(f"XC_RUN_ID={run_id}"), "fab returned but no rank is running"
-    summary = json.loads((cluster2.runs / run_id / "summary.json").read_text())
+    summary = records.load(cluster2.runs / run_id).to_json()
     assert summary["status"] == "running" and summary["detached"] is True
 
     follow = cluster2.fab("logs", run_id, "-f", timeout=600)
@@ -43,7 +45,7 @@ def test_detach_then_logs_follow_to_the_end_brings_results_home(cluster2, tmp_pa
     assert any(ln.startswith("[0 node0] ") for ln in lines) and any(ln.startswith("[1 node1] ") for ln in lines)
     assert lines[-1].startswith(f"run {run_id} finished in ") and "eval accuracy" in lines[-1]
     run_dir = cluster2.runs / run_id
-    summary = json.loads((run_dir / "summary.json").read_text())
+    summary = records.load(run_dir).to_json()
     assert summary["status"] == "ok" and (run_dir / "results.json").is_file()
     assert (run_dir / "output" / "results.json").is_file() and (run_dir / "log.txt").stat().st_size > 0
     assert processes_with_env(f"XC_RUN_ID={run_id}") == []

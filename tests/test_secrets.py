@@ -4,7 +4,6 @@ secrets.env (mode 0600) is gone after the run. On a real 2-node local cluster.""
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import subprocess
 import time
@@ -13,7 +12,7 @@ from pathlib import Path
 import pytest
 from conftest import FAB, ROOT, processes_with_cmdline
 
-from launch import secrets
+from launch import records, secrets
 
 pytestmark = pytest.mark.cluster
 
@@ -59,7 +58,7 @@ def test_a_secret_reaches_the_ranks_and_no_record(cluster2, tmp_path):
         if path.is_file():
             text = path.read_bytes()
             assert b"secret123" not in text and b"operator-own-value" not in text, path
-    summary = json.loads((run_dir / "summary.json").read_text())
+    summary = records.load(run_dir).to_json()
     assert summary["env"]["HF_TOKEN"] == secrets.MASK and summary["env"]["XC_TEST_OWN"] == secrets.MASK
     assert summary["env"]["PLAIN"] == "visible"  # an ordinary value is recorded as it was
     assert summary["request"]["env"] == {"HF_TOKEN": "***", "XC_TEST_OWN": "***", "PLAIN": "visible"}

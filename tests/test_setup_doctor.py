@@ -13,6 +13,7 @@ import time
 import pytest
 from conftest import free_cluster_port, start_cluster
 
+from launch import records
 from node_setup import profiles
 
 pytestmark = pytest.mark.cluster
@@ -149,7 +150,7 @@ def test_doctor_is_green_on_a_healthy_cluster(lc, ready):
     allreduce = row(out, "across the nodes", "all-reduce")
     assert allreduce.startswith("ok 4 MB gloo all-reduce across 2 rank(s) on 2 node(s)"), allreduce
     # The all-reduce went through the real launcher: its run record is a real mpirun run.
-    summary = json.loads(next((lc.state / "doctor" / "runs").glob("*/summary.json")).read_text())
+    summary = records.load(next((lc.state / "doctor" / "runs").glob("*/summary.json")).parent).to_json()
     assert summary["status"] == "ok" and summary["world_size"] == 2 and summary["command"][0].endswith("mpirun")
     # doctor chose the run's id itself (to end it by id on a hang), and changed nothing it did not say
     assert "-doctor-" in summary["run_id"]

@@ -12,6 +12,7 @@ import pytest
 from conftest import FAB, ROOT, processes_with_env
 from fake_imds import FakeIMDS
 
+from launch import records
 from launch.run import DEMO_ARGS
 from training import spot
 
@@ -124,7 +125,7 @@ def test_notice_checkpoints_home_and_resume_finishes_like_an_uninterrupted_run(c
     assert (ckpt / spot.COMPLETE_MARKER).is_file() and (ckpt / "optimizer.pt").is_file()
     # every rank's RNG state came home with it, not only node 0's: the resume continues the same run
     assert (ckpt / "rng_state_0.pth").is_file() and (ckpt / "rng_state_1.pth").is_file()
-    summary = json.loads((cluster2.runs / run_id / "summary.json").read_text())
+    summary = records.load(cluster2.runs / run_id).to_json()
     assert summary["status"] == "preempted" and summary["preempted"]["step"] == step
     assert processes_with_env(f"XC_RUN_ID={run_id}") == []
     print(f"notice to checkpoint at home: {stopped_in:.1f}s (step {step})")
@@ -135,7 +136,7 @@ def test_notice_checkpoints_home_and_resume_finishes_like_an_uninterrupted_run(c
     assert min(_progress_steps(res.stdout)) > step  # no step trained twice beyond the checkpoint
     results = json.loads((cluster2.runs / resumed / "results.json").read_text())
     assert results["resumed_from_step"] == step
-    rsum = json.loads((cluster2.runs / resumed / "summary.json").read_text())
+    rsum = records.load(cluster2.runs / resumed).to_json()
     assert rsum["resumed_from"] == {"run_id": run_id, "step": step}
     out_dir = cluster2.runs / resumed / "output"
     for name in ("model.safetensors", "config.json", "trainer_state.json", "all_results.json", "loss.png"):
@@ -153,7 +154,7 @@ def test_notice_checkpoints_home_and_resume_finishes_like_an_uninterrupted_run(c
     assert len(totals) == 1, totals
     assert min(_progress_steps(one.stdout)) > step
     single = (cluster2.run_dirs() - before - {run_id, resumed}).pop()
-    ssum = json.loads((cluster2.runs / single / "summary.json").read_text())
+    ssum = records.load(cluster2.runs / single).to_json()
     assert ssum["world_size"] == 1 and ssum["resumed_from"] == {"run_id": run_id, "step": step}
     accum = ssum["args"].index("--gradient_accumulation_steps")
     assert ssum["args"][accum + 1] == "2" and ssum["args"].count("--gradient_accumulation_steps") == 1

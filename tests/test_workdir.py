@@ -6,7 +6,6 @@ cluster (marked `cluster`) are the done-when: a two-file project runs unchanged.
 """
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
 import uuid
@@ -17,7 +16,7 @@ import pytest
 
 from core.errors import ClusterError
 from core.render import render
-from launch import launcher, workdir
+from launch import launcher, records, workdir
 
 MiB = 1 << 20
 
@@ -179,7 +178,7 @@ def node_home(lc, name: str) -> Path:
 
 def _summary(lc, before: set[str]) -> dict:
     (run_id,) = lc.run_dirs() - before
-    return json.loads((lc.runs / run_id / "summary.json").read_text())
+    return records.load(lc.runs / run_id).to_json()
 
 
 @pytest.mark.cluster

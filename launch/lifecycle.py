@@ -1,0 +1,204 @@
+"""One run's life: its paths (one home each), its record, and the one ending every run shares, attached or
+detached, first try or resumed: what node 0 saw (exit status, the ranks' lines) becomes ok, failed,
+preempted or interrupted, with the clean-up a failure gets. Also the look that records a run `abandoned`
+when the process that should end it is gone and nothing of it is left on the nodes."""
+from __future__ import annotations
+
+import json
+import logging
+import re
+import shlex
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from cluster.node import Node
+from cluster.remote import connect, run
+from core.constants import HOME_EXPR
+from core.errors import ClusterError, Interrupted, NodeFailure, NodeLost, Preempted
+from launch import outputs, userscript
+from launch.cleanup import Sweep, runs_alive, sweep
+from launch.records import RunRecord, RunResult, Status, finish_run, now_iso, supervisor_alive
+from launch.stream import failed_rank
+from training import spot
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Run:
+    """A run's plan view (rank -> host), its nodes, its paths and its record."""
+
+    run_id: str
+    runs_dir: Path
+    home: str  # node 0's work root
+    nodes: list[Node]
+    plan: object  # LaunchPlan or detach.LogPlan: world_size, rank_host()
+    record: RunRecord
+    remote_output: str = ""
+    is_job: bool = True  # a bundled job (results.json, checkpoints), not the user's script
+    fetch_model: bool = True
+
+    @property
+    def master(self) -> Node:
+        return self.nodes[0]
+
+    @property
+    def run_dir(self) -> Path:
+        return Path(self.runs_dir) / self.run_id
+
+    @property
+    def remote_run(self) -> str:
+        return f"{self.home}/runs/{self.run_id}"
+
+    @property
+    def rank_script(self) -> str:
+        return f"{self.remote_run}/rank.sh"
+
+    @property
+    def secrets_file(self) -> str:
+        return f"{self.remote_run}/secrets.env"
+
+    @property
+    def mpirun_log(self) -> str:
+        return f"{self.remote_run}/mpirun.log"
+
+    def write(self, status: Status, exit_code: int, wall: float, results: dict | None = None, **fields) -> None:
+        finish_run(self.run_dir, self.record, status, exit_code, wall, results, **fields)
+
+    def sweep(self) -> Sweep:
+        result = sweep(self.nodes, self.run_id)
+        if not result.clean:
+            log.error("run %s: %s", self.run_id, result.claim())
+        return result
+
+
+@dataclass
+class Outcome:
+    """What node 0 saw when mpirun returned."""
+
+    exit_code: int
+    lines: list[str]
+    finished: set = field(default_factory=set)  # ranks that printed [finished]
+    wall_s: float = 0.0
+    watch_failure: tuple[str, str] | None = None  # (node, reason) from the watchdog
+    interrupted: bool = False
+
+
+def end(r: Run, o: Outcome, say) -> RunResult:
+    """The one ending: writes the record, and returns the result or raises the error that says what happened."""
+    if o.interrupted:
+        swept = r.sweep()  # the second look: what the first sweep left, if anything
+        r.write(Status.INTERRUPTED, 130, o.wall_s, cleanup=swept.to_dict())
+        raise Interrupted(f"run {r.run_id} interrupted after {o.wall_s:.0f}s: {swept.claim()} "
+                          f"(log: {r.run_dir / 'log.txt'})")
+    notice = next((ln for ln in o.lines if spot.PREEMPTED_TAG in ln), None)
+    if o.exit_code != 0 and notice:
+        _preempted(r, o, notice)
+    extra: dict = {}
+    if o.exit_code != 0:
+        swept = r.sweep()
+        node, reason = o.watch_failure or failed_rank(o.lines, r.plan)
+        # oneCCL may abort a rank during interpreter shutdown: once every rank has finished its work
+        # and rank 0's results are written, the run counts, and the record says what happened after.
+        done = len(o.finished) == r.plan.world_size
+        results = fetch_results(r) if done and r.is_job else None
+        if not done or (r.is_job and results is None):
+            lost = sorted(swept.unchecked)
+            if lost and (node is None or node not in lost):
+                node, reason = lost[0], f"{lost[0]} stopped answering ({reason})"
+            r.write(Status.FAILED, o.exit_code, o.wall_s, failed_node=node, reason=reason, cleanup=swept.to_dict(),
+                    lost_nodes=lost)
+            hint = ""
+            if lost and r.is_job and outputs.home_checkpoints(r.run_dir):
+                hint = f"; resume with 'fab train --resume {r.run_id}'"
+            kind = NodeLost if lost else NodeFailure
+            raise kind(f"run {r.run_id} failed after {o.wall_s:.0f}s: {reason}; {swept.claim()} "
+                       f"(log: {r.run_dir / 'log.txt'}){hint}", [node] if node else [], run_id=r.run_id, lost=lost,
+                       fix="")
+        say(f"note: {reason} after every rank had finished its work; the results are kept ({swept.claim()})")
+        extra = {"crashed_after_finish": {"node": node, "reason": reason, "exit_code": o.exit_code},
+                 "cleanup": swept.to_dict()}
+    else:
+        results = fetch_results(r) if r.is_job else userscript.trainer_results(r.run_dir / "output")
+        if r.record.detached:  # nobody watched its processes: nothing may be left
+            extra = {"cleanup": r.sweep().to_dict()}
+    alone = userscript.one_job_problem(r.nodes, r.run_id, r.plan.world_size, HOME_EXPR)
+    if alone:
+        r.write(Status.FAILED, 0, o.wall_s, results, reason=alone, **extra)
+        raise ClusterError(f"run {r.run_id} finished but {alone}",
+                           fix="a Trainer or accelerate script needs ACCELERATE_USE_CPU=true (fab sets it) or "
+                               "--use_cpu True, a plain torch script torch.distributed.init_process_group "
+                               "(see docs/scripts.md)")
+    r.write(Status.OK, 0, o.wall_s, results, **extra)
+    return RunResult(run_id=r.run_id, run_dir=r.run_dir, exit_code=0, wall_s=o.wall_s, results=results)
+
+
+def _preempted(r: Run, o: Outcome, notice: str) -> None:
+    m = re.search(r"rank=(\d+) step=(\d+)", notice)
+    rank, step = (int(m.group(1)), int(m.group(2))) if m else (0, -1)
+    node = r.plan.rank_host(rank) if rank < r.plan.world_size else "?"
+    m = re.search(r"cause=(\S+)", notice)
+    cause = m.group(1).replace("_", " ") if m else "spot interruption"
+    swept = r.sweep()
+    try:
+        got = outputs.fetch_checkpoint(r.master, r.run_dir, r.remote_output, r.fetch_model)
+    except Exception as exc:
+        log.warning("the notice's checkpoint did not come home: %s", exc, exc_info=log.isEnabledFor(logging.DEBUG))
+        got = None
+    home = outputs.home_checkpoints(r.run_dir)
+    ckpt = r.run_dir / "checkpoints" / f"step-{step}"
+    if not home:
+        r.write(Status.FAILED, o.exit_code, o.wall_s, failed_node=node, cleanup=swept.to_dict(), cause=cause,
+                reason=f"spot notice on {node} at step {step}, but no checkpoint reached {r.run_dir}/checkpoints")
+        raise NodeFailure(f"run {r.run_id} preempted on {node} at step {step} and no checkpoint came home; "
+                          f"{swept.claim()}", [node], run_id=r.run_id, lost=sorted(swept.unchecked), fix="")
+    if got is None or got[0] != step:
+        step, ckpt = home[-1]
+    r.write(Status.PREEMPTED, spot.PREEMPTED_EXIT, o.wall_s, cause=cause,
+            preempted={"node": node, "rank": rank, "step": step, "checkpoint": str(ckpt)}, cleanup=swept.to_dict())
+    base = r.run_dir.parent.parent
+    rel = ckpt.relative_to(base) if base in ckpt.parents else ckpt
+    raise Preempted(f"run {r.run_id} preempted on {node} at step {step}: checkpoint saved ({rel})",
+                    run_id=r.run_id, node=node, fix=f"resume with 'fab train --resume {r.run_id}'")
+
+
+def fetch_results(r: Run) -> dict | None:
+    with connect(r.master) as conn:
+        res = run(conn, f"cat {shlex.quote(r.remote_output)}/results.json", timeout=60)
+    if not res.ok:
+        log.warning("the job wrote no results.json in %s", r.remote_output)
+        return None
+    try:
+        return json.loads(res.stdout)
+    except ValueError:
+        return None
+
+
+# -- runs nobody ends --------------------------------------------------------------------------------
+def watched(rec: RunRecord) -> bool:
+    """A run still in someone's hands: its supervisor lives (or lives where we cannot look), or a plain
+    detached run, which node 0's wrapper ends and the next look concludes."""
+    if rec.detached and not rec.supervisor:
+        return True
+    return supervisor_alive(rec.supervisor) is not False and rec.supervisor is not None
+
+
+def reap(run_dir: Path, rec: RunRecord) -> RunRecord:
+    """A running (or restarting) run whose supervisor died, with nothing of it left on the nodes, is recorded
+    abandoned with what the look found; any other record is returned as it is."""
+    if rec.status not in (Status.RUNNING, Status.RESTARTING) or watched(rec):
+        return rec
+    nodes = [Node(**n) for n in rec.nodes]
+    unasked: dict[str, str] = {}
+    alive = runs_alive(nodes, unasked).get(rec.run_id) if nodes else None
+    if alive:  # its ranks live on without it: 'fab stop' ends them
+        return rec
+    rec.transition(Status.ABANDONED, abandoned={
+        "at": now_iso(), "was": str(rec.status), "supervisor": rec.supervisor,
+        "found": "no process of the run on " + (", ".join(n.name for n in nodes if n.name not in unasked) or
+                                                "any node that answered"),
+        "unchecked": unasked})
+    rec.save(run_dir)
+    log.info("run %s: its supervisor is gone and nothing of it is left on the nodes: recorded abandoned",
+             rec.run_id)
+    return rec

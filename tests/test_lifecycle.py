@@ -1,0 +1,300 @@
+"""The run's lifecycle without a cluster: the record's state machine, summary.json written from and read
+into the dataclass (old records too), the one ending's branches (ok, crash after finish, lost node,
+preempted, interrupted), `fab stop` of a supervised run and the abandoned look, against fake nodes
+(tests/fake_node.py) at the SSH boundary. Seconds, not minutes."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from fake_node import FakeCluster, FakeNode
+
+from core.errors import ClusterError, Interrupted, NodeFailure, NodeLost, Preempted, format_error
+from launch import cleanup, detach, lifecycle, outputs, records, stop, userscript
+from launch.lifecycle import Outcome, Run
+from launch.records import FAILURES, TERMINAL, BadTransition, RunRecord, Status
+from training import spot
+
+HOME = "/h"
+
+
+# -- the state machine ---------------------------------------------------------------------------------
+def test_status_sets_and_named_transitions():
+    assert Status.RUNNING not in TERMINAL and Status.RESTARTING not in TERMINAL
+    assert Status.OK in TERMINAL and Status.OK not in FAILURES
+    assert {Status.PREEMPTED, Status.ABANDONED, Status.STOPPED} <= FAILURES
+    rec = RunRecord("r1")
+    rec.transition(Status.RUNNING).transition(Status.PREEMPTED).transition(Status.RESTARTING)
+    rec.transition(Status.PREEMPTED, restarted_as="r2")
+    assert rec.status == Status.PREEMPTED and rec.restarted_as == "r2"
+    with pytest.raises(BadTransition):  # an ended run is never running again
+        rec.transition(Status.RUNNING)
+    with pytest.raises(BadTransition):
+        RunRecord("r", Status.OK).transition(Status.STOPPED)
+    with pytest.raises(BadTransition):  # a field the record does not have is a bug, not a new key
+        RunRecord("r", Status.RUNNING).transition(Status.OK, no_such_field=1)
+    assert RunRecord("r", Status.RESTARTING).can(Status.ABANDONED)
+    assert not RunRecord("r", Status.RUNNING).can(Status.RUNNING)
+
+
+def test_summary_json_round_trips_and_old_records_still_read(tmp_path):
+    rec = RunRecord("r1", nodes=[{"name": "node0"}], job="glue", args=["--seed", "1"], world_size=2, ppn=1,
+                    cause="spot interruption")
+    rec.transition(Status.RUNNING, started_at=1.5)
+    rec.save(tmp_path)
+    data = json.loads((tmp_path / "summary.json").read_text())
+    # the fields every reader used stay, unset optional ones stay out, statuses are their plain words
+    assert data["status"] == "running" and data["script"] is None and "preempted" not in data
+    assert data["cause"] == "spot interruption"
+    back = records.load(tmp_path)
+    assert back == rec
+    # a record written before this change: no supervisor, keys this version does not know are kept
+    old = {"run_id": "old", "status": "ok", "exit_code": 0, "wall_s": 12.0, "nodes": [{"name": "node0"}],
+           "job": "glue", "eval": {"eval_accuracy": 0.8}, "some_future_key": [1]}
+    (tmp_path / "old").mkdir()
+    (tmp_path / "old" / "summary.json").write_text(json.dumps(old))
+    rec = records.load(tmp_path / "old")
+    assert rec.status == Status.OK and rec.eval == {"eval_accuracy": 0.8} and rec.supervisor is None
+    rec.save(tmp_path / "old")
+    assert json.loads((tmp_path / "old" / "summary.json").read_text())["some_future_key"] == [1]
+    with pytest.raises(ClusterError) as exc:
+        records.load(tmp_path / "none")
+    assert exc.value.fix == "pass a run id from 'fab runs'"
+
+
+def test_errors_carry_what_and_fix_and_are_formatted_once():
+    e = ClusterError("--nodes 6 but the cluster has 4 nodes", "lower --nodes")
+    assert (e.what, e.fix) == ("--nodes 6 but the cluster has 4 nodes", "lower --nodes")
+    assert format_error(e) == "error: --nodes 6 but the cluster has 4 nodes; lower --nodes"
+    legacy = ClusterError("x is wrong; do y; or z")  # one text: split once, where it is made
+    assert (legacy.what, legacy.fix, str(legacy)) == ("x is wrong", "do y; or z", "x is wrong; do y; or z")
+    p = Preempted("run a preempted", run_id="a", node="node1", fix="resume with 'fab train --resume a'")
+    assert format_error(p) == "run a preempted; resume with 'fab train --resume a'" and p.exit_code == 75
+
+
+def test_fan_out_keeps_each_nodes_own_exception(monkeypatch):
+    from cluster import remote
+
+    a, b = FakeNode("node0"), FakeNode("node1", reachable=False)
+    fc = FakeCluster(a, b)
+
+    def boom(node):
+        if node.name == "node0":
+            raise ValueError("bad value")
+        return fc.connect(node)
+
+    with pytest.raises(NodeFailure) as exc:
+        remote.fan_out(fc.nodes, boom, "checking")
+    err = exc.value
+    assert err.nodes == ["node0", "node1"] and err.lost == ["node1"]
+    assert isinstance(err.errors["node0"], ValueError) and err.errors["node1"].node == "node1"
+    assert "node0: ValueError: bad value" in err.what
+
+
+# -- the one ending ------------------------------------------------------------------------------------
+def _run(tmp_path: Path, monkeypatch, *fakes: FakeNode, job: bool = True, detached: bool = False) -> Run:
+    fc = FakeCluster(*fakes)
+    fc.install(monkeypatch, lifecycle, cleanup, outputs, userscript)
+    plan = detach.LogPlan("r1", 1, tuple(f.name for f in fakes))
+    rec = RunRecord("r1", nodes=[n.to_dict() for n in fc.nodes], job="glue" if job else None, ppn=1,
+                    world_size=len(fakes), detached=detached or None)
+    (tmp_path / "r1").mkdir()
+    rec.transition(Status.RUNNING).save(tmp_path / "r1")
+    return Run("r1", tmp_path, HOME, fc.nodes, plan, rec, remote_output=f"{HOME}/runs/r1/output", is_job=job)
+
+
+def _finished(n: int) -> list[str]:
+    return [f"[{r}] [finished] rank {r}" for r in range(n)]
+
+
+def test_ok_brings_results_into_the_record(tmp_path, monkeypatch):
+    n0 = FakeNode("node0", files={f"{HOME}/runs/r1/output/results.json": b'{"eval": {"eval_accuracy": 0.9}, '
+                                  b'"train": {"train_samples_per_second": 3.5}}'})
+    r = _run(tmp_path, monkeypatch, n0, FakeNode("node1"), detached=True)
+    result = lifecycle.end(r, Outcome(0, _finished(2), {0, 1}, 10.0), print)
+    rec = records.load(tmp_path / "r1")
+    assert result.results["eval"]["eval_accuracy"] == 0.9
+    assert rec.status == Status.OK and rec.train_samples_per_second == 3.5 and rec.wall_s == 10.0
+    assert rec.cleanup["clean"] is True  # a detached run is swept: nobody watched its processes
+    assert (tmp_path / "r1" / "results.json").is_file()
+
+
+def test_a_crash_after_every_rank_finished_keeps_the_results(tmp_path, monkeypatch):
+    n0 = FakeNode("node0", files={f"{HOME}/runs/r1/output/results.json": b"{}"}, procs={"r1": 1})
+    r = _run(tmp_path, monkeypatch, n0, FakeNode("node1"))
+    said = []
+    lifecycle.end(r, Outcome(134, _finished(2) + ["[1] Abort in ccl teardown"], {0, 1}, 5.0), said.append)
+    rec = records.load(tmp_path / "r1")
+    assert rec.status == Status.OK and rec.crashed_after_finish["exit_code"] == 134
+    assert rec.cleanup["killed"] == {"node0": 1, "node1": 0} and not n0.procs
+    assert said and said[0].startswith("note: ")
+
+
+def test_a_lost_node_fails_the_run_as_node_lost(tmp_path, monkeypatch):
+    n1 = FakeNode("node1", reachable=False)
+    r = _run(tmp_path, monkeypatch, FakeNode("node0", procs={"r1": 2}), n1)
+    with pytest.raises(NodeLost) as exc:
+        lifecycle.end(r, Outcome(255, ["[0] training", "connection to node1 lost"], set(), 30.0), print)
+    assert exc.value.lost == ["node1"] and exc.value.run_id == "r1" and exc.value.nodes == ["node1"]
+    rec = records.load(tmp_path / "r1")
+    assert rec.status == Status.FAILED and rec.lost_nodes == ["node1"] and rec.failed_node == "node1"
+    assert rec.cleanup["unchecked"]["node1"].startswith("node1 (127.0.0.9:2222) is unreachable")
+
+
+def test_a_crash_on_nodes_that_answer_is_a_plain_failure(tmp_path, monkeypatch):
+    r = _run(tmp_path, monkeypatch, FakeNode("node0"), FakeNode("node1"))
+    with pytest.raises(NodeFailure) as exc:
+        lifecycle.end(r, Outcome(1, ["[1] Traceback (most recent call last):", "[1] ValueError: nan"], set(), 3.0),
+                      print)
+    assert not isinstance(exc.value, NodeLost) and exc.value.lost == []
+    assert records.load(tmp_path / "r1").failed_node == "node1"
+
+
+def test_preempted_brings_its_checkpoint_home(tmp_path, monkeypatch):
+    ck = f"{HOME}/runs/r1/output/checkpoint-20"
+    n0 = FakeNode("node0", files={f"{ck}/model.safetensors": b"w", f"{ck}/{spot.COMPLETE_MARKER}": b"{}"})
+    r = _run(tmp_path, monkeypatch, n0, FakeNode("node1"))
+    notice = f"[0] {spot.PREEMPTED_TAG} rank=1 step=20 checkpoint=checkpoint-20"
+    with pytest.raises(Preempted) as exc:
+        lifecycle.end(r, Outcome(spot.PREEMPTED_EXIT, [notice], set(), 8.0), print)
+    assert exc.value.node == "node1" and exc.value.fix == "resume with 'fab train --resume r1'"
+    rec = records.load(tmp_path / "r1")
+    assert rec.status == Status.PREEMPTED and rec.exit_code == 75 and rec.preempted["step"] == 20
+    assert rec.cause == "spot interruption"
+    assert (tmp_path / "r1" / "checkpoints" / "step-20" / "model.safetensors").read_bytes() == b"w"
+
+
+def test_preempted_without_a_checkpoint_is_a_failure(tmp_path, monkeypatch):
+    r = _run(tmp_path, monkeypatch, FakeNode("node0"), FakeNode("node1"))
+    with pytest.raises(NodeFailure):
+        lifecycle.end(r, Outcome(75, [f"[0] {spot.PREEMPTED_TAG} rank=0 step=5"], set(), 8.0), print)
+    assert records.load(tmp_path / "r1").status == Status.FAILED
+
+
+def test_interrupted_is_recorded_with_what_is_left(tmp_path, monkeypatch):
+    r = _run(tmp_path, monkeypatch, FakeNode("node0", procs={"r1": 1}), FakeNode("node1"))
+    with pytest.raises(Interrupted) as exc:
+        lifecycle.end(r, Outcome(130, [], set(), 4.0, interrupted=True), print)
+    assert exc.value.exit_code == 130 and "nothing is left running" in exc.value.what
+    assert records.load(tmp_path / "r1").status == Status.INTERRUPTED
+
+
+# -- runs nobody ends ----------------------------------------------------------------------------------
+def _dead_process() -> dict:
+    p = subprocess.Popen([sys.executable, "-c", "pass"])
+    sup = {"pid": p.pid, "host": records.this_process()["host"], "start": records._start_time(p.pid) or "0"}
+    p.wait()
+    return sup
+
+
+def test_a_run_whose_supervisor_died_is_abandoned_once_nothing_is_left(tmp_path, monkeypatch):
+    n0, n1 = FakeNode("node0", procs={"r1": 1}), FakeNode("node1")
+    r = _run(tmp_path, monkeypatch, n0, n1)
+    r.record.supervisor = _dead_process()
+    r.record.save(r.run_dir)
+    rec = lifecycle.reap(r.run_dir, records.load(r.run_dir))
+    assert rec.status == Status.RUNNING  # its ranks still run: 'fab stop' ends them, it is not abandoned
+    n0.procs.clear()
+    rec = lifecycle.reap(r.run_dir, records.load(r.run_dir))
+    assert rec.status == Status.ABANDONED and records.load(r.run_dir).status == Status.ABANDONED
+    assert rec.abandoned["was"] == "running" and "node0, node1" in rec.abandoned["found"]
+    # a live supervisor (this process), and a plain detached run, are left to their own ending
+    mine = RunRecord("r2", Status.RUNNING, nodes=rec.nodes, supervisor=records.this_process())
+    assert lifecycle.reap(tmp_path, mine).status == Status.RUNNING
+    plain = RunRecord("r3", Status.RUNNING, nodes=rec.nodes, detached=True)
+    assert lifecycle.reap(tmp_path, plain).status == Status.RUNNING
+    assert not any("kill -9" in c for c in n0.commands)  # looking never kills
+
+
+def test_stop_ends_the_supervisor_then_the_ranks(tmp_path, monkeypatch):
+    n0 = FakeNode("node0", procs={"r1": 2})
+    r = _run(tmp_path, monkeypatch, n0, FakeNode("node1"))
+    fc = FakeCluster(n0, FakeNode("node1"))
+    monkeypatch.setattr(cleanup, "connect", fc.connect)
+    monkeypatch.setattr(stop.lock, "release", lambda nodes, run_id: None)
+    sup = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], start_new_session=True)
+    try:
+        r.record.supervisor = {"pid": sup.pid, "host": records.this_process()["host"],
+                               "start": records._start_time(sup.pid)}
+        r.record.save(r.run_dir)
+        line = stop.stop(fc, "r1", tmp_path)
+        assert sup.wait(timeout=5) == -15  # SIGTERM: it starts no restart
+    finally:
+        if sup.poll() is None:
+            os.kill(sup.pid, 9)
+    assert line.startswith(f"run r1 stopped: its supervisor (pid {sup.pid}) ended; killed its processes on node0")
+    rec = records.load(r.run_dir)
+    assert rec.status == Status.STOPPED and rec.cleanup["killed"]["node0"] == 2
+
+
+def test_stop_follows_a_resume_chain_to_its_newest_run(tmp_path):
+    RunRecord("a", Status.PREEMPTED, restarted_as="b").save(_mk(tmp_path / "a"))
+    RunRecord("b", Status.RUNNING).save(_mk(tmp_path / "b"))
+    assert stop.latest(tmp_path, "a") == "b" and stop.latest(tmp_path, "b") == "b"
+
+
+def _mk(p: Path) -> Path:
+    p.mkdir(parents=True)
+    return p
+
+
+# -- the request, resolved once ------------------------------------------------------------------------
+def _resumable(runs: Path) -> None:
+    d = _mk(runs / "old")
+    request = {"job": "glue", "script": None, "args": ["--seed", "1"], "ppn": "1", "threads": "2", "backend": "gloo",
+               "precision": "fp32", "env": {}, "save_every": "20", "pin": True, "timeout_s": 900, "data": {}}
+    RunRecord("old", Status.PREEMPTED, request=request, world_size=2, nodes=[{}, {}]).save(d)
+    ck = _mk(d / "checkpoints" / "step-20")
+    (ck / "model.safetensors").write_bytes(b"w")
+    (ck / spot.COMPLETE_MARKER).write_text("{}")
+
+
+def test_resume_keeps_recorded_values_only_for_flags_not_given(tmp_path):
+    from launch.train_flags import TrainFlags, resolve
+
+    _resumable(tmp_path)
+    kept = resolve(TrainFlags(resume="old"), tmp_path).req
+    assert (kept.ppn, kept.threads, kept.timeout_s, kept.backend, kept.save_every) == ("1", "2", 900, "gloo", "20")
+    # a flag given at its default value still says what the user wants: it resets the recorded one
+    reset = resolve(TrainFlags(resume="old", ppn="auto", timeout="300", backend="auto"), tmp_path).req
+    assert (reset.ppn, reset.timeout_s, reset.backend, reset.threads) == ("auto", 300, "auto", "2")
+    assert reset.resume["step"] == 20 and reset.args == ["--seed", "1"]
+    new = resolve(TrainFlags(job_args=["--seed", "2"]), tmp_path)
+    assert (new.req.ppn, new.req.timeout_s, new.req.launcher, new.max_restarts, new.supervised) == \
+        ("auto", 300, "python", 0, False)
+    both = resolve(TrainFlags(detach=True, max_restarts="2"), tmp_path)
+    assert both.supervised and not both.req.detach and both.max_restarts == 2  # the supervisor runs it attached
+    with pytest.raises(ClusterError) as exc:
+        resolve(TrainFlags(resume="old", job_args=["--seed", "3"]), tmp_path)
+    assert exc.value.fix == "drop --job/--script/--workdir/--module/--launcher and the flags after --"
+
+
+def test_one_parser_reads_job_flags():
+    from launch import jobflags
+
+    argv = ["--a", "1", "--b", "--c=x=y", "pos", "--a", "2", "--d"]
+    assert jobflags.values(argv) == {"--a": "2", "--b": "", "--c": "x=y", "--d": ""}
+    assert jobflags.get(argv, "--a") == "2" and jobflags.get(argv, "--b") is None
+    assert jobflags.get(argv, "--zz", "dflt") == "dflt"
+    assert jobflags.without(argv, "--a") == ["--b", "--c=x=y", "pos", "--d"]
+    assert jobflags.has(argv, "--d") and not jobflags.has(argv, "--e")
+
+
+def test_the_supervisors_job_crosses_a_pipe_even_with_a_scanned_workdir(tmp_path):
+    import pickle
+
+    from launch import supervisor
+    from launch.request import TrainRequest, validate
+
+    (tmp_path / "train.py").write_text("print(1)\n")
+    req = TrainRequest(job=None, script="train.py", workdir=str(tmp_path), runs_dir=tmp_path / "runs",
+                       env={"HF_TOKEN": "s3cret"}, valueless={"HF_TOKEN"})
+    validate(req)
+    assert req.checked and req.checked[0] is not None  # plan_run will not scan --workdir again
+    job = pickle.loads(supervisor.payload("local", req, 2, 60))
+    assert job["req"].checked is None and job["req"].workdir == str(tmp_path) and job["max_restarts"] == 2
+    assert job["req"].env == {"HF_TOKEN": "s3cret"}  # on the pipe only: fab writes no file with it
