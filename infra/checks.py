@@ -17,18 +17,25 @@ ON_DEMAND_QUOTA = "L-1216C47A"  # Running On-Demand Standard (A, C, D, H, I, M, 
 
 
 def check_zone(settings: ClusterSettings, provider: pulumi.ProviderResource) -> None:
-    """Refuse a zone that does not offer instanceType or a fallback type, naming the zones that do."""
+    """Refuse a zone that does not offer instanceType, a fallback type or (image=bake) buildInstanceType, naming
+    the zones that do: Image Builder would otherwise fail there after minutes, not at preview."""
+    build = (settings.build_instance_type,) if settings.image == "bake" else ()
+    kinds = list(dict.fromkeys([*settings.instance_types, *build]))
     found = aws.ec2.get_instance_type_offerings(
-        location_type="availability-zone", filters=[{"name": "instance-type", "values": list(settings.instance_types)}],
+        location_type="availability-zone", filters=[{"name": "instance-type", "values": kinds}],
         opts=pulumi.InvokeOptions(provider=provider))
     offered: dict[str, set[str]] = {}
     for kind, zone in zip(found.instance_types or [], found.locations or []):
         offered.setdefault(kind, set()).add(zone)
-    for kind in settings.instance_types:
+    for kind in kinds:
         zones = sorted(offered.get(kind, ()))
         if settings.availability_zone in zones:
             continue
         where = ", ".join(zones) if zones else f"no zone of {settings.region}"
+        if kind not in settings.instance_types:  # the build instance only: another build type is the fix
+            raise ClusterError(f"buildInstanceType {kind} is not offered in {settings.availability_zone} (offered in: "
+                               f"{where}); run 'pulumi config set buildInstanceType' with a type offered there "
+                               "(e.g. c6i.2xlarge or m6i.2xlarge)")
         fix = (f"run 'pulumi config set availabilityZone {zones[0]}'" if zones
                else "pick another region or instance type")
         raise ClusterError(f"{kind} is not offered in {settings.availability_zone} (offered in: {where}); {fix}")

@@ -74,3 +74,14 @@ def test_readme_is_a_quick_start():
 def test_readme_names_the_test_command_ci_runs():
     assert "make test" in (ROOT / "README.md").read_text()
     assert "make test" in (ROOT / ".ci" / "run").read_text()
+
+
+def test_ops_names_every_profile_a_stack_can_take():
+    """docs/ops.md's `profile` row lists what node_setup/profiles.toml offers real nodes (the `test` profile is
+    the local cluster's own); it once listed two of three."""
+    import tomllib
+
+    profiles = tomllib.loads((ROOT / "node_setup" / "profiles.toml").read_text())["profiles"]
+    row = next(line for line in (ROOT / "docs" / "ops.md").read_text().splitlines() if line.startswith("| `profile` |"))
+    missing = [name for name in profiles if name != "test" and f"`{name}`" not in row]
+    assert not missing, f"docs/ops.md's profile row leaves out {missing}"

@@ -34,10 +34,11 @@ class Res:
 class Recorder(pulumi.runtime.Mocks):
     """Records every resource and invoke; answers with the computed outputs AWS would return."""
 
-    def __init__(self, offered_zones=("us-east-1a", "us-east-1b", "us-east-1c"), partition="aws"):
+    def __init__(self, offered_zones=("us-east-1a", "us-east-1b", "us-east-1c"), partition="aws", zones_of=None):
         self.resources: list[Res] = []
         self.calls: list[tuple[str, dict, str]] = []
         self.offered_zones, self.partition = offered_zones, partition
+        self.zones_of = zones_of or {}  # instance type -> the zones offering it, where not offered_zones
 
     def new_resource(self, args: pulumi.runtime.MockResourceArgs):
         outputs = dict(args.inputs)
@@ -60,7 +61,7 @@ class Recorder(pulumi.runtime.Mocks):
             return {"id": "ami", "rootDeviceName": "/dev/sda1"}
         if args.token == "aws:ec2/getInstanceTypeOfferings:getInstanceTypeOfferings":
             (types,) = [f["values"] for f in args.args["filters"] if f["name"] == "instance-type"]
-            pairs = [(t, z) for t in types for z in self.offered_zones]
+            pairs = [(t, z) for t in types for z in self.zones_of.get(t, self.offered_zones)]
             return {"id": "offerings", "instanceTypes": [t for t, _ in pairs], "locations": [z for _, z in pairs],
                     "locationTypes": ["availability-zone"] * len(pairs)}
         if args.token == "aws:index/getPartition:getPartition":
@@ -224,6 +225,17 @@ def test_a_zone_without_the_instance_type_is_refused_naming_the_zones_that_offer
                               "run 'pulumi config set availabilityZone us-east-1b'")
     with pytest.raises(pulumi.RunError, match="offered in: no zone of us-east-1"):
         program(Recorder(offered_zones=()))
+
+
+def test_a_zone_without_the_build_instance_type_is_refused_at_preview(program):
+    """image=bake launches buildInstanceType in the zone: a zone without it failed inside Image Builder after
+    minutes; the preview's check now names it."""
+    no_build = Recorder(zones_of={"c6i.2xlarge": ("us-east-1b",)})
+    with pytest.raises(pulumi.RunError) as err:
+        program(no_build)
+    assert str(err.value).startswith("buildInstanceType c6i.2xlarge is not offered in us-east-1a (offered in: "
+                                     "us-east-1b); run 'pulumi config set buildInstanceType'")
+    program(Recorder(zones_of={"c6i.2xlarge": ("us-east-1b",)}), image="base")  # no build instance: no check
 
 
 def test_policy_arns_follow_the_partition(program):
