@@ -14,6 +14,7 @@ from invoke import Collection
 from cluster import keys as keys_lib
 from cluster import local as local_lib
 from cluster import netns as netns_lib
+from cluster import store as store_lib
 from cluster import sweep as sweep_lib
 from cluster.resolve import open_cluster
 from core.cli import as_int, cli, env_pairs, job_args, one_line_parse_errors, valueless_keys
@@ -21,7 +22,7 @@ from core.constants import DEFAULT_MASTER_PORT, MAX_NODES
 from core.errors import ClusterError
 from doctor import run as doctor_lib
 from doctor import status as status_lib
-from launch import records
+from launch import records, store_run
 from launch import request as request_lib
 from launch import restarts as restarts_lib
 from launch import resume as resume_lib
@@ -138,13 +139,15 @@ def keys(c, cluster=None):
         "restart-wait": "seconds to wait for the cluster to have its nodes again before a restart (default 600)",
         "concurrent": "run even while another run holds the cluster (by default one run at a time)",
         "detach": "return once every rank runs, printing the run id; follow with 'fab logs RUN -f'",
+        "store": "where checkpoints, outputs and records go: s3://BUCKET/PREFIX or file:///FOLDER (default: "
+                 "XC_STORE, fabric.yaml xc.store, the stack's bucket, else ./store)",
     },
 )
 @cli
 def train(c, nodes=None, job=None, script=None, workdir=None, module=None, launcher="python", ppn="auto",
           threads="auto", backend="auto", precision="auto", comm_hook=None,
           env=None, cluster=None, master_port=None, no_pin=False, timeout="300", save_every=None, no_fetch_model=False,
-          resume=None, max_restarts="0", restart_wait="600", concurrent=False, detach=False):
+          resume=None, max_restarts="0", restart_wait="600", concurrent=False, detach=False, store=None):
     """Run a training job across the cluster with mpirun; results land in runs/<run-id>/."""
     n = as_int(nodes, "--nodes", 1) if nodes is not None else None
     if job and script:
@@ -153,11 +156,13 @@ def train(c, nodes=None, job=None, script=None, workdir=None, module=None, launc
     if module and (job or script):
         raise ClusterError(f"--module {module} and --{'job ' + job if job else 'script ' + script} exclude each "
                            "other; pass one of them")
+    chosen_store = store_lib.choose(store, c.config, _cluster(c, cluster))  # [store] one resolver for every task
     if resume:
         if job or script or workdir or module or launcher != "python" or job_args():
             raise ClusterError(f"--resume {resume} runs that run's own job and flags; drop --job/--script/--workdir/"
                                "--module/--launcher and the flags after --")
-        req = resume_lib.resume_request(resume, request_lib.RUNS, nodes=n, fetch_model=not no_fetch_model)
+        req = resume_lib.resume_request(resume, request_lib.RUNS, nodes=n, fetch_model=not no_fetch_model,
+                                        store=chosen_store.url)
     else:
         req = request_lib.TrainRequest(nodes=n, job=job or "glue", script=script, workdir=workdir, module=module,
                                        launcher=launcher, args=job_args(), env=env_pairs(env),
@@ -185,9 +190,12 @@ def train(c, nodes=None, job=None, script=None, workdir=None, module=None, launc
     if req.detach and restarts:
         raise ClusterError("--detach and --max-restarts exclude each other (restarts need a fab that stays); drop "
                            "one of them")
+    store_run.apply(req, chosen_store, _cluster(c, cluster))  # [store] XC_STORE and credentials (as secrets)
     request_lib.validate(req)  # every flag and data file before the cluster is asked anything
+    store_lib.check(chosen_store, _cluster(c, cluster))  # [store] reachable and writable, before launch
     chosen = open_cluster(_cluster(c, cluster))
     print(status_lib.cluster_line(chosen), flush=True)
+    print(chosen_store.line(), flush=True)  # [store] every run's first lines name its store
     result = restarts_lib.train_with_restarts(chosen.spec, req, restarts, wait)
     if not result.detached:
         print(records.result_line(result))
@@ -203,11 +211,12 @@ def logs(c, run, follow=False):
         print(closing)
 
 
-@task
+@task(help={"store": "s3://BUCKET/PREFIX or file:///FOLDER (default: XC_STORE, fabric.yaml xc.store, the stack's "
+                     "bucket, ./store)", "cluster": "local | hosts:PATH | aws[:NAME] | pulumi[:STACK]"})
 @cli
-def runs(c):
-    """The runs under runs/, newest first: id, job, nodes, status, wall time, main metric, samples/s."""
-    runs_lib.list_runs(request_lib.RUNS, sys.stdout)
+def runs(c, store=None, cluster=None):
+    """The runs under runs/ and in the cluster's store, newest first: id, job, nodes, status, wall, metric, samples/s."""
+    runs_lib.list_runs(request_lib.RUNS, sys.stdout, store=store_lib.choose(store, c.config, _cluster(c, cluster)).url)
 
 
 @task(help={"cluster": "local | hosts:PATH | aws[:NAME] | pulumi[:STACK] (default: the local cluster if started, "
@@ -338,3 +347,23 @@ def kube(c, nodes=None, job="glue", out=None, image="xeon-cluster-train:latest",
 
 
 ns = Collection(local_up, local_down, local_kill, local_link, keys, setup, doctor, train, logs, runs, stop, status, sweep, demo, bench, kube)
+
+
+# -- the cluster's store (issue 25): tasks appended here, one resolver for all of them -----------------------------
+_STORE_HELP = "s3://BUCKET/PREFIX or file:///FOLDER (default: XC_STORE, fabric.yaml xc.store, the stack's bucket, ./store)"
+
+
+@task(help={"run": "the run id (from 'fab runs')", "checkpoints": "its complete checkpoints too",
+            "to": "the folder to fill (default runs/<run>)", "no-fetch-model": "leave the model weights in the store",
+            "store": _STORE_HELP, "cluster": "local | hosts:PATH | aws[:NAME] | pulumi[:STACK] (whose store)"})
+@cli
+def pull(c, run, checkpoints=False, to=None, no_fetch_model=False, store=None, cluster=None):
+    """Bring a run's records and outputs (with --checkpoints, its checkpoints) home from the cluster's store."""
+    stop_lib.check_run_id(run, request_lib.RUNS)
+    chosen = store_lib.choose(store, c.config, _cluster(c, cluster))
+    print(chosen.line(), flush=True)
+    dest = Path(to) if to else request_lib.RUNS / run
+    store_lib.pull(chosen.url, run, dest, bool(checkpoints), not no_fetch_model, say=lambda m: print(m, flush=True))
+
+
+ns.add_task(pull)

@@ -6,6 +6,7 @@ import logging
 from dataclasses import dataclass
 from pathlib import Path
 
+from cluster import store
 from cluster.resolve import Cluster
 from launch import launcher, secrets
 from launch.probe import NodeFacts
@@ -56,6 +57,7 @@ def finish_run(run_dir: Path, record: dict, status: str, exit_code: int, wall: f
         summary["eval"] = results.get("eval")
         (run_dir / "results.json").write_text(json.dumps(results, indent=2, sort_keys=True))
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2, sort_keys=True, default=str))
+    store.publish_records(run_dir, summary)  # [store] the records beside the run's checkpoints; never raises
 
 
 def result_line(result: RunResult) -> str:

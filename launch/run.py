@@ -22,7 +22,7 @@ from cluster.remote import connect, fan_out, run
 from cluster.resolve import Cluster
 from core.errors import ClusterError, Interrupted, NodeFailure, Preempted
 from core.render import render
-from launch import detach, launcher, lock, outputs, secrets, workdir
+from launch import detach, launcher, lock, outputs, secrets, store_run, workdir
 from launch.cleanup import Sweep, sweep
 from launch.preflight import preflight
 from launch.probe import NodeFacts
@@ -151,7 +151,7 @@ def _run(cluster: Cluster, req: TrainRequest, plan: launcher.LaunchPlan, facts: 
     exit_code = 1
     remote_out = _remote_output_dir(master, plan, args)
     mirror = None
-    if req.script is None:
+    if req.script is None and not req.env.get("XC_STORE"):  # [store] with a store, nothing is mirrored home
         mirror = outputs.CheckpointMirror(master.node, run_dir, remote_out, req.fetch_model)
         mirror.start()
     with (run_dir / "log.txt").open("w") as log_file:
@@ -208,7 +208,8 @@ def _run(cluster: Cluster, req: TrainRequest, plan: launcher.LaunchPlan, facts: 
             finish_run(run_dir, record, "failed", exit_code, wall, None, failed_node=node, reason=reason,
                     cleanup=swept.to_dict(), lost_nodes=lost)
             hint = ""
-            if lost and req.script is None and outputs.home_checkpoints(run_dir):
+            if lost and req.script is None and (outputs.home_checkpoints(run_dir)
+                                                or store_run.has_checkpoint(req, plan.run_id)):  # [store]
                 hint = f"; resume with 'fab train --resume {plan.run_id}'"
             raise NodeFailure(f"run {plan.run_id} failed after {wall:.0f}s: {reason}; {swept.claim()} "
                               f"(log: {run_dir / 'log.txt'}){hint}", [node] if node else [], run_id=plan.run_id,
@@ -236,7 +237,7 @@ def _prepare(cluster: Cluster, req: TrainRequest, plan: launcher.LaunchPlan, fac
     digest = shipping.code_hash()
     tarball = shipping.code_tarball()
     hostfile = render("hostfile.j2", nodes=nodes)
-    resume = Path(req.resume["checkpoint"]) if req.resume else None
+    resume = Path(req.resume["checkpoint"]) if req.resume and req.resume.get("checkpoint") else None  # [store]: None
 
     def stage(node: Node):
         i = nodes.index(node)
@@ -298,6 +299,8 @@ def _preempted(nodes, plan, master, run_dir, remote_out, record, req, notice, ex
     rank, step = (int(m.group(1)), int(m.group(2))) if m else (0, -1)
     node = plan.rank_host(rank) if rank < plan.world_size else "?"
     swept = cleanup(nodes, plan.run_id)
+    if req.env.get("XC_STORE"):  # [store] the notice's checkpoint is in the store, or nowhere
+        store_run.preempted(plan, run_dir, record, req, node, rank, step, exit_code, wall, swept)
     try:
         got = outputs.fetch_checkpoint(master.node, run_dir, remote_out, req.fetch_model)
     except Exception as exc:

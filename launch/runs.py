@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 from typing import TextIO
 
+from cluster import store as store_lib
 from cluster.remote import connect
 from core.errors import ClusterError
 from launch import detach
@@ -36,8 +37,9 @@ def _wall(summary: dict) -> str:
     return f"{float(wall):.0f}s" if isinstance(wall, (int, float)) else "-"
 
 
-def list_runs(runs_dir: Path, out: TextIO) -> int:
-    """Print one row per run, newest first; returns how many."""
+def list_runs(runs_dir: Path, out: TextIO, store: str | None = None) -> int:
+    """Print one row per run, newest first, with the store's runs not at home (started from another machine,
+    or pulled nowhere yet) marked 'store'; returns how many."""
     runs_dir = Path(runs_dir)
     folders = sorted((d for d in runs_dir.iterdir() if (d / "summary.json").is_file()), reverse=True) \
         if runs_dir.is_dir() else []
@@ -53,17 +55,30 @@ def list_runs(runs_dir: Path, out: TextIO) -> int:
             except Exception as exc:  # node 0 unreachable: list the run as its record says
                 log.debug("concluding %s", folder.name, exc_info=True)
                 log.warning("run %s: could not ask node 0 whether it ended: %s", folder.name, exc)
-        job = summary.get("job") or Path(summary.get("script") or "?").name
-        sps = summary.get("train_samples_per_second")
-        rows.append((folder.name, job, str(len(summary.get("nodes", []))), summary.get("status", "?"),
-                     _wall(summary), metric(summary), f"{sps:.1f}" if isinstance(sps, (int, float)) else "-"))
+        rows.append(_row(folder.name, summary))
+    if store:
+        home = {r[0] for r in rows}
+        try:
+            remote = store_lib.store_runs(store)
+        except ClusterError as exc:  # the store unreachable: the runs at home still list
+            log.warning("%s", exc)
+            remote = {}
+        rows += [_row(run_id, summary, "store") for run_id, summary in remote.items() if run_id not in home]
+        rows.sort(key=lambda r: r[0], reverse=True)
     if not rows:
         out.write(f"no runs in {runs_dir}; start one with 'fab train'\n")
         return 0
-    header = ("run", "job", "nodes", "status", "wall", "metric", "samples/s")
+    header = ("run", "job", "nodes", "status", "wall", "metric", "samples/s", "where")
     widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
     out.writelines("  ".join(v.ljust(w) for v, w in zip(row, widths)).rstrip() + "\n" for row in [header, *rows])
     return len(rows)
+
+
+def _row(run_id: str, summary: dict, where: str = "home") -> tuple[str, ...]:
+    job = summary.get("job") or Path(summary.get("script") or "?").name
+    sps = summary.get("train_samples_per_second")
+    return (run_id, job, str(len(summary.get("nodes", []))), summary.get("status", "?"), _wall(summary),
+            metric(summary), f"{sps:.1f}" if isinstance(sps, (int, float)) else "-", where)
 
 
 def show_log(runs_dir: Path, run_id: str, follow: bool, out: TextIO) -> str | None:
