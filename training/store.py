@@ -37,7 +37,7 @@ class StoreError(Exception):
     """What went wrong with the store and how to fix it, in one line (the operator shows it as `error:`)."""
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, order=True)
 class Entry:
     key: str  # relative to the store's root
     size: int
@@ -134,7 +134,8 @@ class S3Store:
             region = os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION") or None
             if region is None and self.endpoint:
                 region = "us-east-1"  # an S3-compatible endpoint ignores it, boto3 wants one
-            self._client = boto3.client("s3", endpoint_url=self.endpoint, region_name=region, config=Config(
+            # a session of its own: boto3's default one keeps the credentials it first found
+            self._client = boto3.session.Session().client("s3", endpoint_url=self.endpoint, region_name=region, config=Config(
                 retries={"max_attempts": 5, "mode": "standard"}, max_pool_connections=CONCURRENCY + 4,
                 connect_timeout=10, read_timeout=60))
         return self._client
@@ -202,8 +203,7 @@ def open_store(url: str):
 
 
 def explain(exc: BaseException, url: str) -> str:
-    """One line: what failed with the store at url, and the fix. Never reads an error's text for a decision
-    beyond botocore's error code and class."""
+    """One line: what failed with the store at url, and the fix (decided on the error's class and S3's code)."""
     name = type(exc).__name__
     if isinstance(exc, StoreError):
         return str(exc)
@@ -218,10 +218,11 @@ def explain(exc: BaseException, url: str) -> str:
         where = os.environ.get("XC_S3_ENDPOINT_URL") or "S3"
         return (f"store {url} is unreachable ({where}: {name}); check the network and XC_S3_ENDPOINT_URL, or pass "
                 "--store with a reachable store")
-    if name == "ClientError":
-        err = getattr(exc, "response", {}).get("Error", {})
+    response = getattr(exc, "response", None)
+    if isinstance(response, dict) and "Error" in response:  # botocore's ClientError and its modelled subclasses
+        err = response["Error"]
         code = str(err.get("Code"))
-        headers = getattr(exc, "response", {}).get("ResponseMetadata", {}).get("HTTPHeaders", {})
+        headers = response.get("ResponseMetadata", {}).get("HTTPHeaders", {})
         if code in ("NoSuchBucket", "404"):
             return (f"store {url}: the bucket does not exist; create it ('pulumi up' makes the stack's) or pass "
                     "--store s3://<an existing bucket>/<prefix>")
@@ -237,7 +238,7 @@ def explain(exc: BaseException, url: str) -> str:
 
 def check_region(store) -> None:
     """A bucket in another region than the client's: S3 redirects, but every byte then crosses regions."""
-    if not isinstance(store, S3Store) or store.endpoint:
+    if not isinstance(store, S3Store):
         return
     head = store.client.head_bucket(Bucket=store.bucket)
     actual = head.get("ResponseMetadata", {}).get("HTTPHeaders", {}).get("x-amz-bucket-region")
