@@ -33,8 +33,8 @@ CHUNK = 32 << 20  # multipart part size: a bert-base optimizer.pt (880 MB) goes 
 CONCURRENCY = 16
 
 
-class StoreError(Exception):
-    """What went wrong with the store and how to fix it, in one line (the operator shows it as `error:`)."""
+class StoreError(ValueError):
+    """What went wrong with the store and the fix, in one line (a job shows it as `error:`, as bad flags)."""
 
 
 @dataclass(frozen=True, order=True)
@@ -331,7 +331,7 @@ def fetch_resume(dest: str | os.PathLike | None = None) -> str | None:
     """XC_RESUME_URL (a checkpoint in the store) onto this node, at XC_RESUME_FROM; returns the local path.
     A file store shares the disk: its folder is used as it is. With several ranks per node the first local
     rank downloads and the others wait for the folder to appear whole."""
-    source = os.environ.get("XC_RESUME_URL")
+    source = os.environ.pop("XC_RESUME_URL", None)  # once per process: later readers find XC_RESUME_FROM
     if not source:
         return None
     base, _, key = source.partition("/runs/")
