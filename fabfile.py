@@ -279,10 +279,11 @@ def setup(c, profile=None, nodes=None, cluster=None, force=False):
             "full": "every check, the all-reduce too (default)", "master-port": "rendezvous port (default 29500)",
             "backend": "all-reduce backend: auto (what fab train picks: ccl where the bindings are on every node) "
                        "| ccl | gloo",
-            "env": "variable for the all-reduce's ranks, KEY=VALUE (repeatable), as fab train --env"})
+            "env": "variable for the all-reduce's ranks, KEY=VALUE (repeatable), as fab train --env",
+            "store": "the store every node must reach (default: as fab train chooses it)"})
 @cli
 def doctor(c, profile=None, nodes=None, cluster=None, quick=False, full=False, master_port=None, backend="auto",
-           env=None):
+           env=None, store=None):
     """Check the nodes: CPU, AMX, memory, disk, versions, SSH, port, clock, all-reduce; red rows say the fix."""
     if quick and full:
         raise ClusterError("--quick and --full exclude each other; pass one of them")
@@ -295,7 +296,8 @@ def doctor(c, profile=None, nodes=None, cluster=None, quick=False, full=False, m
     cl = open_cluster(_cluster(c, cluster), require_running=False)  # a stopped node is a row, not an abort
     chosen = cl.first(count)
     report = doctor_lib.doctor(cl, chosen, profile=p, full=not quick, port=port, out=sys.stdout,
-                               backend=backend, env=extra_env)
+                               backend=backend, env=extra_env,
+                               store=store_lib.choose(store, c.config, cl.spec))  # [store] a 'store' row per node
     print(report.render())
     report.raise_if_failed("doctor")
 

@@ -7,6 +7,7 @@ local cluster's nodes share with the operator (so 'make demo' needs no server).
 """
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
@@ -235,9 +236,14 @@ def pull(url: str, run_id: str, dest: Path, with_checkpoints: bool = False, with
         callback = _progress(rel, e.size, say) if say and e.size > PROGRESS_BYTES else None
         try:
             store.get_file(e.key, target, callback)
+        except OSError as exc:
+            if exc.errno == errno.ENOSPC or isinstance(exc, PermissionError):
+                why = "no space left on device" if exc.errno == errno.ENOSPC else "permission denied"
+                raise ClusterError(f"pulling {run_id} from {url} into {dest}: {why}; free space there or pass --to "
+                                   "another folder") from None
+            raise ClusterError(explain(exc, url)) from None
         except Exception as exc:  # noqa: BLE001
-            raise ClusterError(explain(exc, url).replace(f"store {url}", f"pulling {run_id} from {url} into "
-                                                         f"{dest}", 1)) from None
+            raise ClusterError(explain(exc, url)) from None
         done += e.size
         if say:
             say(f"  {rel} ({e.size / 2**20:.1f} MiB; {done / 2**20:.0f}/{total / 2**20:.0f} MiB, "

@@ -227,3 +227,41 @@ def test_access_denied_is_one_line_with_the_fix(aws_env, strict_moto, monkeypatc
     with pytest.raises(ClusterError, match=r"store s3://any-bucket/p: access denied \(\w+\); allow "
                                            "s3:GetObject"):
         store_lib.check(store_lib.Choice("s3://any-bucket/p", "--store"))
+
+
+@pytest.fixture
+def tiny_disk(tmp_path):
+    """A 1 MiB tmpfs: a disk that fills up for real (root only)."""
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs needs root")
+    d = tmp_path / "tiny"
+    d.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(d)], check=False,
+                      capture_output=True).returncode:
+        pytest.skip("cannot mount a tmpfs here")
+    yield d
+    subprocess.run(["umount", str(d)], check=False)
+
+
+def test_a_full_disk_is_one_line_with_the_fix(s3, tiny_disk, tmp_path):
+    out = tmp_path / "output"
+    out.mkdir()
+    (out / "model.safetensors").write_bytes(os.urandom(3 << 20))
+    shared.publish_output(out, url=s3, run_id="r7")
+    shared.open_store(s3).put_bytes("runs/r7/summary.json", b"{}")
+    with pytest.raises(ClusterError, match=rf"pulling r7 from {s3} into {tiny_disk}: no space left on device; free "
+                                           "space there or pass --to another folder"):
+        store_lib.pull(s3, "r7", tiny_disk)
+    for p in tiny_disk.rglob("*"):
+        if p.is_file():
+            p.unlink()
+    fd = os.open(tiny_disk / "filler", os.O_WRONLY | os.O_CREAT)  # the store's own disk, full to the last block
+    try:
+        while os.write(fd, b"\0" * 4096):
+            pass
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+    with pytest.raises(ClusterError, match=rf"store {tiny_disk.as_uri()}: no space left on device"):
+        store_lib.check(store_lib.Choice(tiny_disk.as_uri(), "--store"))

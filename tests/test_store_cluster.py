@@ -101,3 +101,18 @@ def test_preempted_to_s3_resumed_from_s3_and_pulled(cluster2, aws_env, monkeypat
     assert row[3] == "ok" and row[-1] == "store"
     missing = cluster2.fab("pull", "20260101-000000-glue-0000", "--store", store, timeout=120)
     assert missing.returncode == 1 and missing.stderr.strip().splitlines()[-1].startswith("error: no run ")
+
+
+@pytest.mark.cluster
+def test_doctor_has_a_store_row_per_node(cluster2, aws_env, monkeypatch):  # noqa: F811
+    monkeypatch.setenv("XC_S3_ENDPOINT_URL", aws_env)
+    client("s3").create_bucket(Bucket="xc-doctor-store")
+    ok = cluster2.fab("doctor", "--quick", "--store", "s3://xc-doctor-store/p", timeout=300)
+    rows = re.findall(r"^  store +(ok|FAIL) +(.*)$", ok.stdout, re.MULTILINE)
+    assert [r[0] for r in rows] == ["ok", "ok"], ok.stdout + ok.stderr
+    assert "Contents" not in client("s3").list_objects_v2(Bucket="xc-doctor-store")  # each probe deleted itself
+    bad = cluster2.fab("doctor", "--quick", "--store", "s3://xc-no-such-store/p", timeout=300)
+    rows = re.findall(r"^  store +(ok|FAIL) +(.*)$", bad.stdout, re.MULTILINE)
+    assert bad.returncode == 1 and [r[0] for r in rows] == ["FAIL", "FAIL"]
+    assert rows[0][1].startswith("store s3://xc-no-such-store/p: the bucket does not exist")
+    assert "(fix: create it ('pulumi up' makes the stack's)" in bad.stderr

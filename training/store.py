@@ -207,6 +207,8 @@ def explain(exc: BaseException, url: str) -> str:
     name = type(exc).__name__
     if isinstance(exc, StoreError):
         return str(exc)
+    if isinstance(exc, ImportError):
+        return f"store {url}: {exc.name or 'boto3'} is not installed here; run 'fab setup' (every profile installs boto3)"
     if isinstance(exc, OSError) and exc.errno == errno.ENOSPC:
         return f"store {url}: no space left on device ({exc.filename or 'disk'}); free space there or pass --store elsewhere"
     if isinstance(exc, PermissionError):
