@@ -202,11 +202,14 @@ def train(c, nodes=None, job=None, script=None, workdir=None, module=None, launc
 
 
 @fabric_task(help={"run": "the run id (from 'fab runs')", "follow": "keep streaming until the run ends, then bring "
-                                                                   "its results home"})  # -f: its only short flag
+                                                                   "its results home",
+                   "store": "where to look for a run not under runs/ (default: as fab train chooses it)",
+                   "cluster": "local | hosts:PATH | aws[:NAME] | pulumi[:STACK] (whose store)"})
 @cli
-def logs(c, run, follow=False):
+def logs(c, run, follow=False, store=None, cluster=None):
     """A run's log with [rank host] prefixes: live from node 0 while a detached run goes on, else runs/<id>/log.txt."""
-    closing = runs_lib.show_log(request_lib.RUNS, run, bool(follow), sys.stdout)
+    where = store_lib.choose(store, c.config, _cluster(c, cluster)).url  # [store] a run from another machine
+    closing = runs_lib.show_log(request_lib.RUNS, run, bool(follow), sys.stdout, store=where)
     if closing:
         print(closing)
 

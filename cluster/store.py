@@ -179,6 +179,11 @@ def read_summary(url: str, run_id: str) -> dict | None:
         return None
 
 
+def read_text(url: str, key: str) -> str | None:
+    data = _guard(url, _store(url).get_bytes, key)
+    return None if data is None else data.decode(errors="replace")
+
+
 def store_runs(url: str) -> dict[str, dict]:
     """run id -> summary of every run recorded in the store."""
     store = _store(url)

@@ -81,13 +81,16 @@ def _row(run_id: str, summary: dict, where: str = "home") -> tuple[str, ...]:
             metric(summary), f"{sps:.1f}" if isinstance(sps, (int, float)) else "-", where)
 
 
-def show_log(runs_dir: Path, run_id: str, follow: bool, out: TextIO) -> str | None:
+def show_log(runs_dir: Path, run_id: str, follow: bool, out: TextIO, store: str | None = None) -> str | None:
     """Print the run's log; with follow, until a detached run ends (then conclude it). Returns a closing
-    line for a run concluded here, else None."""
+    line for a run concluded here, else None. A run not at home is read from the store."""
     check_run_id(run_id, runs_dir)
     run_dir = Path(runs_dir) / run_id
+    if not run_dir.is_dir() and store and _log_from_store(store, run_id, out):
+        return None
     if not run_dir.is_dir():
-        raise ClusterError(f"no run {run_id} in {runs_dir}; pass an id from 'fab runs'")
+        raise ClusterError(f"no run {run_id} in {runs_dir}" + (f" nor in the store {store}" if store else "")
+                           + "; pass an id from 'fab runs'")
     summary = detach.load(run_dir)
     plan = detach.log_plan(summary)
     if detach.is_running_detached(summary):
@@ -116,3 +119,15 @@ def show_log(runs_dir: Path, run_id: str, follow: bool, out: TextIO) -> str | No
     router.write(log_file.read_text())
     router.flush_rest()
     return None
+
+
+def _log_from_store(store: str, run_id: str, out: TextIO) -> bool:
+    """The log.txt the store keeps of a run (one started from another machine); False when it has none."""
+    summary = store_lib.read_summary(store, run_id)
+    text = store_lib.read_text(store, f"runs/{run_id}/log.txt")
+    if summary is None or text is None:
+        return False
+    router = OutputRouter(detach.log_plan(summary), out, io.StringIO())
+    router.write(text)
+    router.flush_rest()
+    return True

@@ -99,6 +99,8 @@ def test_preempted_to_s3_resumed_from_s3_and_pulled(cluster2, aws_env, monkeypat
     listed = cluster2.fab("runs", "--store", store, timeout=120)
     row = next(ln.split() for ln in listed.stdout.splitlines() if ln.startswith(resumed))
     assert row[3] == "ok" and row[-1] == "store"
+    logs = cluster2.fab("logs", resumed, "--store", store, timeout=120)
+    assert logs.returncode == 0 and re.search(r"^\[0 node0\] \[finished\] rank 0$", logs.stdout, re.MULTILINE)
     missing = cluster2.fab("pull", "20260101-000000-glue-0000", "--store", store, timeout=120)
     assert missing.returncode == 1 and missing.stderr.strip().splitlines()[-1].startswith("error: no run ")
 
