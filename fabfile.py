@@ -192,8 +192,8 @@ def train(c, nodes=None, job=None, script=None, workdir=None, module=None, launc
                            "one of them")
     store_run.apply(req, chosen_store, _cluster(c, cluster))  # [store] XC_STORE and credentials (as secrets)
     request_lib.validate(req)  # every flag and data file before the cluster is asked anything
-    store_lib.check(chosen_store, _cluster(c, cluster))  # [store] reachable and writable, before launch
     chosen = open_cluster(_cluster(c, cluster))
+    store_lib.check(chosen_store, chosen.spec)  # [store] reachable and writable, before launch
     print(status_lib.cluster_line(chosen), flush=True)
     print(chosen_store.line(), flush=True)  # [store] every run's first lines name its store
     result = restarts_lib.train_with_restarts(chosen.spec, req, restarts, wait)

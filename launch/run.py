@@ -352,10 +352,14 @@ def demo(nodes: int = 2, port: int | None = None, out: TextIO = sys.stdout) -> R
     from cluster.resolve import open_cluster
 
     req = TrainRequest(nodes=nodes, job="glue", args=list(DEMO_ARGS))
+    store = store_run.store_lib.choose(None, None, "local")  # [store] XC_STORE, else the local folder: no server
+    store_run.apply(req, store, "local")
     validate(req)  # an unwritable runs folder is refused before any sshd starts
     already = (local.state_dir() / "state.json").exists()
     local.up(nodes, **({"port": port} if port else {}))
     try:
+        store_run.store_lib.check(store, "local")
+        out.write(store.line() + "\n")
         result = train(open_cluster("local"), req, out)
         out.write(result_line(result) + "\n")
         return result
