@@ -265,3 +265,28 @@ def test_a_full_disk_is_one_line_with_the_fix(s3, tiny_disk, tmp_path):
         os.close(fd)
     with pytest.raises(ClusterError, match=rf"store {tiny_disk.as_uri()}: no space left on device"):
         store_lib.check(store_lib.Choice(tiny_disk.as_uri(), "--store"))
+
+
+def test_resume_takes_the_record_and_checkpoint_from_the_store(tmp_path, monkeypatch):
+    from launch import resume
+    from launch.request import run_env
+
+    url = (tmp_path / "store").as_uri()
+    request = {"job": "glue", "script": None, "args": ["--seed", "1"], "ppn": "auto", "threads": "auto",
+               "backend": "gloo", "precision": "fp32", "env": {"XC_STORE": url, "AWS_SECRET_ACCESS_KEY": "***"},
+               "save_every": "20", "pin": True, "timeout_s": 300, "data": {}}
+    summary = {"status": "preempted", "request": request, "world_size": 2, "nodes": [{}, {}], "env": {"XC_STORE": url}}
+    store = shared.open_store(url)
+    store.put_bytes("runs/r8/summary.json", json.dumps(summary).encode())  # started on another machine
+    for step in (10, 20):
+        shared.publish_checkpoint(_checkpoint(tmp_path / f"checkpoint-{step}", step), run_id="r8", url=url)
+    shared.upload_tree(store, _checkpoint(tmp_path / "checkpoint-30", 30, complete=False), "runs/r8/checkpoints/step-30")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "from-the-operator")
+    req = resume.resume_request("r8", tmp_path / "runs", store=url)
+    assert req.resume == {"run_id": "r8", "step": 20, "checkpoint": None, "url": f"{url}/runs/r8/checkpoints/step-20",
+                          "world_size": 2}
+    assert req.env["AWS_SECRET_ACCESS_KEY"] == "from-the-operator"  # the record's *** filled in, never stored
+    env = run_env(req, ["127.0.0.2", "127.0.0.3"])
+    assert env["XC_RESUME_URL"] == f"{url}/runs/r8/checkpoints/step-20" and env["XC_RESUME_FROM"] == "resume/step-20"
+    with pytest.raises(ClusterError, match="--resume r9: no readable .* nor in the store"):
+        resume.resume_request("r9", tmp_path / "runs", store=url)
