@@ -13,7 +13,7 @@ import logging
 import os
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from core.constants import PROJECT_ROOT
@@ -34,6 +34,7 @@ PROGRESS_BYTES = 32 << 20
 class Choice:
     url: str
     source: str  # which rung of the precedence chose it
+    spec: str | None = field(default=None, compare=False)  # the cluster it was chosen for, once resolved
 
     @property
     def is_default(self) -> bool:
@@ -75,6 +76,14 @@ def stack_store(spec: str | None) -> str | None:
 
 def choose(flag: str | None = None, config: dict | None = None, spec: str | None = None) -> Choice:
     """--store > XC_STORE > fabric.yaml xc.store > the stack's storeUrl > the local folder."""
+    if spec is None:
+        from cluster.inventory import default_cluster
+
+        spec = default_cluster()
+    return replace(_choose(flag, config, spec), spec=spec)
+
+
+def _choose(flag: str | None, config: dict | None, spec: str) -> Choice:
     if flag:
         return Choice(_normal(flag), "--store")
     if os.environ.get("XC_STORE"):
@@ -82,10 +91,6 @@ def choose(flag: str | None = None, config: dict | None = None, spec: str | None
     configured = ((config or {}).get("xc") or {}).get("store")
     if configured:
         return Choice(_normal(str(configured)), "fabric.yaml xc.store")
-    if spec is None:
-        from cluster.inventory import default_cluster
-
-        spec = default_cluster()
     from_stack = stack_store(spec)
     if from_stack:
         return Choice(_normal(from_stack), "the stack's storeUrl")
@@ -105,6 +110,7 @@ def _normal(url: str) -> str:
 
 def check(choice: Choice, spec: str | None = None) -> float:
     """Write, read and delete a probe object from here: one `error:` line naming the store and the fix."""
+    spec = spec or choice.spec
     if choice.is_default and _aws_kind(spec):
         raise ClusterError(f"cluster {spec} has no store: its stack has no storeUrl output (or no Pulumi CLI here) "
                            "and its nodes cannot reach this machine's folder; run 'pulumi up' (it creates the "
@@ -123,6 +129,7 @@ def check(choice: Choice, spec: str | None = None) -> float:
 def rank_env(choice: Choice, spec: str | None = None) -> dict[str, str]:
     """What the ranks need: XC_STORE, the endpoint and region, and (off AWS, for an s3 store) the operator's
     credentials, which launch.secrets keeps off command lines and records by their names."""
+    spec = spec or choice.spec
     env = {"XC_STORE": choice.url}
     env.update({k: os.environ[k] for k in PUBLIC_ENV if os.environ.get(k)})
     if choice.url.startswith("s3:") and not _aws_kind(spec):
