@@ -175,6 +175,10 @@ def test_credentials_reach_the_ranks_only_as_secrets_off_aws(monkeypatch):
     # on AWS the nodes' instance profile answers: no operator credentials travel at all
     assert not secrets.split(store_lib.rank_env(store_lib.Choice("s3://b-1/p", "x"), "pulumi"))[1]
     assert not secrets.split(store_lib.rank_env(store_lib.Choice("file:///s", "x"), "local"))[1]
+    monkeypatch.setenv("XC_CLUSTER", "aws:demo")  # no --cluster flag: the default cluster is resolved once
+    monkeypatch.setenv("XC_STORE", "s3://b-1/p")
+    chosen = store_lib.choose(None, {}, None)
+    assert chosen.spec == "aws:demo" and not secrets.split(store_lib.rank_env(chosen))[1]
 
 
 def test_a_bad_store_is_one_line_with_the_fix(s3, tmp_path, monkeypatch):
