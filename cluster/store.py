@@ -110,11 +110,7 @@ def _normal(url: str) -> str:
 
 def check(choice: Choice, spec: str | None = None) -> float:
     """Write, read and delete a probe object from here: one `error:` line naming the store and the fix."""
-    spec = spec or choice.spec
-    if choice.is_default and _aws_kind(spec):
-        raise ClusterError(f"cluster {spec} has no store: its stack has no storeUrl output (or no Pulumi CLI here) "
-                           "and its nodes cannot reach this machine's folder; run 'pulumi up' (it creates the "
-                           "bucket) or pass --store s3://<bucket>/<prefix>")
+    check_reachable_from_nodes(choice, spec)
     if choice.url.startswith("file:"):  # the folder is made on first use, as a bucket is by 'pulumi up'
         try:
             Path(open_store(choice.url).root).mkdir(parents=True, exist_ok=True)
@@ -124,6 +120,15 @@ def check(choice: Choice, spec: str | None = None) -> float:
         return shared.probe(choice.url)
     except StoreError as exc:
         raise ClusterError(str(exc)) from None
+
+
+def check_reachable_from_nodes(choice: Choice, spec: str | None = None) -> None:
+    """The local folder is no store for cloud nodes: they cannot reach the operator's disk."""
+    spec = spec or choice.spec
+    if choice.is_default and _aws_kind(spec):
+        raise ClusterError(f"cluster {spec} has no store: its stack has no storeUrl output (or no Pulumi CLI here) "
+                           "and its nodes cannot reach this machine's folder; run 'pulumi up' (it creates the "
+                           "bucket) or pass --store s3://<bucket>/<prefix>")
 
 
 def rank_env(choice: Choice, spec: str | None = None) -> dict[str, str]:

@@ -10,7 +10,8 @@ from pathlib import Path
 from cluster import store as store_lib
 from cluster.node import Node
 from cluster.remote import connect, fan_out, remote_home, run
-from core.report import Row
+from core.errors import ClusterError
+from core.report import CLUSTER, Row
 from training import store as shared
 
 TAG = "xc-store-probe"
@@ -45,6 +46,11 @@ def probe_node(node: Node, url: str, env: dict[str, str]) -> tuple[bool, str]:
 
 def store_rows(nodes: list[Node], choice: store_lib.Choice, spec: str | None) -> list[Row]:
     """One row per node: 'store' ok with the probe's seconds, or the store's one-line error as the fix."""
+    try:
+        store_lib.check_reachable_from_nodes(choice, spec)
+    except ClusterError as exc:  # an AWS cluster with no store of its own: one red row, no probe
+        what, _, fix = str(exc).partition("; ")
+        return [Row(CLUSTER, "store", False, what, fix)]
     env = store_lib.rank_env(choice, spec)
     results = fan_out(nodes, lambda n: _safe(n, choice.url, env), "probing the store")
     rows = []
