@@ -14,6 +14,7 @@ from invoke import Collection
 from cluster import keys as keys_lib
 from cluster import local as local_lib
 from cluster import netns as netns_lib
+from cluster import store as store_lib
 from cluster import sweep as sweep_lib
 from cluster.resolve import open_cluster
 from core.cli import as_int, cli, env_pairs, job_args, one_line_parse_errors, valueless_keys
@@ -21,7 +22,7 @@ from core.constants import DEFAULT_MASTER_PORT, MAX_NODES
 from core.errors import ClusterError
 from doctor import run as doctor_lib
 from doctor import status as status_lib
-from launch import records
+from launch import records, store_run
 from launch import request as request_lib
 from launch import restarts as restarts_lib
 from launch import run as train_lib
@@ -139,21 +140,27 @@ def keys(c, cluster=None):
         "restart-wait": "seconds to wait for the cluster to have its nodes again before a restart (default 600)",
         "concurrent": "run even while another run holds the cluster (by default one run at a time)",
         "detach": "return once every rank runs, printing the run id; follow with 'fab logs RUN -f'",
+        "store": "where checkpoints, outputs and records go: s3://BUCKET/PREFIX or file:///FOLDER (default: "
+                 "XC_STORE, fabric.yaml xc.store, the stack's bucket, else ./store)",
     },
 )
 @cli
 def train(c, nodes=None, job=None, script=None, workdir=None, module=None, launcher=None, ppn=None, threads=None,
           backend=None, precision=None, comm_hook=None, env=None, cluster=None, master_port=None, no_pin=False,
           timeout=None, save_every=None, no_fetch_model=False, resume=None, max_restarts=None, restart_wait=None,
-          concurrent=False, detach=False):
+          concurrent=False, detach=False, store=None):
     """Run a training job across the cluster with mpirun; results land in runs/<run-id>/."""
+    chosen_store = store_lib.choose(store, c.config, _cluster(c, cluster))  # one resolver for every task
     r = flags_lib.resolve(flags_lib.TrainFlags(
         nodes, job, script, workdir, module, launcher, ppn, threads, backend, precision, comm_hook, list(env or []),
         master_port, bool(no_pin), timeout, save_every, bool(no_fetch_model), resume, max_restarts, restart_wait,
-        bool(concurrent), bool(detach), job_args()), request_lib.RUNS)
+        bool(concurrent), bool(detach), job_args()), request_lib.RUNS, store=chosen_store.url)
+    store_run.apply(r.req, chosen_store, _cluster(c, cluster))  # XC_STORE and credentials (as secrets)
     request_lib.validate(r.req)  # every flag and data file before the cluster is asked anything
     chosen = open_cluster(_cluster(c, cluster))
+    store_lib.check(chosen_store, chosen.spec)  # reachable and writable, before launch
     print(status_lib.cluster_line(chosen), flush=True)
+    print(chosen_store.line(), flush=True)  # every run's first lines name its store
     runs_lib.reap_all(request_lib.RUNS)  # runs whose fab died: recorded abandoned before this one starts
     if r.supervised:
         supervisor_lib.start(chosen.spec, r.req, r.max_restarts, r.restart_wait, sys.stdout)
@@ -164,20 +171,24 @@ def train(c, nodes=None, job=None, script=None, workdir=None, module=None, launc
 
 
 @fabric_task(help={"run": "the run id (from 'fab runs')", "follow": "keep streaming until the run ends, then bring "
-                                                                   "its results home"})  # -f: its only short flag
+                                                                   "its results home",
+                   "store": "where to look for a run not under runs/ (default: as fab train chooses it)",
+                   "cluster": "local | hosts:PATH | aws[:NAME] | pulumi[:STACK] (whose store)"})  # -f: its only short flag
 @cli
-def logs(c, run, follow=False):
+def logs(c, run, follow=False, store=None, cluster=None):
     """A run's log with [rank host] prefixes: live from node 0 while a detached run goes on, else runs/<id>/log.txt."""
-    closing = runs_lib.show_log(request_lib.RUNS, run, bool(follow), sys.stdout)
+    where = store_lib.choose(store, c.config, _cluster(c, cluster)).url  # a run from another machine
+    closing = runs_lib.show_log(request_lib.RUNS, run, bool(follow), sys.stdout, store=where)
     if closing:
         print(closing)
 
 
-@task
+@task(help={"store": "s3://BUCKET/PREFIX or file:///FOLDER (default: XC_STORE, fabric.yaml xc.store, the stack's "
+                     "bucket, ./store)", "cluster": "local | hosts:PATH | aws[:NAME] | pulumi[:STACK]"})
 @cli
-def runs(c):
-    """The runs under runs/, newest first: id, job, nodes, status, wall time, main metric, samples/s."""
-    runs_lib.list_runs(request_lib.RUNS, sys.stdout)
+def runs(c, store=None, cluster=None):
+    """The runs under runs/ and in the cluster's store, newest first: id, job, nodes, status, wall, metric, samples/s."""
+    runs_lib.list_runs(request_lib.RUNS, sys.stdout, store=store_lib.choose(store, c.config, _cluster(c, cluster)).url)
 
 
 @task(help={"cluster": "local | hosts:PATH | aws[:NAME] | pulumi[:STACK] (default: the local cluster if started, "
@@ -243,10 +254,11 @@ def setup(c, profile=None, nodes=None, cluster=None, force=False):
             "full": "every check, the all-reduce too (default)", "master-port": "rendezvous port (default 29500)",
             "backend": "all-reduce backend: auto (what fab train picks: ccl where the bindings are on every node) "
                        "| ccl | gloo",
-            "env": "variable for the all-reduce's ranks, KEY=VALUE (repeatable), as fab train --env"})
+            "env": "variable for the all-reduce's ranks, KEY=VALUE (repeatable), as fab train --env",
+            "store": "the store every node must reach (default: as fab train chooses it)"})
 @cli
 def doctor(c, profile=None, nodes=None, cluster=None, quick=False, full=False, master_port=None, backend="auto",
-           env=None):
+           env=None, store=None):
     """Check the nodes: CPU, AMX, memory, disk, versions, SSH, port, clock, all-reduce; red rows say the fix."""
     if quick and full:
         raise ClusterError("--quick and --full exclude each other; pass one of them")
@@ -259,7 +271,8 @@ def doctor(c, profile=None, nodes=None, cluster=None, quick=False, full=False, m
     cl = open_cluster(_cluster(c, cluster), require_running=False)  # a stopped node is a row, not an abort
     chosen = cl.first(count)
     report = doctor_lib.doctor(cl, chosen, profile=p, full=not quick, port=port, out=sys.stdout,
-                               backend=backend, env=extra_env)
+                               backend=backend, env=extra_env,
+                               store=store_lib.choose(store, c.config, cl.spec))  # a 'store' row per node
     print(report.render())
     report.raise_if_failed("doctor")
 
@@ -311,3 +324,23 @@ def kube(c, nodes=None, job="glue", out=None, image="xeon-cluster-train:latest",
 
 
 ns = Collection(local_up, local_down, local_kill, local_link, keys, setup, doctor, train, logs, runs, stop, status, sweep, demo, bench, kube)
+
+
+# -- the cluster's store: tasks appended here, one resolver for all of them ------------------------------------------
+_STORE_HELP = "s3://BUCKET/PREFIX or file:///FOLDER (default: XC_STORE, fabric.yaml xc.store, the stack's bucket, ./store)"
+
+
+@task(help={"run": "the run id (from 'fab runs')", "checkpoints": "its complete checkpoints too",
+            "to": "the folder to fill (default runs/<run>)", "no-fetch-model": "leave the model weights in the store",
+            "store": _STORE_HELP, "cluster": "local | hosts:PATH | aws[:NAME] | pulumi[:STACK] (whose store)"})
+@cli
+def pull(c, run, checkpoints=False, to=None, no_fetch_model=False, store=None, cluster=None):
+    """Bring a run's records and outputs (with --checkpoints, its checkpoints) home from the cluster's store."""
+    stop_lib.check_run_id(run, request_lib.RUNS)
+    chosen = store_lib.choose(store, c.config, _cluster(c, cluster))
+    print(chosen.line(), flush=True)
+    dest = Path(to) if to else request_lib.RUNS / run
+    store_lib.pull(chosen.url, run, dest, bool(checkpoints), not no_fetch_model, say=lambda m: print(m, flush=True))
+
+
+ns.add_task(pull)

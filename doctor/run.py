@@ -12,6 +12,7 @@ import logging
 from typing import TextIO
 
 from cluster import keys, shipping
+from cluster import store as store_lib
 from cluster.node import Node
 from cluster.resolve import Cluster
 from core.constants import DEFAULT_MASTER_PORT
@@ -19,6 +20,7 @@ from core.errors import ClusterError
 from core.report import CLUSTER, Report, Row
 from doctor.collective import allreduce_row, rendezvous_rows
 from doctor.rows import clock_row, hardware_rows, package_rows, runs_rows
+from doctor.store import store_rows
 from launch.preflight import STACK, gather_all, mesh_rows, preflight_rows
 from node_setup import profiles
 from node_setup.setup import default_venv, venv_python
@@ -28,7 +30,7 @@ log = logging.getLogger(__name__)
 
 def doctor(cluster: Cluster, nodes: list[Node], profile: str | profiles.Profile | None = None, full: bool = True,
            port: int = DEFAULT_MASTER_PORT, out: TextIO | None = None, backend: str = "auto",
-           env: dict[str, str] | None = None) -> Report:
+           env: dict[str, str] | None = None, store: store_lib.Choice | None = None) -> Report:
     """Every check; ``full=False`` leaves out the rendezvous listener and the all-reduce."""
     out = out or io.StringIO()
 
@@ -52,6 +54,9 @@ def doctor(cluster: Cluster, nodes: list[Node], profile: str | profiles.Profile 
     report.rows.append(clock_row([f for f in facts if not f.error]))
     report.rows += mesh_rows(cluster, nodes, facts)
     report.rows += runs_rows([f.node for f in facts if not f.error])
+    if store is not None:  # every node writes, reads and deletes a probe object in the cluster's store
+        say(f"doctor: {store.line()}")
+        report.rows += store_rows([f.node for f in facts if not f.error], store, cluster.spec)
     down = [f.node.name for f in facts if f.error]
     if not full:
         report.rows.append(Row(CLUSTER, "port, all-reduce", True, "not run (--quick)", skipped=True))

@@ -109,7 +109,8 @@ def end(r: Run, o: Outcome, say) -> RunResult:
             r.write(Status.FAILED, o.exit_code, o.wall_s, failed_node=node, reason=reason, cleanup=swept.to_dict(),
                     lost_nodes=lost)
             hint = ""
-            if lost and r.is_job and outputs.home_checkpoints(r.run_dir):
+            url = (r.record.env or {}).get("XC_STORE")
+            if lost and r.is_job and (outputs.home_checkpoints(r.run_dir) or (url and _store_steps(url, r.run_id))):
                 hint = f"; resume with 'fab train --resume {r.run_id}'"
             kind = NodeLost if lost else NodeFailure
             raise kind(f"run {r.run_id} failed after {o.wall_s:.0f}s: {reason}; {swept.claim()} "
@@ -140,6 +141,9 @@ def _preempted(r: Run, o: Outcome, notice: str) -> None:
     m = re.search(r"cause=(\S+)", notice)
     cause = m.group(1).replace("_", " ") if m else "spot interruption"
     swept = r.sweep()
+    url = (r.record.env or {}).get("XC_STORE")
+    if url:  # [store] the notice's checkpoint is in the store, or nowhere
+        _preempted_in_store(r, o, url, node, rank, step, cause, swept)
     try:
         got = outputs.fetch_checkpoint(r.master, r.run_dir, r.remote_output, r.fetch_model)
     except Exception as exc:
@@ -159,6 +163,34 @@ def _preempted(r: Run, o: Outcome, notice: str) -> None:
     base = r.run_dir.parent.parent
     rel = ckpt.relative_to(base) if base in ckpt.parents else ckpt
     raise Preempted(f"run {r.run_id} preempted on {node} at step {step}: checkpoint saved ({rel})",
+                    run_id=r.run_id, node=node, fix=f"resume with 'fab train --resume {r.run_id}'")
+
+
+def _store_steps(url: str, run_id: str) -> list[int]:
+    from cluster import store as store_lib
+
+    try:
+        return store_lib.checkpoints(url, run_id)
+    except ClusterError as exc:
+        log.warning("%s", exc)
+        return []
+
+
+def _preempted_in_store(r: Run, o: Outcome, url: str, node: str, rank: int, step: int, cause: str, swept) -> None:
+    """Preempted when the store holds a complete checkpoint (the notice's, or the newest); else failed. Raises."""
+    steps = _store_steps(url, r.run_id)
+    if not steps:
+        r.write(Status.FAILED, o.exit_code, o.wall_s, failed_node=node, cleanup=swept.to_dict(), cause=cause,
+                reason=f"spot notice on {node} at step {step}, but no complete checkpoint reached the store {url}")
+        raise NodeFailure(f"run {r.run_id} preempted on {node} at step {step} and no checkpoint reached the store "
+                          f"{url}; {swept.claim()}", [node], run_id=r.run_id, lost=sorted(swept.unchecked), fix="")
+    if step not in steps:
+        log.warning("the notice's checkpoint (step %s) is not in the store; the newest there is step %s", step, steps[-1])
+        step = steps[-1]
+    where = f"{url}/runs/{r.run_id}/checkpoints/step-{step}"
+    r.write(Status.PREEMPTED, spot.PREEMPTED_EXIT, o.wall_s, cause=cause,
+            preempted={"node": node, "rank": rank, "step": step, "checkpoint": where}, cleanup=swept.to_dict())
+    raise Preempted(f"run {r.run_id} preempted on {node} at step {step}: checkpoint saved ({where})",
                     run_id=r.run_id, node=node, fix=f"resume with 'fab train --resume {r.run_id}'")
 
 

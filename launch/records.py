@@ -283,6 +283,9 @@ def finish_run(run_dir: Path, record: RunRecord, status: Status, exit_code: int,
     record.transition(Status(status), exit_code=exit_code, wall_s=round(wall, 3), **fields)
     merge_results(record, run_dir, results)
     record.save(run_dir)
+    from cluster import store  # [store] the records beside the run's checkpoints; never raises
+
+    store.publish_records(run_dir, record.to_json())
     return record
 
 

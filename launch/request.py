@@ -243,6 +243,8 @@ def run_env(req: TrainRequest, hosts: list[str]) -> dict[str, str]:
     env = {"XC_SAVE_EVERY": req.save_every, "XC_COMM_HOOK": resolve_comm_hook(req.comm_hook, hosts)}
     if req.resume:
         env["XC_RESUME_FROM"] = f"resume/step-{req.resume['step']}"
+        if req.resume.get("url"):  # [store] each node takes the checkpoint from the store (training.store)
+            env["XC_RESUME_URL"] = req.resume["url"]
     return {**env, **req.env}
 
 

@@ -1,23 +1,47 @@
-"""`fab train --resume RUN`: the same job, flags and data as RUN, from its latest complete checkpoint
-at home (shipped from the operator's copy, so a new node 0 works), in a new run folder."""
+"""`fab train --resume RUN`: the same job, flags and data as RUN, from its latest complete checkpoint in the
+cluster's store (each new node takes it from there: nothing crosses the operator's link), in a new run
+folder. Runs recorded before the store resume from their checkpoint at home, shipped as before."""
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
+from cluster import store as store_lib
 from core.errors import ClusterError, NoCheckpoint, NoRecord
 from launch import outputs, records, secrets
 from launch.request import TrainRequest, file_digest
 
 
-def resume_request(run_id: str, runs_dir: Path, nodes: int | None = None, fetch_model: bool = True) -> TrainRequest:
+def _summary(run_id: str, run_dir: Path, runs_dir: Path, store: str | None) -> dict:
+    """The run's record at home, else in the store (a run started from another machine)."""
+    try:
+        return records.load(run_dir).to_json()
+    except NoRecord:
+        pass
+    summary = store_lib.read_summary(store, run_id) if store else None
+    if summary is None:
+        where = f" nor in the store {store}" if store else ""
+        raise NoRecord(f"--resume {run_id}: no readable {run_dir}/summary.json{where}; pass the id of a run "
+                       f"from 'fab runs'")
+    return records.RunRecord.from_json(summary).to_json()
+
+
+def store_checkpoint(run_id: str, summary: dict, store: str | None) -> tuple[int, str] | None:
+    """(step, URL) of the run's newest complete checkpoint in the store it used (else the one chosen now)."""
+    recorded = (summary.get("env") or {}).get("XC_STORE")
+    for url in dict.fromkeys(u for u in (recorded, store) if u):
+        steps = store_lib.checkpoints(url, run_id)
+        if steps:
+            return steps[-1], f"{url}/runs/{run_id}/checkpoints/step-{steps[-1]}"
+    return None
+
+
+def resume_request(run_id: str, runs_dir: Path, nodes: int | None = None, fetch_model: bool = True,
+                   store: str | None = None) -> TrainRequest:
     """The request that continues RUN; refuses a finished run, changed data, a missing checkpoint."""
     run_dir = Path(runs_dir) / run_id
-    try:
-        summary = records.load(run_dir).to_json()
-    except NoRecord:
-        raise NoRecord(f"--resume {run_id}: no readable {run_dir}/summary.json; pass the id of a run "
-                       f"under {runs_dir} (ls {runs_dir})") from None
+    summary = _summary(run_id, run_dir, Path(runs_dir), store)
     if summary.get("status") == "ok":
         raise ClusterError(f"--resume {run_id}: that run finished; its results are in {run_dir} (nothing to resume)")
     request = summary.get("request")
@@ -25,13 +49,21 @@ def resume_request(run_id: str, runs_dir: Path, nodes: int | None = None, fetch_
         what = "was a --script run" if request else "was recorded before runs could be resumed"
         raise ClusterError(f"--resume {run_id}: it {what}; start it anew with 'fab train' (your script can "
                            "resume from XC_RESUME_FROM or --resume_from_checkpoint)")
-    home = outputs.home_checkpoints(run_dir)
-    if not home:
-        raise NoCheckpoint(f"--resume {run_id}: no complete checkpoint in {run_dir}/checkpoints; start the run anew")
-    step, checkpoint = home[-1]
-    if not fetch_model_ok(checkpoint):
-        raise ClusterError(f"--resume {run_id}: checkpoint step-{step} has no model weights (the run used "
-                           "--no-fetch-model); start the run anew")
+    in_store = store_checkpoint(run_id, summary, store)
+    if in_store:
+        step, url = in_store
+        checkpoint = None
+    else:
+        home = outputs.home_checkpoints(run_dir)
+        if not home:
+            where = (summary.get("env") or {}).get("XC_STORE") or store
+            in_where = f"{where}/runs/{run_id}/checkpoints nor in " if where else ""
+            raise NoCheckpoint(f"--resume {run_id}: no complete checkpoint in {in_where}{run_dir}/checkpoints; start "
+                               "the run anew")
+        (step, checkpoint), url = home[-1], None
+        if not fetch_model_ok(checkpoint):
+            raise ClusterError(f"--resume {run_id}: checkpoint step-{step} has no model weights (the run used "
+                               "--no-fetch-model); start the run anew")
     for path, digest in request.get("data", {}).items():
         if not Path(path).is_file():
             raise ClusterError(f"--resume {run_id}: its data file {path} is gone; restore it or start anew")
@@ -51,13 +83,17 @@ def resume_request(run_id: str, runs_dir: Path, nodes: int | None = None, fetch_
         comm_hook=request.get("comm_hook", "none"),  # records before --comm-hook sent fp32
         save_every=request["save_every"], pin=request["pin"], timeout_s=request["timeout_s"], runs_dir=runs_dir,
         fetch_model=fetch_model,
-        resume={"run_id": run_id, "step": step, "checkpoint": str(checkpoint), "world_size": old_world})
+        resume={"run_id": run_id, "step": step, "checkpoint": str(checkpoint) if checkpoint else None, "url": url,
+                "world_size": old_world})
 
 
 def resumed_from(runs_dir: Path, run_id: str) -> str | None:
     """The run that run_id resumed, if any."""
-    rec = records.load_or_none(Path(runs_dir) / run_id)
-    return ((rec.resumed_from if rec else None) or {}).get("run_id")
+    try:
+        summary = json.loads((Path(runs_dir) / run_id / "summary.json").read_text())
+    except (OSError, ValueError):
+        return None
+    return (summary.get("resumed_from") or {}).get("run_id")
 
 
 def fetch_model_ok(checkpoint: Path) -> bool:

@@ -20,7 +20,7 @@ from cluster.remote import connect, fan_out, run
 from cluster.resolve import Cluster
 from core.errors import ClusterError
 from core.render import render
-from launch import detach, launcher, lock, outputs, records, secrets, userscript, workdir
+from launch import detach, launcher, lock, outputs, records, secrets, store_run, userscript, workdir
 from launch.cleanup import Sweep, sweep
 from launch.lifecycle import Outcome, Run, end
 from launch.preflight import preflight
@@ -155,7 +155,7 @@ def _run(cluster: Cluster, req: TrainRequest, plan: launcher.LaunchPlan, facts: 
     started = time.monotonic()
     exit_code = 1
     mirror = None
-    if r.is_job:
+    if r.is_job and not req.env.get("XC_STORE"):  # [store] with a store, nothing is mirrored home
         mirror = outputs.CheckpointMirror(master.node, r.run_dir, r.remote_output, req.fetch_model)
         mirror.start()
     with (r.run_dir / "log.txt").open("w") as log_file:
@@ -205,7 +205,7 @@ def _prepare(cluster: Cluster, req: TrainRequest, plan: launcher.LaunchPlan, fac
     digest = shipping.code_hash()
     tarball = shipping.code_tarball()
     hostfile = render("hostfile.j2", nodes=nodes)
-    resume = Path(req.resume["checkpoint"]) if req.resume else None
+    resume = Path(req.resume["checkpoint"]) if req.resume and req.resume.get("checkpoint") else None  # [store]: None
 
     def stage(node: Node):
         i = nodes.index(node)
@@ -272,10 +272,14 @@ def demo(nodes: int = 2, port: int | None = None, out: TextIO = sys.stdout) -> R
     from cluster.resolve import open_cluster
 
     req = TrainRequest(nodes=nodes, job="glue", args=list(DEMO_ARGS))
+    store = store_run.store_lib.choose(None, None, "local")  # [store] XC_STORE, else the local folder: no server
+    store_run.apply(req, store, "local")
     validate(req)  # an unwritable runs folder is refused before any sshd starts
     already = (local.state_dir() / "state.json").exists()
     local.up(nodes, **({"port": port} if port else {}))
     try:
+        store_run.store_lib.check(store, "local")
+        out.write(store.line() + "\n")
         result = train(open_cluster("local"), req, out)
         out.write(result_line(result) + "\n")
         return result

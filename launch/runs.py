@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 from typing import TextIO
 
+from cluster import store as store_lib
 from cluster.remote import connect
 from core.errors import ClusterError
 from launch import detach, lifecycle, records
@@ -74,31 +75,48 @@ def reap_all(runs_dir: Path) -> list[str]:
     return found
 
 
-def list_runs(runs_dir: Path, out: TextIO) -> int:
-    """Print one row per run, newest first; returns how many."""
-    rows = []
-    for rec in look_all(runs_dir):
-        job = rec.job or Path(rec.script or "?").name
-        sps = rec.train_samples_per_second
-        status = str(rec.status) + (f" -> {rec.restarted_as}" if rec.restarted_as else "")
-        rows.append((rec.run_id, job, str(len(rec.nodes)), status, _wall(rec), metric(rec),
-                     f"{sps:.1f}" if isinstance(sps, (int, float)) else "-"))
+def _row(rec: RunRecord, where: str = "home") -> tuple[str, ...]:
+    job = rec.job or Path(rec.script or "?").name
+    sps = rec.train_samples_per_second
+    status = str(rec.status) + (f" -> {rec.restarted_as}" if rec.restarted_as else "")
+    return (rec.run_id, job, str(len(rec.nodes)), status, _wall(rec), metric(rec),
+            f"{sps:.1f}" if isinstance(sps, (int, float)) else "-", where)
+
+
+def list_runs(runs_dir: Path, out: TextIO, store: str | None = None) -> int:
+    """Print one row per run, newest first, with the store's runs not at home (started from another machine,
+    or pulled nowhere yet) marked 'store'; returns how many."""
+    rows = [_row(rec) for rec in look_all(runs_dir)]
+    if store:
+        home = {r[0] for r in rows}
+        try:
+            remote = store_lib.store_runs(store)
+        except ClusterError as exc:  # the store unreachable: the runs at home still list
+            log.warning("%s", exc)
+            remote = {}
+        rows += [_row(RunRecord.from_json(summary), "store") for run_id, summary in remote.items() if run_id not in home]
+        rows.sort(key=lambda r: r[0], reverse=True)
     if not rows:
         out.write(f"no runs in {runs_dir}; start one with 'fab train'\n")
         return 0
-    header = ("run", "job", "nodes", "status", "wall", "metric", "samples/s")
+    header = ("run", "job", "nodes", "status", "wall", "metric", "samples/s", "where")
     widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
     out.writelines("  ".join(v.ljust(w) for v, w in zip(row, widths)).rstrip() + "\n" for row in [header, *rows])
     return len(rows)
 
 
-def show_log(runs_dir: Path, run_id: str, follow: bool, out: TextIO, poll_s: float = 1.0) -> str | None:
+def show_log(runs_dir: Path, run_id: str, follow: bool, out: TextIO, poll_s: float = 1.0,
+             store: str | None = None) -> str | None:
     """Print the run's log; with follow, until the run ends (a detached run is then concluded; a supervised
-    run is followed through its restarts). Returns a closing line when following, else None."""
+    run is followed through its restarts). Returns a closing line when following, else None. A run not at
+    home is read from the store."""
     check_run_id(run_id, runs_dir)
     run_dir = Path(runs_dir) / run_id
+    if not run_dir.is_dir() and store and _log_from_store(store, run_id, out):
+        return None
     if not run_dir.is_dir():
-        raise ClusterError(f"no run {run_id} in {runs_dir}", "pass an id from 'fab runs'")
+        raise ClusterError(f"no run {run_id} in {runs_dir}" + (f" nor in the store {store}" if store else ""),
+                           "pass an id from 'fab runs'")
     rec = records.load(run_dir)
     plan = detach.log_plan(rec)
     if detach.is_running_detached(rec):
@@ -171,3 +189,15 @@ def _read_from(path: Path, offset: int) -> bytes:
     except OSError:
         return b""
     return data[:data.rfind(b"\n") + 1]  # whole lines only: the rest comes with the next read
+
+
+def _log_from_store(store: str, run_id: str, out: TextIO) -> bool:
+    """The log.txt the store keeps of a run (one started from another machine); False when it has none."""
+    summary = store_lib.read_summary(store, run_id)
+    text = store_lib.read_text(store, f"runs/{run_id}/log.txt")
+    if summary is None or text is None:
+        return False
+    router = OutputRouter(detach.log_plan(RunRecord.from_json(summary)), out, io.StringIO())
+    router.write(text)
+    router.flush_rest()
+    return True

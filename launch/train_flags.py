@@ -50,7 +50,7 @@ class Resolved:
     supervised: bool  # --detach with --max-restarts: a supervisor process of its own runs it
 
 
-def resolve(f: TrainFlags, runs_dir: Path) -> Resolved:
+def resolve(f: TrainFlags, runs_dir: Path, store: str | None = None) -> Resolved:
     """The request, checked for flags that exclude each other; raises ClusterError naming the fix."""
     n = as_int(f.nodes, "--nodes", 1) if f.nodes is not None else None
     if f.job and f.script:
@@ -70,7 +70,7 @@ def resolve(f: TrainFlags, runs_dir: Path) -> Resolved:
         if f.job or f.script or f.workdir or f.module or f.launcher or f.job_args:
             raise ClusterError(f"--resume {f.resume} runs that run's own job and flags",
                                "drop --job/--script/--workdir/--module/--launcher and the flags after --")
-        req = resume_lib.resume_request(f.resume, runs_dir, nodes=n, fetch_model=not f.no_fetch_model)
+        req = resume_lib.resume_request(f.resume, runs_dir, nodes=n, fetch_model=not f.no_fetch_model, store=store)
         env, valueless = {**req.env, **env_pairs(f.env)}, req.valueless | valueless_keys(f.env)
         pin = req.pin and not f.no_pin
     else:

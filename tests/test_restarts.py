@@ -148,7 +148,9 @@ class Lines:
 
 
 def _home_steps(run_dir: Path) -> list[int]:
-    return sorted(int(d.name[5:]) for d in (run_dir / "checkpoints").glob("step-*")
+    """Complete checkpoints of the run in its store: the local folder beside runs/ (the nodes share the disk)."""
+    folder = run_dir.parent.parent / "store" / "runs" / run_dir.name / "checkpoints"
+    return sorted(int(d.name[5:]) for d in folder.glob("step-*")
                   if d.name[5:].isdigit() and (d / spot.COMPLETE_MARKER).is_file())
 
 
@@ -179,7 +181,7 @@ def test_a_preempted_run_and_a_killed_node_are_resumed_by_themselves(tmp_path):
         second = out.wait_for(rf"^run (?!{first})(\S+): results in", proc, 300).group(1)
         print(f"notice -> waiting for nodes {waiting - noticed:.1f}s; notice withdrawn -> resumed run "
               f"{time.monotonic() - waiting:.1f}s")
-        # the resumed run loses node1 outright once a checkpoint of its own is home
+        # the resumed run loses node1 outright once a checkpoint of its own is in the store
         deadline = time.monotonic() + 400
         while not _home_steps(lc.runs / second) and time.monotonic() < deadline and proc.poll() is None:
             time.sleep(0.5)

@@ -83,7 +83,7 @@ def test_runs_lists_a_finished_a_failed_and_a_stopped_run(cluster2, tmp_path):
     listed = cluster2.fab("runs", timeout=120)
     assert listed.returncode == 0
     lines = listed.stdout.splitlines()
-    assert lines[0].split() == ["run", "job", "nodes", "status", "wall", "metric", "samples/s"]
+    assert lines[0].split() == ["run", "job", "nodes", "status", "wall", "metric", "samples/s", "where"]
     rows = {ln.split()[0]: ln.split() for ln in lines[1:]}
     assert (rows[ok_id][1:4], rows[failed_id][1:4], rows[stopped_id][1:4]) == (
         ["ok.py", "2", "ok"], ["bad.py", "2", "failed"], ["slow.py", "2", "stopped"])

@@ -121,7 +121,8 @@ def test_notice_checkpoints_home_and_resume_finishes_like_an_uninterrupted_run(c
     assert m, last
     step = int(m.group(2))
     assert stopped_in < 120, f"{stopped_in:.0f}s from notice to checkpoint at home"
-    ckpt = cluster2.runs / run_id / "checkpoints" / f"step-{step}"
+    assert m.group(3) == f"{cluster2.runs.parent.as_uri()}/store/runs/{run_id}/checkpoints/step-{step}"
+    ckpt = cluster2.runs.parent / "store" / "runs" / run_id / "checkpoints" / f"step-{step}"  # the local store
     assert (ckpt / spot.COMPLETE_MARKER).is_file() and (ckpt / "optimizer.pt").is_file()
     # every rank's RNG state came home with it, not only node 0's: the resume continues the same run
     assert (ckpt / "rng_state_0.pth").is_file() and (ckpt / "rng_state_1.pth").is_file()

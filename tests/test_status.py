@@ -57,8 +57,15 @@ def test_after_pulumi_up_status_and_train_use_the_stack_without_cluster_flag(aws
     assert all(float(r[6]) > 0 for r in rows)  # a price per node, from moto's spot history or the catalog
     assert res.returncode == 0 and lines[6].startswith("total: $")
 
+    # the stack's store (its storeUrl output): the bucket on moto, reached through XC_S3_ENDPOINT_URL
+    (tmp_path / "with-store").mkdir()
+    fake_pulumi(tmp_path / "with-store", monkeypatch, "print(json.dumps({'clusterName': 'bert', 'region': "
+                "'us-east-1', 'nodeCount': 4, 'storeUrl': 's3://bert-store/bert'}))\n")
+    moto_fixture.client("s3").create_bucket(Bucket="bert-store")
+    env.update(PATH=os.environ["PATH"], XC_S3_ENDPOINT_URL=aws_env)
     train = fab("train", "--nodes", "4", env=env, timeout=300)
-    assert train.stdout.splitlines()[0] == "cluster: pulumi: aws:bert in us-east-1, 4 node(s)"
+    assert train.stdout.splitlines()[:2] == ["cluster: pulumi: aws:bert in us-east-1, 4 node(s)",
+                                             "store: s3://bert-store/bert (the stack's storeUrl)"], train.stderr
     # moto's instances print no host keys: fab refuses to dial a node it cannot verify, and says why
     last = train.stderr.strip().splitlines()[-1]
     assert train.returncode == 1 and last.startswith("error: probing nodes failed on 4 nodes: bert-0 ("), last

@@ -312,8 +312,9 @@ def train_and_record(trainer, results: dict, train_ds, info) -> None:
     --save_every, resumed from XC_RESUME_FROM, and the job's end on a spot notice (exit 75)."""
     if train_ds is None:
         return
-    from training import spot
+    from training import publish, spot, store
 
+    store.fetch_resume()  # XC_RESUME_URL: the checkpoint from the cluster's store onto this node
     resume = spot.resume_from()
     if resume:
         spot.check_resume_fits(trainer.model, resume)
@@ -322,6 +323,9 @@ def train_and_record(trainer, results: dict, train_ds, info) -> None:
     watcher.start()
     callback = spot.spot_callback(watcher)
     trainer.add_callback(callback)
+    publisher = publish.publisher_callback()  # after spot's: its on_save marks the checkpoint complete first
+    if publisher is not None:
+        trainer.add_callback(publisher)
     train_start = time.monotonic()
     out = trainer.train(resume_from_checkpoint=resume)
     watcher.stop()
@@ -334,12 +338,18 @@ def train_and_record(trainer, results: dict, train_ds, info) -> None:
 
         import torch
 
+        if publisher is not None and not publisher.wait(publish.ON_NOTICE_S):  # durable before the ranks exit
+            log.error("the notice's checkpoint is not in the store after %ss", publish.ON_NOTICE_S)
+        if publisher is not None and torch.distributed.is_initialized():
+            torch.distributed.barrier()  # a rank that exits first makes mpirun kill rank 0 mid-upload
         if info.is_main:
             print(f"{spot.PREEMPTED_TAG} rank={callback.preempted_by} step={callback.step} "
                   f"checkpoint=checkpoint-{callback.step}", flush=True)
         if torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
         sys.exit(spot.PREEMPTED_EXIT)
+    if publisher is not None:
+        publisher.wait()
     from training import mfu
 
     mfu.record(results, trainer, bool(trainer.args.bf16))
@@ -362,6 +372,9 @@ def finish(info, args, results: dict, started: float, line: str | None = None, t
     if info.is_main:
         path = write_results(args.output_dir, results)
         log.info("results written to %s", path)
+        from training import publish
+
+        publish.output(args.output_dir)
         if line:
             print(f"[result] {line}", flush=True)
     # A rank may crash while tearing down (gloo and oneCCL threads, now and then), and mpirun then kills

@@ -34,8 +34,9 @@ def apply(model, args: SpeedArguments, argv: list[str]) -> None:
 
 def resumes_trained_embeddings(model) -> bool:
     """Whether XC_RESUME_FROM's optimizer stepped every weight of model."""
-    from training import spot
+    from training import spot, store
 
+    store.fetch_resume()  # XC_RESUME_URL onto this node first: the job reads the checkpoint before training
     resume = spot.resume_from()
     if not resume or spot.optimizer_tensors(resume) != sum(1 for p in model.parameters() if p.requires_grad):
         return False

@@ -1,0 +1,285 @@
+"""The operator's view of the cluster's store (training.store holds the shared code): which store a task
+uses, whether it answers, what the ranks need to reach it, and bringing a run home from it.
+
+Choosing it, the same for every task (train, pull, runs, logs, doctor): --store URL > XC_STORE > fabric.yaml
+xc.store > the stack's storeUrl output (AWS clusters) > the local folder <runs dir's parent>/store, which the
+local cluster's nodes share with the operator (so 'make demo' needs no server).
+"""
+from __future__ import annotations
+
+import errno
+import json
+import logging
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+from core.constants import PROJECT_ROOT
+from core.errors import ClusterError
+from training import store as shared
+from training.store import StoreError, explain, open_store
+
+log = logging.getLogger(__name__)
+
+RECORDS = ("summary.json", "results.json", "log.txt")
+# The ranks reach the store with these: the URL, an S3-compatible endpoint, the region.
+PUBLIC_ENV = ("XC_S3_ENDPOINT_URL", "AWS_REGION", "AWS_DEFAULT_REGION")
+CREDENTIALS = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN")  # secrets by their names
+PROGRESS_BYTES = 32 << 20
+
+
+@dataclass(frozen=True)
+class Choice:
+    url: str
+    source: str  # which rung of the precedence chose it
+    spec: str | None = field(default=None, compare=False)  # the cluster it was chosen for, once resolved
+
+    @property
+    def is_default(self) -> bool:
+        return self.source == "the local folder"
+
+    def line(self) -> str:
+        return f"store: {self.url} ({self.source})"
+
+
+def default_folder() -> Path:
+    runs = Path(os.environ.get("XC_RUNS_DIR") or PROJECT_ROOT / "runs")
+    return runs.expanduser().resolve().parent / "store"
+
+
+def _aws_kind(spec: str | None) -> bool:
+    return (spec or "").split(":", 1)[0] in ("aws", "pulumi")
+
+
+def stack_store(spec: str | None) -> str | None:
+    """The storeUrl output of the cluster's Pulumi stack, for an AWS cluster with a Pulumi CLI; else None."""
+    if not _aws_kind(spec):
+        return None
+    import shutil
+
+    if not shutil.which("pulumi"):
+        return None
+    from cluster import aws
+
+    kind, _, arg = spec.partition(":")
+    try:
+        outputs = aws.stack_outputs(arg if kind == "pulumi" else "")
+    except ClusterError as exc:
+        log.debug("no stack outputs for the store: %s", exc)
+        return None
+    if kind == "aws" and arg and outputs.get("clusterName") not in (None, arg):
+        return None  # the selected stack is another cluster's
+    return outputs.get("storeUrl") or None
+
+
+def choose(flag: str | None = None, config: dict | None = None, spec: str | None = None) -> Choice:
+    """--store > XC_STORE > fabric.yaml xc.store > the stack's storeUrl > the local folder."""
+    if spec is None:
+        from cluster.inventory import default_cluster
+
+        spec = default_cluster()
+    return replace(_choose(flag, config, spec), spec=spec)
+
+
+def _choose(flag: str | None, config: dict | None, spec: str) -> Choice:
+    if flag:
+        return Choice(_normal(flag), "--store")
+    if os.environ.get("XC_STORE"):
+        return Choice(_normal(os.environ["XC_STORE"]), "XC_STORE")
+    configured = ((config or {}).get("xc") or {}).get("store")
+    if configured:
+        return Choice(_normal(str(configured)), "fabric.yaml xc.store")
+    from_stack = stack_store(spec)
+    if from_stack:
+        return Choice(_normal(from_stack), "the stack's storeUrl")
+    return Choice(default_folder().as_uri(), "the local folder")
+
+
+def _normal(url: str) -> str:
+    """A plain path is a file store; URLs are checked for their scheme."""
+    if "://" not in url:
+        return Path(url).expanduser().resolve().as_uri()
+    try:
+        open_store(url)
+    except StoreError as exc:
+        raise ClusterError(str(exc)) from None
+    return url.rstrip("/")
+
+
+def check(choice: Choice, spec: str | None = None) -> float:
+    """Write, read and delete a probe object from here: one `error:` line naming the store and the fix."""
+    check_reachable_from_nodes(choice, spec)
+    if choice.url.startswith("file:"):  # the folder is made on first use, as a bucket is by 'pulumi up'
+        try:
+            Path(open_store(choice.url).root).mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise ClusterError(explain(exc, choice.url)) from None
+    try:
+        return shared.probe(choice.url)
+    except StoreError as exc:
+        raise ClusterError(str(exc)) from None
+
+
+def check_reachable_from_nodes(choice: Choice, spec: str | None = None) -> None:
+    """The local folder is no store for cloud nodes: they cannot reach the operator's disk."""
+    spec = spec or choice.spec
+    if choice.is_default and _aws_kind(spec):
+        raise ClusterError(f"cluster {spec} has no store: its stack has no storeUrl output (or no Pulumi CLI here) "
+                           "and its nodes cannot reach this machine's folder; run 'pulumi up' (it creates the "
+                           "bucket) or pass --store s3://<bucket>/<prefix>")
+
+
+def rank_env(choice: Choice, spec: str | None = None) -> dict[str, str]:
+    """What the ranks need: XC_STORE, the endpoint and region, and (off AWS, for an s3 store) the operator's
+    credentials, which launch.secrets keeps off command lines and records by their names."""
+    spec = spec or choice.spec
+    env = {"XC_STORE": choice.url}
+    env.update({k: os.environ[k] for k in PUBLIC_ENV if os.environ.get(k)})
+    if choice.url.startswith("s3:") and not _aws_kind(spec):
+        env.update(operator_credentials())
+    return env
+
+
+def operator_credentials() -> dict[str, str]:
+    """The operator's AWS credentials as variables, wherever boto3 finds them (environment, profile, SSO)."""
+    if os.environ.get("AWS_ACCESS_KEY_ID") and os.environ.get("AWS_SECRET_ACCESS_KEY"):
+        return {k: os.environ[k] for k in CREDENTIALS if os.environ.get(k)}
+    try:
+        import boto3
+
+        creds = boto3.session.Session().get_credentials()
+    except Exception:  # noqa: BLE001 - none found: the probe says so in its own words
+        return {}
+    if creds is None:
+        return {}
+    frozen = creds.get_frozen_credentials()
+    out = {"AWS_ACCESS_KEY_ID": frozen.access_key, "AWS_SECRET_ACCESS_KEY": frozen.secret_key}
+    if frozen.token:
+        out["AWS_SESSION_TOKEN"] = frozen.token
+    return out
+
+
+# -- reading it ----------------------------------------------------------------------------------
+def _store(url: str):
+    try:
+        return open_store(url)
+    except StoreError as exc:
+        raise ClusterError(str(exc)) from None
+
+
+def _guard(url: str, fn, *args, **kw):
+    try:
+        return fn(*args, **kw)
+    except ClusterError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - the store's failures become one line with the fix
+        raise ClusterError(explain(exc, url)) from None
+
+
+def checkpoints(url: str, run_id: str) -> list[int]:
+    """The run's complete checkpoints in the store, oldest first."""
+    return _guard(url, shared.complete_checkpoints, _store(url), run_id)
+
+
+def read_summary(url: str, run_id: str) -> dict | None:
+    data = _guard(url, _store(url).get_bytes, f"runs/{run_id}/summary.json")
+    try:
+        return json.loads(data) if data else None
+    except ValueError:
+        return None
+
+
+def read_text(url: str, key: str) -> str | None:
+    data = _guard(url, _store(url).get_bytes, key)
+    return None if data is None else data.decode(errors="replace")
+
+
+def store_runs(url: str) -> dict[str, dict]:
+    """run id -> summary of every run recorded in the store."""
+    store = _store(url)
+    out = {}
+    for run_id in _guard(url, store.children, "runs"):
+        summary = read_summary(url, run_id)
+        if summary is not None:
+            out[run_id] = summary
+    return out
+
+
+def publish_records(run_dir: Path, summary: dict) -> None:
+    """summary.json, results.json and log.txt of a run into its store; never raises (the run's end is
+    recorded at home whatever the store does)."""
+    url = (summary.get("env") or {}).get("XC_STORE")
+    if not url:
+        return
+    try:
+        store = open_store(url)
+        for name in RECORDS:
+            path = Path(run_dir) / name
+            if path.is_file():
+                store.put_bytes(f"runs/{Path(run_dir).name}/{name}", path.read_bytes())
+    except Exception as exc:  # noqa: BLE001
+        log.warning("the run's records did not reach the store: %s", explain(exc, url))
+
+
+def pull(url: str, run_id: str, dest: Path, with_checkpoints: bool = False, with_model: bool = True,
+         say: Callable[[str], None] | None = None) -> tuple[int, int]:
+    """A run's records and outputs (and, if asked, its complete checkpoints) from the store into dest, with
+    progress; returns (files, bytes). Raises ClusterError when the store has no such run."""
+    store = _store(url)
+    entries = _guard(url, store.list, f"runs/{run_id}")
+    if not entries:
+        raise ClusterError(f"no run {run_id} in the store {url}; pass an id from 'fab runs' (or --store with the "
+                           "store the run used)")
+    complete = {f"runs/{run_id}/checkpoints/step-{s}/" for s in _guard(url, shared.complete_checkpoints, store,
+                                                                       run_id)}
+    wanted = []
+    for e in entries:
+        rel = e.key[len(f"runs/{run_id}/"):]
+        if rel.startswith("checkpoints/"):
+            # only complete checkpoints, and their marker last (a copy cut short never counts at home either)
+            if not with_checkpoints or not any(e.key.startswith(c) for c in complete):
+                continue
+        elif not with_model and rel.endswith(MODEL_SUFFIXES):
+            continue
+        wanted.append((e, rel))
+    wanted.sort(key=lambda pair: pair[1].endswith("/" + shared.COMPLETE_MARKER))
+    total = sum(e.size for e, _ in wanted)
+    done = 0
+    started = time.monotonic()
+    for e, rel in wanted:
+        target = Path(dest) / rel
+        callback = _progress(rel, e.size, say) if say and e.size > PROGRESS_BYTES else None
+        try:
+            store.get_file(e.key, target, callback)
+        except OSError as exc:
+            if exc.errno == errno.ENOSPC or isinstance(exc, PermissionError):
+                why = "no space left on device" if exc.errno == errno.ENOSPC else "permission denied"
+                raise ClusterError(f"pulling {run_id} from {url} into {dest}: {why}; free space there or pass --to "
+                                   "another folder") from None
+            raise ClusterError(explain(exc, url)) from None
+        except Exception as exc:  # noqa: BLE001
+            raise ClusterError(explain(exc, url)) from None
+        done += e.size
+        if say:
+            say(f"  {rel} ({e.size / 2**20:.1f} MiB; {done / 2**20:.0f}/{total / 2**20:.0f} MiB, "
+                f"{100 * done / max(total, 1):.0f}%)")
+    if say:
+        say(f"pulled {len(wanted)} file(s), {done / 2**20:.1f} MiB in {time.monotonic() - started:.1f}s into {dest}")
+    return len(wanted), done
+
+
+MODEL_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt")
+
+
+def _progress(rel: str, size: int, say):
+    marks, got = set(), [0]
+
+    def callback(n: int) -> None:  # boto3 reports increments; a file store the whole size at once
+        got[0] += n
+        pct = min(100, int(100 * got[0] / max(size, 1)) // 25 * 25)
+        if pct not in marks:
+            marks.add(pct)
+            say(f"  {rel}: {got[0] / 2**20:.0f}/{size / 2**20:.0f} MiB ({pct}%)")
+    return callback

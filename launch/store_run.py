@@ -1,0 +1,34 @@
+"""A run and the cluster's store: what the request carries to reach it, and a preempted run's ending, which
+rests on the checkpoint the nodes wrote there (cluster.store, training.store)."""
+from __future__ import annotations
+
+import logging
+
+from cluster import store as store_lib
+from core.errors import ClusterError
+from launch import secrets
+from launch.request import TrainRequest
+
+log = logging.getLogger(__name__)
+
+
+def apply(req: TrainRequest, choice: store_lib.Choice, spec: str | None = None) -> None:
+    """The store's variables into the ranks' environment: the URL and endpoint as chosen now; credentials
+    where the request has none of its own (--env wins; a resumed record's *** is filled in)."""
+    for key, value in store_lib.rank_env(choice, spec).items():
+        if key == "XC_STORE" or key not in req.env or req.env[key] == secrets.MASK:
+            req.env[key] = value
+    for key in ("XC_S3_ENDPOINT_URL",):  # a resumed record's endpoint that no longer applies
+        if key in req.env and key not in store_lib.rank_env(choice, spec):
+            req.env.pop(key)
+
+
+def has_checkpoint(req: TrainRequest, run_id: str) -> bool:
+    url = req.env.get("XC_STORE")
+    if not url:
+        return False
+    try:
+        return bool(store_lib.checkpoints(url, run_id))
+    except ClusterError as exc:
+        log.warning("%s", exc)
+        return False

@@ -1,0 +1,120 @@
+"""The store on a real 2-node local cluster with a moto S3 server over HTTP: a run preempted by the fake IMDS
+leaves a complete checkpoint in S3 (nothing of it at home), `fab train --resume` takes it from there onto the
+nodes and finishes, `fab pull` brings the results home, `fab runs` lists a run that exists only in the store."""
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import time
+
+import pytest
+from conftest import FAB, ROOT
+from fake_imds import FakeIMDS
+from moto_fixture import aws_env, client, moto_server  # noqa: F401
+
+from training import spot
+
+pytestmark = [pytest.mark.cluster, pytest.mark.slow]
+
+BUCKET = "xc-cluster-store"
+ARGS = ["--num_train_epochs", "1", "--per_device_train_batch_size", "8", "--learning_rate", "1e-4",
+        "--max_train_samples", "400", "--seed", "42"]
+
+
+def _steps(text: str) -> list[int]:
+    return [int(s) for s in re.findall(r"\[progress\] step (\d+)/", text)]
+
+
+def test_preempted_to_s3_resumed_from_s3_and_pulled(cluster2, aws_env, monkeypatch, tmp_path):  # noqa: F811
+    monkeypatch.setenv("XC_S3_ENDPOINT_URL", aws_env)
+    s3 = client("s3")
+    s3.create_bucket(Bucket=BUCKET)
+    store = f"s3://{BUCKET}/cl"
+    imds = FakeIMDS()
+    before = cluster2.run_dirs()
+    proc = subprocess.Popen([*FAB, "train", "--nodes", "2", "--store", store, "--save-every", "0", "--env",
+                             f"XC_IMDS_ENDPOINT={imds.url}", "--", *ARGS], cwd=ROOT, text=True,
+                            env={**os.environ, **cluster2.env}, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            stdin=subprocess.DEVNULL)
+    try:
+        deadline, seen = time.monotonic() + 400, ""
+        while time.monotonic() < deadline:
+            line = proc.stdout.readline()
+            seen += line
+            if not line and proc.poll() is not None:
+                break
+            if (_steps(line) or [0])[0] >= 8:
+                break
+        imds.interrupt()
+        out, err = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        imds.close()
+    out = seen + out
+    assert proc.returncode == 75, out[-3000:] + err[-3000:]
+    assert f"store: {store} (--store)" in out.splitlines()[:3]  # the run's first lines name its store
+    run_id = (cluster2.run_dirs() - before).pop()
+    m = re.search(rf"preempted on node\d at step (\d+): checkpoint saved \({store}/runs/{run_id}/checkpoints/"
+                  rf"step-(\d+)\)", err)
+    assert m and m.group(1) == m.group(2), err[-2000:]
+    step = int(m.group(1))
+    assert re.search(rf"\[store\] checkpoint step {step} durable in {store}", out)
+    keys = {o["Key"] for o in s3.list_objects_v2(Bucket=BUCKET, Prefix=f"cl/runs/{run_id}/")["Contents"]}
+    ckpt = f"cl/runs/{run_id}/checkpoints/step-{step}/"
+    for name in (spot.COMPLETE_MARKER, "optimizer.pt", "model.safetensors", "rng_state_0.pth", "rng_state_1.pth"):
+        assert ckpt + name in keys, name
+    assert f"cl/runs/{run_id}/summary.json" in keys and f"cl/runs/{run_id}/log.txt" in keys
+    # the credentials went to the ranks as secrets: the records keep ***
+    summary = json.loads((cluster2.runs / run_id / "summary.json").read_text())
+    assert summary["status"] == "preempted" and summary["env"]["AWS_SECRET_ACCESS_KEY"] == "***"
+    assert summary["env"]["XC_STORE"] == store
+    home_ckpts = cluster2.runs / run_id / "checkpoints"
+    shutil.rmtree(home_ckpts, ignore_errors=True)  # nothing of the checkpoint at home (none was copied there)
+
+    res = cluster2.fab("train", "--resume", run_id, "--store", store, timeout=900)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    assert min(_steps(res.stdout)) > step
+    resumed = (cluster2.run_dirs() - before - {run_id}).pop()
+    assert json.loads((cluster2.runs / resumed / "results.json").read_text())["resumed_from_step"] == step
+    assert not home_ckpts.exists() and not (cluster2.runs / resumed / "checkpoints").exists()
+    rsum = json.loads((cluster2.runs / resumed / "summary.json").read_text())
+    assert rsum["env"]["XC_RESUME_URL"] == f"{store}/runs/{run_id}/checkpoints/step-{step}"
+
+    # fab pull: the resumed run's records and outputs; the preempted run's checkpoint on request
+    to = tmp_path / "pulled"
+    pulled = cluster2.fab("pull", resumed, "--store", store, "--to", str(to), timeout=300)
+    assert pulled.returncode == 0, pulled.stdout + pulled.stderr
+    assert re.search(r"pulled \d+ file\(s\)", pulled.stdout)
+    for name in ("summary.json", "results.json", "log.txt", "output/model.safetensors", "output/trainer_state.json"):
+        assert (to / name).is_file(), name
+    ck = cluster2.fab("pull", run_id, "--store", store, "--checkpoints", "--to", str(tmp_path / "ck"), timeout=300)
+    assert ck.returncode == 0 and (tmp_path / "ck" / f"checkpoints/step-{step}" / spot.COMPLETE_MARKER).is_file()
+
+    # a run recorded only in the store (started from another machine) still lists
+    shutil.rmtree(cluster2.runs / resumed)
+    listed = cluster2.fab("runs", "--store", store, timeout=120)
+    row = next(ln.split() for ln in listed.stdout.splitlines() if ln.startswith(resumed))
+    assert row[3] == "ok" and row[-1] == "store"
+    logs = cluster2.fab("logs", resumed, "--store", store, timeout=120)
+    assert logs.returncode == 0 and re.search(r"^\[0 node0\] \[finished\] rank 0$", logs.stdout, re.MULTILINE)
+    missing = cluster2.fab("pull", "20260101-000000-glue-0000", "--store", store, timeout=120)
+    assert missing.returncode == 1 and missing.stderr.strip().splitlines()[-1].startswith("error: no run ")
+
+
+@pytest.mark.cluster
+def test_doctor_has_a_store_row_per_node(cluster2, aws_env, monkeypatch):  # noqa: F811
+    monkeypatch.setenv("XC_S3_ENDPOINT_URL", aws_env)
+    client("s3").create_bucket(Bucket="xc-doctor-store")
+    ok = cluster2.fab("doctor", "--quick", "--store", "s3://xc-doctor-store/p", timeout=300)
+    rows = re.findall(r"^  store +(ok|FAIL) +(.*)$", ok.stdout, re.MULTILINE)
+    assert [r[0] for r in rows] == ["ok", "ok"], ok.stdout + ok.stderr
+    assert "Contents" not in client("s3").list_objects_v2(Bucket="xc-doctor-store")  # each probe deleted itself
+    bad = cluster2.fab("doctor", "--quick", "--store", "s3://xc-no-such-store/p", timeout=300)
+    rows = re.findall(r"^  store +(ok|FAIL) +(.*)$", bad.stdout, re.MULTILINE)
+    assert bad.returncode == 1 and [r[0] for r in rows] == ["FAIL", "FAIL"]
+    assert rows[0][1].startswith("store s3://xc-no-such-store/p: the bucket does not exist")
+    assert "(fix: create it ('pulumi up' makes the stack's)" in bad.stderr
