@@ -10,6 +10,7 @@ group's business: cluster.aws makes the node holding the master role tag node 0.
 from __future__ import annotations
 
 import base64
+import json
 
 import pulumi
 import pulumi_aws as aws
@@ -22,11 +23,30 @@ from infra.settings import ClusterSettings
 ROLLING_KEYS = ("image", "ubuntuVersion", "profile", "instanceType", "fallbackInstanceTypes", "rootVolumeGib",
                 "sshPublicKey", "sshUser", "maxSpotPrice", "spot")
 MIN_HEALTHY_PERCENT = 50  # a roll replaces at most half the nodes at a time, and never adds any
+# The group's own terminations (capacity rebalancing, instance refresh, scale-in) give no spot notice: this
+# hook holds a leaving node until it completes the action (after its checkpoint is safe) or the heartbeat
+# runs out (then CONTINUE): long enough to save a bert-base checkpoint with its optimizer state (~1.3 GB)
+# and move it off the node.
+TERMINATION_HOOK = "xc-checkpoint"
+TERMINATION_HEARTBEAT_S = 300
+
+
+def group_name(settings: ClusterSettings) -> str:
+    return f"{settings.cluster_name}-nodes"
 
 
 def user_data(settings: ClusterSettings) -> str:
     return render("cloud-init.yaml.j2", cluster=settings.cluster_name, stack=settings.stack,
-                  profile=settings.profile, image_mode=settings.image)
+                  profile=settings.profile, image_mode=settings.image, region=settings.region,
+                  group=group_name(settings), hook=TERMINATION_HOOK)
+
+
+def node_policy(group_arn: str) -> str:
+    """What a node may do with the cluster's AWS identity: complete the termination lifecycle action of its
+    own group, nothing else (no wildcard action, no '*' resource)."""
+    return json.dumps({"Version": "2012-10-17", "Statement": [{
+        "Sid": "CompleteOwnGroupsLifecycleAction", "Effect": "Allow",
+        "Action": ["autoscaling:CompleteLifecycleAction"], "Resource": [group_arn]}]})
 
 
 def node_tags(settings: ClusterSettings) -> dict[str, str]:
@@ -60,6 +80,11 @@ class Nodes(pulumi.ComponentResource):
         tags = settings.tags
 
         key = aws.ec2.KeyPair(f"{name}-key", public_key=settings.ssh_public_key.strip(), tags=tags, opts=child)
+        # The nodes' own identity (IMDSv2, hop limit 1): its policy is added once the group's ARN is known.
+        self.role = aws.iam.Role(f"{name}-node", tags=tags, opts=child, assume_role_policy=json.dumps({
+            "Version": "2012-10-17", "Statement": [{"Effect": "Allow", "Action": "sts:AssumeRole",
+                                                    "Principal": {"Service": "ec2.amazonaws.com"}}]}))
+        self.instance_profile = aws.iam.InstanceProfile(f"{name}-node", role=self.role.name, tags=tags, opts=child)
         # The root device name belongs to the AMI (/dev/sda1 on Ubuntu, /dev/xvda elsewhere); a wrong
         # name would add a second volume instead of sizing and encrypting the root one.
         root_device = aws.ec2.get_ami_output(
@@ -69,6 +94,7 @@ class Nodes(pulumi.ComponentResource):
         self.launch_template = aws.ec2.LaunchTemplate(
             f"{name}-lt", image_id=ami_id, instance_type=settings.instance_type, key_name=key.key_name,
             user_data=base64.b64encode(user_data(settings).encode()).decode(),
+            iam_instance_profile={"arn": self.instance_profile.arn},
             # hop limit 1: containers on a node cannot borrow its credentials
             metadata_options={"http_endpoint": "enabled", "http_tokens": "required",
                               "http_put_response_hop_limit": 1},
@@ -82,7 +108,7 @@ class Nodes(pulumi.ComponentResource):
             update_default_version=True, tags=tags, opts=template_options(settings, self))
 
         self.group = aws.autoscaling.Group(
-            f"{name}-nodes", name=f"{settings.cluster_name}-nodes",
+            f"{name}-nodes", name=group_name(settings),
             min_size=settings.node_count, max_size=settings.node_count, desired_capacity=settings.node_count,
             vpc_zone_identifiers=[network.subnet.id], placement_group=network.placement_group.name,
             health_check_type="EC2", health_check_grace_period=120,
@@ -100,4 +126,10 @@ class Nodes(pulumi.ComponentResource):
             wait_for_capacity_timeout="20m",
             tags=[{"key": k, "value": v, "propagate_at_launch": True} for k, v in node_tags(settings).items()],
             opts=child)
+        self.termination_hook = aws.autoscaling.LifecycleHook(
+            f"{name}-termination", name=TERMINATION_HOOK, autoscaling_group_name=self.group.name,
+            lifecycle_transition="autoscaling:EC2_INSTANCE_TERMINATING", heartbeat_timeout=TERMINATION_HEARTBEAT_S,
+            default_result="CONTINUE", opts=child)
+        self.node_policy = aws.iam.RolePolicy(f"{name}-node", role=self.role.id,
+                                              policy=self.group.arn.apply(node_policy), opts=child)
         self.register_outputs({"group": self.group.name, "launch_template_id": self.launch_template.id})

@@ -1,6 +1,8 @@
 """A fake EC2 instance metadata service (IMDSv2) on 127.0.0.1 for spot-notice tests: a token from
 PUT /latest/api/token (TTL header required), then GET .../spot/instance-action with that token
-answers 404 until the test calls interrupt(), then the notice AWS sends two minutes ahead."""
+answers 404 until the test calls interrupt(), then the notice AWS sends two minutes ahead. terminate_by_group()
+makes .../autoscaling/target-lifecycle-state answer "Terminated" (a termination lifecycle hook holding the node,
+no spot notice), recommend_rebalance() serves .../events/recommendations/rebalance; instance-id answers always."""
 from __future__ import annotations
 
 import json
@@ -14,6 +16,9 @@ class FakeIMDS:
     def __init__(self):
         self.token = secrets.token_hex(16)
         self.notice: dict | None = None
+        self.lifecycle_state = "InService"
+        self.rebalance: dict | None = None
+        self.instance_id = "i-0fake0000000000001"
         self.requests: list[tuple[str, str, int]] = []
         outer = self
 
@@ -36,6 +41,12 @@ class FakeIMDS:
             def do_GET(self):
                 if self.headers.get("X-aws-ec2-metadata-token") != outer.token:
                     return self._send(401)
+                if self.path == "/latest/meta-data/autoscaling/target-lifecycle-state":
+                    return self._send(200, outer.lifecycle_state.encode())
+                if self.path == "/latest/meta-data/instance-id":
+                    return self._send(200, outer.instance_id.encode())
+                if self.path == "/latest/meta-data/events/recommendations/rebalance" and outer.rebalance:
+                    return self._send(200, json.dumps(outer.rebalance).encode())
                 if self.path != "/latest/meta-data/spot/instance-action" or outer.notice is None:
                     return self._send(404)
                 self._send(200, json.dumps(outer.notice).encode())
@@ -48,9 +59,15 @@ class FakeIMDS:
         when = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(time.time() + 120))
         self.notice = {"action": "terminate", "time": when}
 
+    def terminate_by_group(self) -> None:
+        self.lifecycle_state = "Terminated"
+
+    def recommend_rebalance(self) -> None:
+        self.rebalance = {"noticeTime": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+
     def clear(self) -> None:
         """The notice withdrawn: as a replacement instance, which has none, answers."""
-        self.notice = None
+        self.notice, self.lifecycle_state, self.rebalance = None, "InService", None
 
     def close(self) -> None:
         self.server.shutdown()

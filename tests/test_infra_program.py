@@ -71,6 +71,10 @@ class Recorder(pulumi.runtime.Mocks):
     def of(self, typ: str) -> list[Res]:
         return [r for r in self.resources if r.type == typ]
 
+    def named(self, typ: str, name: str) -> Res:
+        (found,) = [r for r in self.of(typ) if r.name == name]
+        return found
+
     def one(self, typ: str) -> Res:
         found = self.of(typ)
         assert len(found) == 1, f"{len(found)} x {typ}"
@@ -267,7 +271,7 @@ def test_bake_mode_feeds_the_image_builder_ami_into_the_launch_template(program)
     assert recipe.inputs["components"] == [{"componentArn": f"arn:aws:mock:::{component.name}"}]
     assert recipe.inputs["blockDeviceMappings"][0]["ebs"]["encrypted"] == "true"
     infra = m.one("aws:imagebuilder/infrastructureConfiguration:InfrastructureConfiguration")
-    profile = m.one("aws:iam/instanceProfile:InstanceProfile")
+    profile = m.named("aws:iam/instanceProfile:InstanceProfile", "dev-build")
     assert infra.inputs["instanceProfileName"] == profile.name
     assert infra.inputs["subnetId"] == m.one("aws:ec2/subnet:Subnet").id
     assert "xeon-cluster:cluster" not in infra.inputs["resourceTags"]  # the build instance is no node
@@ -275,9 +279,9 @@ def test_bake_mode_feeds_the_image_builder_ami_into_the_launch_template(program)
     assert image.inputs["imageRecipeArn"] == f"arn:aws:mock:::{recipe.name}"
     assert image.inputs["infrastructureConfigurationArn"] == f"arn:aws:mock:::{infra.name}"
     # least privilege: exactly the two managed policies Image Builder documents, nothing inline
-    role = m.one("aws:iam/role:Role")
+    role = m.named("aws:iam/role:Role", "dev-build")
     assert json.loads(role.inputs["assumeRolePolicy"])["Statement"][0]["Principal"] == {"Service": "ec2.amazonaws.com"}
-    assert not m.of("aws:iam/rolePolicy:RolePolicy")
+    assert not [p for p in m.of("aws:iam/rolePolicy:RolePolicy") if p.inputs["role"] == role.id]
     assert sorted(a.inputs["policyArn"] for a in m.of("aws:iam/rolePolicyAttachment:RolePolicyAttachment")) == \
         sorted(f"arn:aws:iam::aws:policy/{p}" for p in BUILD_POLICIES)
     assert m.one("aws:ec2/launchTemplate:LaunchTemplate").inputs["imageId"] == BAKED_AMI
@@ -291,7 +295,7 @@ def test_bake_mode_feeds_the_image_builder_ami_into_the_launch_template(program)
 
 def test_base_mode_uses_ubuntu_from_ssm_and_builds_no_image(program):
     run = program(image="base", ubuntuVersion="22.04")
-    assert not [r for r in run.mocks.resources if r.type in IMAGE_BUILDER]
+    assert not [r for r in run.mocks.resources if r.type in IMAGE_BUILDER and not r.name.endswith("-node")]
     (lookup,) = [c for c in run.mocks.calls if c[0] == "aws:ssm/getParameter:getParameter"]
     assert lookup[1]["name"] == "/aws/service/canonical/ubuntu/server/22.04/stable/current/amd64/hvm/ebs-gp2/ami-id"
     assert run.mocks.one("aws:ec2/launchTemplate:LaunchTemplate").inputs["imageId"] == BASE_AMI
@@ -313,7 +317,7 @@ def test_base_mode_pins_the_ami_it_first_resolved():
 
 def test_explicit_ami_is_used_as_is(program):
     run = program(image="ami-0123456789abcdef0")
-    assert not [r for r in run.mocks.resources if r.type in IMAGE_BUILDER]
+    assert not [r for r in run.mocks.resources if r.type in IMAGE_BUILDER and not r.name.endswith("-node")]
     assert not [c for c in run.mocks.calls if c[0] == "aws:ssm/getParameter:getParameter"]
     assert run.mocks.one("aws:ec2/launchTemplate:LaunchTemplate").inputs["imageId"] == "ami-0123456789abcdef0"
 
@@ -326,7 +330,7 @@ def test_components_own_their_children_and_one_provider_serves_all(program):
               GROUP: "Nodes", "aws:ec2/keyPair:KeyPair": "Nodes",
               "aws:cloudwatch/logGroup:LogGroup": "Image"}
     for typ, component in owners.items():
-        urns = [u for u in run.urns() if f"::{typ}::" in u or f"${typ}::" in u]
+        urns = [u for u in run.urns() if (f"::{typ}::" in u or f"${typ}::" in u) and not u.endswith("::dev-node")]
         assert urns and all(f"xeon-cluster:infra:{component}${typ}::" in u for u in urns), (typ, urns)
     provider = run.mocks.one("pulumi:providers:aws")
     assert provider.inputs["region"] == "us-east-1"
@@ -335,6 +339,31 @@ def test_components_own_their_children_and_one_provider_serves_all(program):
         if res.type.startswith("aws:"):
             assert res.provider and "pulumi:providers:aws::aws" in res.provider, res.type
     assert all("pulumi:providers:aws::aws" in (c[2] or "") for c in run.mocks.calls)
+
+
+def test_nodes_have_a_termination_hook_and_a_role_scoped_to_their_own_group(program):
+    """Capacity rebalancing and instance refreshes terminate nodes with no spot notice: a termination lifecycle
+    hook holds a leaving node (default CONTINUE), and its role may complete that action on its own group only."""
+    run = program(nodeCount="2")
+    m = run.mocks
+    group = m.one(GROUP)
+    hook = m.one("aws:autoscaling/lifecycleHook:LifecycleHook").inputs
+    assert hook["lifecycleTransition"] == "autoscaling:EC2_INSTANCE_TERMINATING"
+    assert hook["defaultResult"] == "CONTINUE" and hook["heartbeatTimeout"] >= 120
+    assert hook["autoscalingGroupName"] == group.inputs["name"] == "dev-nodes"
+    role = m.named("aws:iam/role:Role", "dev-node")
+    assert json.loads(role.inputs["assumeRolePolicy"])["Statement"][0]["Principal"] == {"Service": "ec2.amazonaws.com"}
+    (policy,) = [p for p in m.of("aws:iam/rolePolicy:RolePolicy") if p.inputs["role"] == role.id]
+    statements = json.loads(policy.inputs["policy"])["Statement"]
+    assert [s["Action"] for s in statements] == [["autoscaling:CompleteLifecycleAction"]]
+    assert [s["Resource"] for s in statements] == [[f"arn:aws:mock:::{group.name}"]]  # the group's own ARN
+    assert all("*" not in a for s in statements for a in [*s["Action"], *s["Resource"]])
+    profile = m.named("aws:iam/instanceProfile:InstanceProfile", "dev-node")
+    template = m.one("aws:ec2/launchTemplate:LaunchTemplate").inputs
+    assert template["iamInstanceProfile"] == {"arn": f"arn:aws:mock:::{profile.name}"}
+    assert template["metadataOptions"]["httpPutResponseHopLimit"] == 1 and template["metadataOptions"]["httpTokens"] == "required"
+    user_data = base64.b64decode(template["userData"]).decode()
+    assert "XC_ASG_NAME=dev-nodes" in user_data and f"XC_LIFECYCLE_HOOK={hook['name']}" in user_data
 
 
 def test_outputs_name_the_cluster_and_its_group_and_cost(program):

@@ -344,7 +344,11 @@ def train_and_record(trainer, results: dict, train_ds, info) -> None:
             torch.distributed.barrier()  # a rank that exits first makes mpirun kill rank 0 mid-upload
         if info.is_main:
             print(f"{spot.PREEMPTED_TAG} rank={callback.preempted_by} step={callback.step} "
-                  f"checkpoint=checkpoint-{callback.step}", flush=True)
+                  f"checkpoint=checkpoint-{callback.step} cause={callback.cause.replace(' ', '_')}", flush=True)
+        # the group may take this node once the checkpoint outlives it: not node 0's, which holds it
+        if watcher.notice and watcher.notice.get("cause") == spot.GROUP_CAUSE and info.local_rank == 0 \
+                and not _holds_checkpoint(info):
+            spot.complete_lifecycle_action(watcher)
         if torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
         sys.exit(spot.PREEMPTED_EXIT)
@@ -353,6 +357,11 @@ def train_and_record(trainer, results: dict, train_ds, info) -> None:
     from training import mfu
 
     mfu.record(results, trainer, bool(trainer.args.bf16))
+
+
+def _holds_checkpoint(info) -> bool:
+    """Whether this node holds the checkpoint (world rank 0's node, where the Trainer saves it)."""
+    return info.rank < max(1, int(os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("MPI_LOCALNRANKS") or 1))
 
 
 def finish(info, args, results: dict, started: float, line: str | None = None, trainer=None) -> None:

@@ -25,10 +25,19 @@ log = logging.getLogger("training.spot")
 DEFAULT_IMDS = "http://169.254.169.254"
 TOKEN_PATH = "/latest/api/token"
 ACTION_PATH = "/latest/meta-data/spot/instance-action"
+# The Auto Scaling group's own terminations (capacity rebalancing, instance refresh, scale-in) give no spot
+# notice: a termination lifecycle hook holds the node, and IMDS then answers this with "Terminated".
+LIFECYCLE_PATH = "/latest/meta-data/autoscaling/target-lifecycle-state"
+# An early warning (raised spot interruption risk): checkpoint now, train on.
+REBALANCE_PATH = "/latest/meta-data/events/recommendations/rebalance"
+INSTANCE_ID_PATH = "/latest/meta-data/instance-id"
+SPOT_CAUSE, GROUP_CAUSE = "spot interruption", "group termination"
+CLUSTER_ENV = "/etc/xeon-cluster/cluster.env"  # written by the nodes' cloud-init: group and hook names
 TOKEN_TTL_S = 21600
 POLL_S = 5.0
 COMPLETE_MARKER = "xc-complete"
 PREEMPTED_TAG = "[preempted]"
+REBALANCE_TAG = "[rebalance]"
 PREEMPTED_EXIT = 75  # EX_TEMPFAIL: try again later
 DEFAULT_SAVE_EVERY = "600s"
 
@@ -57,7 +66,8 @@ class NoticeWatcher(threading.Thread):
         super().__init__(name="spot-notice", daemon=True)
         self.base = (base or os.environ.get("XC_IMDS_ENDPOINT") or DEFAULT_IMDS).rstrip("/")
         self.interval, self.timeout = interval, timeout
-        self.notice: dict | None = None
+        self.notice: dict | None = None  # with "cause": SPOT_CAUSE or GROUP_CAUSE
+        self.rebalance: dict | None = None  # a rebalance recommendation: checkpoint, but no notice
         self.active = True
         self._token: str | None = None
         self._token_at = 0.0
@@ -79,19 +89,36 @@ class NoticeWatcher(threading.Thread):
             self._token, self._token_at = body.decode().strip(), time.monotonic()
         return self._token
 
-    def check(self) -> dict | None:
-        """One poll: the notice, or None. A refused token (expired) is fetched again once."""
+    def get(self, path: str) -> tuple[int, bytes]:
+        """One GET with the session token; a refused token (expired) is fetched again once."""
+        status, body = 401, b""
         for _ in range(2):
-            status, body = self._request("GET", ACTION_PATH, {"X-aws-ec2-metadata-token": self.token()})
-            if status == 401:
-                self._token = None
-                continue
+            status, body = self._request("GET", path, {"X-aws-ec2-metadata-token": self.token()})
+            if status != 401:
+                break
+            self._token = None
+        return status, body
+
+    def check(self) -> dict | None:
+        """One poll: the notice (spot interruption, or the group terminating this node), or None. A
+        rebalance recommendation is kept in self.rebalance and is no notice."""
+        status, body = self.get(ACTION_PATH)
+        if status == 200:
+            try:
+                notice = json.loads(body or b"{}") or {"action": "terminate"}
+            except ValueError:
+                notice = {"action": "terminate", "raw": body.decode(errors="replace")[:200]}
+            return {**notice, "cause": SPOT_CAUSE}
+        status, body = self.get(LIFECYCLE_PATH)
+        if status == 200 and body.decode(errors="replace").strip() == "Terminated":
+            return {"action": "terminate", "cause": GROUP_CAUSE}
+        if self.rebalance is None:
+            status, body = self.get(REBALANCE_PATH)
             if status == 200:
                 try:
-                    return json.loads(body or b"{}") or {"action": "terminate"}
+                    self.rebalance = json.loads(body or b"{}") or {"noticed": True}
                 except ValueError:
-                    return {"action": "terminate", "raw": body.decode(errors="replace")[:200]}
-            return None
+                    self.rebalance = {"noticed": True}
         return None
 
     def run(self) -> None:
@@ -197,7 +224,9 @@ def spot_callback(watcher: NoticeWatcher | None = None, save_every: str | None =
             self.watcher = watcher
             self.last_save = time.monotonic()
             self.preempted_by: int | None = None  # the rank whose node got the notice
+            self.cause: str | None = None
             self.step: int | None = None
+            self.rebalance_saved = False
 
         def on_train_begin(self, args, state, control, **kw):
             self.last_save = time.monotonic()
@@ -205,19 +234,26 @@ def spot_callback(watcher: NoticeWatcher | None = None, save_every: str | None =
         def on_step_end(self, args, state, control, **kw):
             rank = dist.get_rank() if dist.is_initialized() else 0
             noticed = self.watcher is not None and self.watcher.notice is not None
+            group = noticed and self.watcher.notice.get("cause") == GROUP_CAUSE
+            warned = self.watcher is not None and self.watcher.rebalance is not None and not self.rebalance_saved
             due = False
             if mode == "steps":
                 due = state.global_step % int(every) == 0
             elif mode == "seconds" and rank == 0:
                 due = time.monotonic() - self.last_save >= every
-            flags = torch.tensor([rank + 1 if noticed else 0, int(due)], dtype=torch.int64)
+            flags = torch.tensor([rank + 1 if noticed else 0, int(due), int(warned), int(group)], dtype=torch.int64)
             if dist.is_initialized():
                 dist.all_reduce(flags, op=dist.ReduceOp.MAX)
             if flags[0] > 0:
                 self.preempted_by, self.step = int(flags[0]) - 1, state.global_step
+                self.cause = GROUP_CAUSE if flags[3] > 0 else SPOT_CAUSE
                 control.should_save = True
                 control.should_training_stop = True
-            elif flags[1] > 0:
+            elif flags[1] > 0 or flags[2] > 0:  # a rebalance recommendation: a checkpoint now, training goes on
+                if flags[2] > 0:
+                    self.rebalance_saved = True
+                    if rank == 0:
+                        print(f"{REBALANCE_TAG} step={state.global_step}: checkpoint now, training goes on", flush=True)
                 control.should_save = True
             return control
 
@@ -229,3 +265,37 @@ def spot_callback(watcher: NoticeWatcher | None = None, save_every: str | None =
                 (folder / COMPLETE_MARKER).write_text(json.dumps({"step": state.global_step, "time": time.time()}))
 
     return Spot()
+
+
+def cluster_env(path: str = CLUSTER_ENV) -> dict[str, str]:
+    """KEY=VALUE lines of the node's cluster.env (cloud-init's); {} off AWS."""
+    try:
+        lines = Path(os.environ.get("XC_CLUSTER_ENV") or path).read_text().splitlines()
+    except OSError:
+        return {}
+    return dict(line.split("=", 1) for line in lines if "=" in line and not line.startswith("#"))
+
+
+def complete_lifecycle_action(watcher: NoticeWatcher, client=None) -> bool:
+    """Tell the Auto Scaling group that this node may go (CONTINUE), so its replacement is not held back
+    for the hook's whole heartbeat. Called once the notice's checkpoint is where it outlives this node.
+    Returns whether it was sent; any failure only logs (the heartbeat's default result, CONTINUE, follows)."""
+    env = cluster_env()
+    group, hook = env.get("XC_ASG_NAME"), env.get("XC_LIFECYCLE_HOOK")
+    if not (group and hook):
+        return False
+    try:
+        status, body = watcher.get(INSTANCE_ID_PATH)
+        if status != 200:
+            return False
+        if client is None:
+            import boto3
+
+            client = boto3.client("autoscaling", region_name=env.get("XC_REGION") or None,
+                                  endpoint_url=os.environ.get("XC_AWS_ENDPOINT_URL") or None)
+        client.complete_lifecycle_action(AutoScalingGroupName=group, LifecycleHookName=hook,
+                                         InstanceId=body.decode().strip(), LifecycleActionResult="CONTINUE")
+        return True
+    except Exception as exc:  # noqa: BLE001 - the hook's heartbeat ends it anyway
+        log.warning("could not complete the lifecycle action of %s (%s): the group waits out the heartbeat", group, exc)
+        return False

@@ -1,0 +1,139 @@
+"""The Auto Scaling group's own terminations (capacity rebalancing, instance refresh, scale-in) give no spot
+notice: a termination lifecycle hook holds the node and IMDS answers target-lifecycle-state "Terminated". The
+ranks treat it as a notice (checkpoint, exit 75, the cause in summary.json) and complete the lifecycle action
+once the checkpoint outlives the node; a rebalance recommendation is a checkpoint while training goes on.
+Against the fake IMDS on loopback; the cluster tests on the session's 2-node local cluster."""
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import time
+
+import pytest
+from conftest import FAB, ROOT, processes_with_env
+from fake_imds import FakeIMDS
+
+from launch import records
+from training import spot
+
+ARGS = ["--num_train_epochs", "3", "--per_device_train_batch_size", "8", "--max_train_samples", "400",
+        "--max_eval_samples", "64", "--learning_rate", "1e-4", "--seed", "42"]
+
+
+def test_a_group_termination_is_a_notice_with_its_cause():
+    imds = FakeIMDS()
+    try:
+        w = spot.NoticeWatcher(imds.url, interval=0.05)
+        assert w.check() is None and w.rebalance is None  # InService, no recommendation
+        imds.terminate_by_group()
+        assert w.check() == {"action": "terminate", "cause": spot.GROUP_CAUSE}
+        imds.clear()
+        imds.interrupt()
+        assert w.check()["cause"] == spot.SPOT_CAUSE
+    finally:
+        imds.close()
+
+
+def test_a_rebalance_recommendation_is_kept_but_is_no_notice():
+    imds = FakeIMDS()
+    try:
+        w = spot.NoticeWatcher(imds.url, interval=0.05)
+        imds.recommend_rebalance()
+        assert w.check() is None
+        assert w.rebalance and "noticeTime" in w.rebalance
+    finally:
+        imds.close()
+
+
+def test_the_node_completes_its_lifecycle_action_with_continue(tmp_path, monkeypatch):
+    import boto3
+    from botocore.stub import Stubber
+
+    env = tmp_path / "cluster.env"
+    env.write_text("XC_CLUSTER=dev\nXC_ASG_NAME=dev-nodes\nXC_LIFECYCLE_HOOK=xc-checkpoint\n")
+    monkeypatch.setenv("XC_CLUSTER_ENV", str(env))
+    imds = FakeIMDS()
+    client = boto3.client("autoscaling", region_name="us-east-1", aws_access_key_id="x", aws_secret_access_key="x")
+    try:
+        w = spot.NoticeWatcher(imds.url)
+        with Stubber(client) as stub:
+            stub.add_response("complete_lifecycle_action", {}, {
+                "AutoScalingGroupName": "dev-nodes", "LifecycleHookName": "xc-checkpoint",
+                "InstanceId": imds.instance_id, "LifecycleActionResult": "CONTINUE"})
+            assert spot.complete_lifecycle_action(w, client) is True
+            stub.assert_no_pending_responses()
+        env.write_text("XC_CLUSTER=dev\n")  # a node from before the hook: nothing to complete
+        assert spot.complete_lifecycle_action(w, client) is False
+    finally:
+        imds.close()
+
+
+def _run(cluster, imds, trigger, wait_steps: int = 8):
+    """fab train with the fake IMDS; `trigger(imds)` once training reached wait_steps; returns (proc, out, err)."""
+    proc = subprocess.Popen([*FAB, "train", "--nodes", "2", "--save-every", "0", "--env",
+                             f"XC_IMDS_ENDPOINT={imds.url}", "--", *ARGS], cwd=ROOT, text=True,
+                            env={**os.environ, **cluster.env}, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            stdin=subprocess.DEVNULL)
+    seen = ""
+    try:
+        deadline = time.monotonic() + 400
+        while time.monotonic() < deadline:
+            line = proc.stdout.readline()
+            seen += line
+            m = re.search(r"\[progress\] step (\d+)/", line)
+            if m and int(m.group(1)) >= wait_steps:
+                break
+        trigger(imds)
+        out, err = proc.communicate(timeout=600)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    return proc, seen + out, err
+
+
+@pytest.mark.cluster
+@pytest.mark.slow
+def test_a_group_termination_checkpoints_exits_75_names_its_cause_and_resumes(cluster2):
+    imds = FakeIMDS()
+    before = cluster2.run_dirs()
+    try:
+        proc, out, err = _run(cluster2, imds, FakeIMDS.terminate_by_group)
+    finally:
+        imds.close()
+    run_id = (cluster2.run_dirs() - before).pop()
+    assert proc.returncode == 75, out[-3000:] + err[-3000:]
+    summary = records.load(cluster2.runs / run_id).to_json()
+    assert summary["status"] == "preempted" and summary["cause"] == "group termination", summary
+    step = summary["preempted"]["step"]
+    assert (cluster2.runs / run_id / "checkpoints" / f"step-{step}" / spot.COMPLETE_MARKER).is_file()
+    assert not [ln for ln in imds.requests if "spot/instance-action" in ln[1] and ln[2] == 200]  # no spot notice
+    assert processes_with_env(f"XC_RUN_ID={run_id}") == []
+
+    res = cluster2.fab("train", "--resume", run_id, timeout=900)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    resumed = (cluster2.run_dirs() - before - {run_id}).pop()
+    assert json.loads((cluster2.runs / resumed / "results.json").read_text())["resumed_from_step"] == step
+
+
+@pytest.mark.cluster
+@pytest.mark.slow
+def test_a_rebalance_recommendation_checkpoints_while_the_run_goes_on(cluster2):
+    imds = FakeIMDS()
+    before = cluster2.run_dirs()
+    try:
+        proc, out, err = _run(cluster2, imds, FakeIMDS.recommend_rebalance)
+    finally:
+        imds.close()
+    run_id = (cluster2.run_dirs() - before).pop()
+    assert proc.returncode == 0, out[-3000:] + err[-3000:]
+    m = re.search(r"\[rebalance\] step=(\d+)", out)
+    assert m, out[-3000:]
+    step = int(m.group(1))
+    summary = records.load(cluster2.runs / run_id).to_json()
+    assert summary["status"] == "ok"
+    total = json.loads((cluster2.runs / run_id / "output" / "trainer_state.json").read_text())["global_step"]
+    assert total > step  # training went on after the checkpoint
+    ckpt = cluster2.runs / run_id / "checkpoints" / f"step-{step}"
+    assert (ckpt / spot.COMPLETE_MARKER).is_file(), sorted(p.name for p in (cluster2.runs / run_id).iterdir())
