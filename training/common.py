@@ -345,9 +345,10 @@ def train_and_record(trainer, results: dict, train_ds, info) -> None:
         if info.is_main:
             print(f"{spot.PREEMPTED_TAG} rank={callback.preempted_by} step={callback.step} "
                   f"checkpoint=checkpoint-{callback.step} cause={callback.cause.replace(' ', '_')}", flush=True)
-        # the group may take this node once the checkpoint outlives it: not node 0's, which holds it
+        # the group may take this node once the checkpoint outlives it: in the store (the barrier above), or
+        # on node 0 when this is another node (without a store node 0 waits out the hook's heartbeat)
         if watcher.notice and watcher.notice.get("cause") == spot.GROUP_CAUSE and info.local_rank == 0 \
-                and not _holds_checkpoint(info):
+                and (publisher is not None or not _holds_checkpoint(info)):
             spot.complete_lifecycle_action(watcher)
         if torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
