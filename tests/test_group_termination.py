@@ -138,3 +138,19 @@ def test_a_rebalance_recommendation_checkpoints_while_the_run_goes_on(cluster2):
     assert total > step  # training went on after the checkpoint
     ckpt = cluster2.runs.parent / "store" / "runs" / run_id / "checkpoints" / f"step-{step}"  # the local store
     assert (ckpt / spot.COMPLETE_MARKER).is_file(), ckpt
+
+
+def test_node_0_without_a_store_keeps_its_node_until_the_heartbeat_ends(monkeypatch):
+    """Without a store the checkpoint lives on node 0 until fab copies it: node 0 must not let the group take
+    it early; other nodes, and node 0 once the store holds the checkpoint, release at once."""
+    released = []
+    monkeypatch.setattr(spot, "complete_lifecycle_action", lambda w, client=None: released.append(w) or True)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    w = spot.NoticeWatcher("http://127.0.0.1:9")
+    w.notice = {"action": "terminate", "cause": spot.GROUP_CAUSE}
+    assert spot.release_node(w, rank=0, local_rank=0, durable=False) is False
+    assert spot.release_node(w, rank=1, local_rank=0, durable=False) is True
+    assert spot.release_node(w, rank=0, local_rank=0, durable=True) is True
+    w.notice = {"action": "terminate", "cause": spot.SPOT_CAUSE}  # a spot interruption has no lifecycle action
+    assert spot.release_node(w, rank=1, local_rank=0, durable=True) is False
+    assert len(released) == 2

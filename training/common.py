@@ -345,11 +345,7 @@ def train_and_record(trainer, results: dict, train_ds, info) -> None:
         if info.is_main:
             print(f"{spot.PREEMPTED_TAG} rank={callback.preempted_by} step={callback.step} "
                   f"checkpoint=checkpoint-{callback.step} cause={callback.cause.replace(' ', '_')}", flush=True)
-        # the group may take this node once the checkpoint outlives it: in the store (the barrier above), or
-        # on node 0 when this is another node (without a store node 0 waits out the hook's heartbeat)
-        if watcher.notice and watcher.notice.get("cause") == spot.GROUP_CAUSE and info.local_rank == 0 \
-                and (publisher is not None or not _holds_checkpoint(info)):
-            spot.complete_lifecycle_action(watcher)
+        spot.release_node(watcher, info.rank, info.local_rank, durable=publisher is not None)
         if torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
         sys.exit(spot.PREEMPTED_EXIT)
@@ -358,11 +354,6 @@ def train_and_record(trainer, results: dict, train_ds, info) -> None:
     from training import mfu
 
     mfu.record(results, trainer, bool(trainer.args.bf16))
-
-
-def _holds_checkpoint(info) -> bool:
-    """Whether this node holds the checkpoint (world rank 0's node, where the Trainer saves it)."""
-    return info.rank < max(1, int(os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("MPI_LOCALNRANKS") or 1))
 
 
 def finish(info, args, results: dict, started: float, line: str | None = None, trainer=None) -> None:

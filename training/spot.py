@@ -299,3 +299,15 @@ def complete_lifecycle_action(watcher: NoticeWatcher, client=None) -> bool:
     except Exception as exc:  # noqa: BLE001 - the hook's heartbeat ends it anyway
         log.warning("could not complete the lifecycle action of %s (%s): the group waits out the heartbeat", group, exc)
         return False
+
+
+def release_node(watcher: NoticeWatcher, rank: int, local_rank: int, durable: bool) -> bool:
+    """After a group termination's checkpoint: the node's first rank lets the group take it once the checkpoint
+    outlives it: in the store (durable), or on node 0 when this is another node; without a store node 0 (world
+    rank 0's node, where the Trainer saves) waits out the hook's heartbeat so fab can still copy it."""
+    if not (watcher.notice and watcher.notice.get("cause") == GROUP_CAUSE and local_rank == 0):
+        return False
+    local_size = max(1, int(os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("MPI_LOCALNRANKS") or 1))
+    if not durable and rank < local_size:
+        return False
+    return complete_lifecycle_action(watcher)
