@@ -52,12 +52,19 @@ if _os.environ.get("XC_RANK_REPORT") and int(_os.environ.get("WORLD_SIZE", "1") 
     sys.meta_path.insert(0, _Watch())
 
     def _report():
+        if "torch" not in sys.modules:  # no training in this process (a helper, a plain script): nothing to say
+            return
         try:
             dist = sys.modules.get("torch.distributed")
             if dist is not None and dist.is_available() and dist.is_initialized():
                 _joined["world"] = max(_joined["world"], dist.get_world_size())
             path = _os.environ["XC_RANK_REPORT"].replace("{rank}", _os.environ.get("RANK", "0"))
             _os.makedirs(_os.path.dirname(path) or ".", exist_ok=True)
+            try:  # a launcher (accelerate launch) exits after the rank it started: keep the rank's group
+                with open(path) as f:
+                    _joined["world"] = max(_joined["world"], int(_json.load(f).get("joined") or 0))
+            except (OSError, ValueError):
+                pass
             with open(path, "w") as f:
                 _json.dump({"rank": int(_os.environ.get("RANK", "0")), "world_size": int(_os.environ["WORLD_SIZE"]),
                             "joined": _joined["world"]}, f)
