@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -99,6 +100,26 @@ def connect(node: Node, timeout: float = 10.0) -> Connection:
         raise Unreachable(f"{where} is unreachable ({reason})", "check that the node is up ('fab local-up' or "
                           "'pulumi up') and that SSH is allowed from this machine", node=node.name) from None
     return conn
+
+
+def _quiet_late_kill(args) -> None:
+    """invoke stops a timed-out command from a timer thread (Runner.kill); when the connection is closed by then
+    (the error already said which node stalled), paramiko raises EOFError there: not the user's business."""
+    frames = []
+    tb = args.exc_traceback
+    while tb is not None:
+        frames.append(tb.tb_frame.f_code.co_name)
+        tb = tb.tb_next
+    if issubclass(args.exc_type, (EOFError, OSError)) and "kill" in frames:
+        log.debug("a timed-out command's late kill found its connection closed", exc_info=(args.exc_type,
+                                                                                           args.exc_value,
+                                                                                           args.exc_traceback))
+        return
+    _previous_hook(args)
+
+
+_previous_hook = threading.excepthook
+threading.excepthook = _quiet_late_kill
 
 
 def command_timeout() -> float:
