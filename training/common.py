@@ -307,6 +307,18 @@ def run_header(job: str, info, args, model: str, **fields) -> dict:
             "gradient_accumulation_steps": args.gradient_accumulation_steps, **fields}
 
 
+def ready_for_ddp(trainer) -> bool:
+    """Let accelerate wrap the model in DDP after an evaluation ran first (clm's step-0 loss): accelerate 1.15
+    (accelerator.py prepare_model) marks a model prepared also for evaluation_mode=True, as the Trainer's
+    evaluation_loop asks, and its training prepare then returns it unwrapped: every rank trains its own copy,
+    no gradient is all-reduced, and the logged loss (a mean over ranks) hides it. True when cleared."""
+    model = trainer.model
+    if trainer.model_wrapped is model and getattr(model, "_is_accelerate_prepared", False):
+        model._is_accelerate_prepared = False
+        return True
+    return False
+
+
 def train_and_record(trainer, results: dict, train_ds, info) -> None:
     """trainer.train() with its metrics and wall time under results['train'], checkpoints every
     --save_every, resumed from XC_RESUME_FROM, and the job's end on a spot notice (exit 75)."""
@@ -314,6 +326,7 @@ def train_and_record(trainer, results: dict, train_ds, info) -> None:
         return
     from training import spot
 
+    ready_for_ddp(trainer)
     resume = spot.resume_from()
     if resume:
         spot.check_resume_fits(trainer.model, resume)
