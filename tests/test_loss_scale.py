@@ -3,7 +3,7 @@ loss and gradient norm of a 2-node run equal those of one process with the same 
 samples: no length grouping, so both take the sampler's first 16). On a real 2-node local cluster.
 
 Dropout is switched off (a copy of the model with zero dropout; clm's config override), since one
-process and two ranks draw different masks. Then data parallelism must give the same gradient up to
+process and two ranks draw different masks; fp32 throughout. Then data parallelism must give the same gradient up to
 the order of float sums: within 1e-3 relative, loss and norm, for every job. What this caught:
 - the Trainer multiplied a mean loss by the world size (2x loss and 2x gradients): mean_loss_per_rank;
 - clm: its step-0 evaluation left the model marked prepared by accelerate, which then never wrapped it
@@ -49,7 +49,8 @@ def first_step(cluster, job: str, nodes: int, model) -> dict:
     before = cluster.run_dirs()
     per_device = str(GLOBAL_BATCH // nodes)
     extra = [] if job == "clm" else ["--model_name_or_path", str(model)]
-    res = cluster.fab("train", "--nodes", str(nodes), "--job", job, "--", *COMMON, *JOBS[job], *extra,
+    # fp32: bf16 autocast rounds each rank's activations at its own batch shapes, a difference beyond reduction order
+    res = cluster.fab("train", "--nodes", str(nodes), "--job", job, "--precision", "fp32", "--", *COMMON, *JOBS[job], *extra,
                       "--per_device_train_batch_size", per_device, timeout=900)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     run_dir = cluster.runs / (cluster.run_dirs() - before).pop()
