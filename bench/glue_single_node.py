@@ -1,6 +1,8 @@
 """Single-node samples/s of the glue job's default path against the seeds' recipe.
 
-Same model (MiniLM-L6), same data (the bundled paraphrase set), same machine, run side by side:
+Same model (MiniLM-L6 by default; --model-shape bert-base or gpt2, the seeds' own, from a config with random
+weights: bench/model_shapes.py), same data (the bundled paraphrase set; gpt2: the clm job on the bundled
+corpus in blocks of 1024 tokens), same machine, run side by side:
   seeds       pad every example to 128 tokens, fp32, torch's default threads
   dynamic     per-batch padding to the longest example, length grouping, fp32
   default     the job's default: dynamic padding, precision auto (bf16 on AMX; with AVX512-BF16 alone, or
@@ -14,10 +16,13 @@ what padding alone can give (padded tokens / real tokens) and the CPU model and 
 ceiling: the MFU of the model's own matmuls alone at the default's shapes (what the step would reach
 if nothing else took time). Last line:
     mfu=<default's MFU> ratio=<default vs seeds samples/s> acc_delta=<default minus seeds eval accuracy>
-Writes bench/results/glue_single_node.json (glue_single_node-<isa>.json with --onednn-max-isa).
+Writes bench/results/glue_single_node.json (-<shape> and -<isa> added to the name for --model-shape and
+--onednn-max-isa). Every figure line carries the machine's load (uptime): the machine may be shared.
+Accuracy means something only on minilm (real weights); the other shapes time the step.
 
     .venv/bin/python bench/glue_single_node.py [--samples 800] [--epochs 2] [--batch 16] [--levers fused-adamw,...]
         [--onednn-max-isa AVX512_CORE_BF16]     # matmuls without AMX on a Sapphire Rapids: the no-AMX target
+        [--model-shape bert-base|gpt2]          # the seeds' models (gpt2: --batch 4 fits 24 GiB at 1024 tokens)
 """
 from __future__ import annotations
 
@@ -31,6 +36,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+import model_shapes
 
 CONFIGS = {
     # torch's dropout and every weight trained, as the seeds had
@@ -60,6 +68,8 @@ LEVERS = {
     "trained-embeddings": (["--freeze_embeddings", "False"], "auto"),
     "compile": (["--torch_compile", "True", "--pad_to_multiple_of", "32"], "auto"),
     "fused-adamw": (["--optim", "adamw_torch_fused"], "auto"),  # the Trainer's own default in transformers 5
+    "eager": (["--attn_implementation", "eager"], "auto"),
+    "fp32": ([], "fp32"),
     "jemalloc": ([], "auto"),
     "tcmalloc": ([], "auto"),
 }
@@ -80,17 +90,16 @@ def padding_bound(samples: int, max_len: int = 128) -> tuple[int, int]:
     return real, max_len * len(rows)
 
 
-def model_flops_per_token(tokens_per_sample: float) -> float:
-    """Training FLOPs per real token of MiniLM-L6 (BERT layout): 6 x the non-embedding parameters (forward
-    2, backward 4) plus attention's score and value products, 12 x layers x width x sequence length."""
-    from transformers import AutoConfig
+def model_flops_per_token(tokens_per_sample: float, shape: str = "minilm") -> float:
+    """Training FLOPs per real token: 6 x the non-embedding parameters (forward 2, backward 4) plus attention's
+    score and value products, 12 x layers x width x sequence length (bench/model_shapes.py)."""
+    return model_shapes.shape(shape).flops_per_token(tokens_per_sample)
 
-    from training.glue import DEFAULT_MODEL, resolve_model
 
-    cfg = AutoConfig.from_pretrained(resolve_model(DEFAULT_MODEL))
-    d, layers, ffn = cfg.hidden_size, cfg.num_hidden_layers, cfg.intermediate_size
-    params = layers * (4 * d * d + 2 * d * ffn)
-    return 6 * params + 12 * layers * d * tokens_per_sample
+def load_line() -> str:
+    """The machine's load average, printed with every figure: on a shared machine it says what a figure is worth."""
+    one, five, _ = os.getloadavg()
+    return f"load {one:.2f} {five:.2f} on {os.cpu_count()} cpus"
 
 
 def matmul_peak(dtype_name: str, rows: int = 2048, d: int = 384, ffn: int = 1536, windows: int = 3) -> float:
@@ -104,7 +113,8 @@ def matmul_peak(dtype_name: str, rows: int = 2048, d: int = 384, ffn: int = 1536
     return max(matmul_flops(dt, rows, d, ffn, 1.0) for _ in range(windows))
 
 
-def matmul_ceiling(dtype_name: str, batch: int, tokens: int, seconds: float = 1.0, windows: int = 3) -> float:
+def matmul_ceiling(dtype_name: str, batch: int, tokens: int, seconds: float = 1.0, windows: int = 3,
+                   shape: str = "minilm") -> float:
     """FLOP/s of one encoder layer's own matmuls, forward and backward, at the job's shapes (batch x tokens
     rows): the q, k, v, o and FFN linears (output, input gradient, weight gradient as autograd lays them out)
     and attention's score and value products. Their FLOPs are the model FLOPs per layer, so this over the
@@ -112,15 +122,13 @@ def matmul_ceiling(dtype_name: str, batch: int, tokens: int, seconds: float = 1.
     import time
 
     import torch
-    from transformers import AutoConfig
 
-    from training.glue import DEFAULT_MODEL, resolve_model
-
-    cfg = AutoConfig.from_pretrained(resolve_model(DEFAULT_MODEL))
+    s = model_shapes.shape(shape)
     dt = {"bf16": torch.bfloat16, "fp32": torch.float32}[dtype_name]
-    d, ffn, heads, rows = cfg.hidden_size, cfg.intermediate_size, cfg.num_attention_heads, batch * tokens
+    d, ffn, heads, rows = s.width, s.ffn, s.heads, batch * tokens
     calls, flops = [], 0
-    for k, n in [(d, d)] * 4 + [(d, ffn), (ffn, d)]:
+    # per layer, plus (gpt2) the output projection spread over the layers: its FLOPs count in the model's
+    for k, n in [(d, d)] * 4 + [(d, ffn), (ffn, d)] + ([(d, s.head_vocab // s.layers)] if s.head_vocab else []):
         x, w, g, b = (torch.randn(*s, dtype=dt) for s in ((rows, k), (n, k), (rows, n), (n,)))
         calls += [lambda x=x, w=w, b=b: torch.addmm(b, x, w.t()), lambda g=g, w=w: torch.mm(g, w),
                   lambda g=g, x=x: torch.mm(g.t(), x)]
@@ -157,11 +165,27 @@ def cpu_line() -> str:
     return line
 
 
+def shape_args(shape: str, model_dir: Path | None, out: Path) -> list[str]:
+    """The job's flags that make it train the shape: the random-weight model, or clm's GPT-2 small."""
+    if shape == "bert-base":
+        return ["--model_name_or_path", str(model_dir), "--max_eval_samples", "64"]
+    if shape == "gpt2":
+        return ["--config_overrides", model_shapes.gpt2_overrides(), "--block_size", str(model_shapes.GPT2_BLOCK),
+                "--eval_strategy", "no", "--data_cache_dir", str(out / "clm-cache"), "--save_strategy", "no"]
+    return []
+
+
+# gpt2 runs the clm job; its seeds' recipe is fp32 with the unfused AdamW of their transformers
+CLM_CONFIGS = {"seeds": (["--optim", "adamw_torch"], "fp32"), "default": ([], "auto")}
+CLM_LEVERS = {"fp32": ([], "fp32"), "bf16": ([], "bf16"), "eager": (["--attn_implementation", "eager"], "auto")}
+
+
 def run(name: str, extra: list[str], precision: str, samples: int, batch: int, out: Path, epochs: int = 1,
-        seed: int = 42) -> dict:
-    args = [sys.executable, "-m", "training.glue", "--output_dir", str(out / name), "--do_train", "--do_eval",
+        seed: int = 42, shape: str = "minilm", model_dir: Path | None = None) -> dict:
+    job, evals = ("training.clm", []) if shape == "gpt2" else ("training.glue", ["--do_eval"])
+    args = [sys.executable, "-m", job, "--output_dir", str(out / name), "--do_train", *evals,
             "--num_train_epochs", str(epochs), "--per_device_train_batch_size", str(batch), "--learning_rate", "1e-4",
-            "--max_train_samples", str(samples), "--seed", str(seed), *extra]
+            "--max_train_samples", str(samples), "--seed", str(seed), *shape_args(shape, model_dir, out), *extra]
     env = {**os.environ, "XC_PRECISION": precision, "PYTHONPATH": str(ROOT)}
     if name in MALLOC:
         if not Path(MALLOC[name]).is_file():
@@ -175,8 +199,8 @@ def run(name: str, extra: list[str], precision: str, samples: int, batch: int, o
     return {"samples_per_second": results["train"]["train_samples_per_second"],
             "eval_accuracy": ev.get("eval_accuracy"), "eval_f1": ev.get("eval_f1"),
             "train_s": results["train"]["train_runtime"], "precision": results["precision"],
-            "padding": results["padding"], "threads": results["threads"], "command": " ".join(args[1:]),
-            "job_mfu": (results.get("mfu") or {}).get("mfu")}
+            "padding": results.get("padding", f"block/{results.get('block_size')}"), "threads": results["threads"],
+            "command": " ".join(args[1:]), "job_mfu": (results.get("mfu") or {}).get("mfu"), "load": load_line()}
 
 
 def main() -> None:
@@ -191,27 +215,39 @@ def main() -> None:
     p.add_argument("--onednn-max-isa", metavar="ISA", type=str.upper, choices=ONEDNN_ISAS,
                    help="cap oneDNN's instruction set for the peak and every run, e.g. AVX512_CORE_BF16: bf16 "
                         "matmuls without AMX, as on a CPU with AVX512-BF16 only")
+    p.add_argument("--model-shape", choices=model_shapes.SHAPES, default="minilm",
+                   help="minilm (real weights, accuracy measured), or the seeds' bert-base / gpt2 from a config "
+                        "with random weights (gpt2 runs the clm job at 1024 tokens)")
     a = p.parse_args()
     if a.onednn_max_isa:
         # read once, at oneDNN's first matmul: set before this process or its runs make one
         os.environ["ONEDNN_MAX_CPU_ISA"] = a.onednn_max_isa
-    real, padded = padding_bound(a.samples)
+    shape = model_shapes.shape(a.model_shape)
+    if a.model_shape == "gpt2":
+        real = padded = a.samples * model_shapes.GPT2_BLOCK
+    else:
+        real, padded = padding_bound(a.samples)
     tokens = round(real / a.samples)
-    before = {p: matmul_peak(p) for p in ("bf16", "fp32")}
-    ceiling_before = {p: matmul_ceiling(p, a.batch, tokens) for p in ("bf16", "fp32")}
+    before = {p: matmul_peak(p, d=shape.width, ffn=shape.ffn) for p in ("bf16", "fp32")}
+    ceiling_before = {p: matmul_ceiling(p, a.batch, tokens, shape=a.model_shape) for p in ("bf16", "fp32")}
+    print(f"matmul peak before the runs ({load_line()}): "
+          + ", ".join(f"{p} {v / 1e9:.0f} GFLOP/s" for p, v in before.items()), flush=True)
+    configs, levers = (CLM_CONFIGS, CLM_LEVERS) if a.model_shape == "gpt2" else (CONFIGS, LEVERS)
     rows: dict[str, dict] = {}
     seeds = [int(x) for x in a.seeds.split(",")]
     accs: dict[str, list[tuple[float, float]]] = {}
     with tempfile.TemporaryDirectory() as tmp:
+        model_dir = model_shapes.write_bert_base(Path(tmp) / "bert-base") if a.model_shape == "bert-base" else None
         # Interleaved rounds (one per seed per --rounds), best speed of each: drift in the machine's load hits
         # every config alike. Accuracy and F1: the mean over the seeds.
         for round_, seed in enumerate(seed for _ in range(a.rounds) for seed in seeds):
-            chosen = {k: v for k, v in LEVERS.items() if k in a.levers.split(",")}
-            for name, (extra, precision) in {**CONFIGS, **chosen}.items():
+            chosen = {k: v for k, v in levers.items() if k in a.levers.split(",")}
+            for name, (extra, precision) in {**configs, **chosen}.items():
                 if name != "seeds" and name not in a.configs.split(",") and name not in chosen:
                     continue
                 print(f"round {round_ + 1}/{a.rounds * len(seeds)} (seed {seed}): {name} ...", flush=True)
-                r = run(name, extra, precision, a.samples, a.batch, Path(tmp), a.epochs, seed)
+                r = run(name, extra, precision, a.samples, a.batch, Path(tmp), a.epochs, seed, a.model_shape, model_dir)
+                print(f"  {r['samples_per_second']:.2f} samples/s, {r['precision']}, {r['load']}", flush=True)
                 accs.setdefault(name, []).append((r["eval_accuracy"] or 0.0, r["eval_f1"] or 0.0))
                 best = rows.get(name)
                 r["all_samples_per_second"] = (best or {}).get("all_samples_per_second", []) + [r["samples_per_second"]]
@@ -223,20 +259,25 @@ def main() -> None:
         r["eval_accuracy"] = sum(x for x, _ in accs[name]) / len(accs[name])
         r["eval_f1"] = sum(f for _, f in accs[name]) / len(accs[name])
         r["eval_accuracy_per_run"] = [x for x, _ in accs[name]]
-    per_token = model_flops_per_token(real / a.samples)
+    per_token = model_flops_per_token(real / a.samples, a.model_shape)
     # measured before the runs and after them, the best of both: a peak measured in a slow minute would flatter MFU
-    peaks = {p: max(before[p], matmul_peak(p)) for p in sorted({r["precision"] for r in rows.values()})}
+    peaks = {p: max(before[p], matmul_peak(p, d=shape.width, ffn=shape.ffn))
+             for p in sorted({r["precision"] for r in rows.values()})}
     default_row = rows.get("default", rows["seeds"])
-    ceiling = max(ceiling_before[default_row["precision"]], matmul_ceiling(default_row["precision"], a.batch, tokens))
+    ceiling = max(ceiling_before[default_row["precision"]],
+                  matmul_ceiling(default_row["precision"], a.batch, tokens, shape=a.model_shape))
     base = rows["seeds"]["samples_per_second"]
-    print(f"\nglue job, MiniLM-L6, {a.samples} paraphrase pairs, {a.epochs} epoch(s), batch {a.batch}, one process, "
-          f"{rows['seeds']['threads']} threads")
+    what = ("clm job, GPT-2 small shape (random weights), {n} blocks of 1024 tokens" if a.model_shape == "gpt2" else
+            "glue job, " + ("MiniLM-L6" if a.model_shape == "minilm" else "bert-base shape (random weights)")
+            + ", {n} paraphrase pairs")
+    print(f"\n{what.format(n=a.samples)}, {a.epochs} epoch(s), batch {a.batch}, one process, "
+          f"{rows['seeds']['threads']} threads; {load_line()} at the end")
     print(cpu_line())
     print("matmul peak at the model's shapes (best of before and after the runs): "
           + ", ".join(f"{p} {v / 1e9:.0f} GFLOP/s" for p, v in peaks.items())
           + f"; model FLOPs per real token {per_token / 1e6:.1f} M ({real / a.samples:.0f} tokens/sample)")
     print(f"{'config':<20}{'padding':<12}{'precision':<11}{'samples/s':>10}{'tokens/s':>10}{'MFU':>7}"
-          f"{'eval acc':>9}{'f1':>7}{'vs seeds':>10}{'train s':>9}{'job MFU':>8}   all rounds")
+          f"{'eval acc':>9}{'f1':>7}{'vs seeds':>10}{'train s':>9}{'job MFU':>8}   all rounds   load during")
     for name, r in rows.items():
         r["ratio_vs_seeds"] = r["samples_per_second"] / base
         r["tokens_per_second"] = r["samples_per_second"] * real / a.samples
@@ -246,7 +287,7 @@ def main() -> None:
         print(f"{name:<20}{r['padding']:<12}{r['precision']:<11}{r['samples_per_second']:>10.2f}"
               f"{r['tokens_per_second']:>10.0f}{r['mfu']:>7.3f}{acc:>9.3f}{f1:>7.3f}{r['ratio_vs_seeds']:>9.2f}x"
               f"{r['train_s']:>9.1f}{r.get('job_mfu') or float('nan'):>8.3f}   "
-              f"{rounds}")
+              f"{rounds}   {r['load']}")
     if len(seeds) > 1 or a.rounds > 1:
         print(f"eval accuracy per run (seeds {a.seeds}): " + "; ".join(
             f"{n} " + " ".join(f"{x:.3f}" for x in r["eval_accuracy_per_run"]) for n, r in rows.items()))
@@ -261,10 +302,12 @@ def main() -> None:
               "matmul_peak_flops": peaks, "model_flops_per_token": per_token, "matmul_ceiling_flops": ceiling,
               "command": f"bench/glue_single_node.py --samples {a.samples} --epochs {a.epochs} --batch {a.batch} "
                          f"--rounds {a.rounds} --seeds {a.seeds} --levers {a.levers}"
-                         + (f" --onednn-max-isa {a.onednn_max_isa}" if a.onednn_max_isa else "")}
+                         + (f" --onednn-max-isa {a.onednn_max_isa}" if a.onednn_max_isa else "")
+                         + f" --model-shape {a.model_shape}", "model_shape": a.model_shape, "load_at_end": load_line()}
     out = ROOT / "bench" / "results"
     out.mkdir(parents=True, exist_ok=True)
-    name = f"glue_single_node-{a.onednn_max_isa.lower()}.json" if a.onednn_max_isa else "glue_single_node.json"
+    name = "glue_single_node" + ("" if a.model_shape == "minilm" else f"-{a.model_shape}") + (
+        f"-{a.onednn_max_isa.lower()}" if a.onednn_max_isa else "") + ".json"
     (out / name).write_text(json.dumps(result, indent=2))
     print(f"written to {out / name}")
     default = default_row

@@ -20,6 +20,7 @@ from core.errors import ClusterError
 from launch import jobflags, records, secrets
 from launch.request import TrainRequest, new_run_id, validate
 from launch.run import train
+from reports import predict
 
 log = logging.getLogger(__name__)
 
@@ -265,6 +266,17 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
     plt.close(fig)
 
 
+BERT_BASE_BENCH = Path(__file__).resolve().parent.parent / "bench" / "results" / "glue_single_node-bert-base.json"
+
+
+def seeds_prediction(runs: list[RunRecord], bench_json: Path = BERT_BASE_BENCH) -> tuple[predict.Measured | None, list]:
+    """The seeds' MRPC fine-tune predicted from bert-base measured on one node here (bench/glue_single_node.py
+    --model-shape bert-base) or, without that, from this bench's 1-node run (reports/predict.py)."""
+    one = next((r for r in runs if r.nodes == 1), None)
+    measured = predict.from_bench_json(bench_json) or (predict.from_run(one.results) if one else None)
+    return measured, (predict.table(measured) if measured else [])
+
+
 def write_report(runs: list[RunRecord], bench_dir: Path, bench_id: str, command: str) -> list[dict]:
     """Check the runs compare like with like, then write results.json, report.md and scaling.png."""
     runs = sorted(runs, key=lambda r: r.nodes)
@@ -272,11 +284,17 @@ def write_report(runs: list[RunRecord], bench_dir: Path, bench_id: str, command:
     rows = rows_from(runs)
     bench_dir.mkdir(parents=True, exist_ok=True)
     base = runs[0].results
+    measured, prediction = seeds_prediction(runs)
     payload = {"bench_id": bench_id, "command": command, "job": base.get("job"), "model": base.get("model"),
                "cluster": runs[0].summary.get("cluster"), "args": runs[0].summary.get("args"),
-               "baseline_nodes": rows[0]["nodes"], "rows": rows, "runs": [r.run_id for r in runs]}
+               "baseline_nodes": rows[0]["nodes"], "rows": rows, "runs": [r.run_id for r in runs],
+               "prediction_seeds_mrpc": {"measured": dataclasses.asdict(measured) if measured else None,
+                                         "rows": prediction}}
     (bench_dir / "results.json").write_text(json.dumps(payload, indent=2, sort_keys=True, default=str))
-    (bench_dir / "report.md").write_text(report_md(bench_id, runs, rows, command))
+    md = report_md(bench_id, runs, rows, command)
+    if measured:
+        md += "\n" + "\n".join(predict.report_lines(measured, prediction)) + "\n"
+    (bench_dir / "report.md").write_text(md)
     plot(rows, bench_dir / "scaling.png", f"{base.get('job')} ({base.get('model')}): speed-up with nodes")
     return rows
 
@@ -341,4 +359,10 @@ def summary_line(result: BenchResult) -> str:
     parts = [f"{r['nodes']} node(s) {r['train_samples_per_second']:.1f} samples/s {r['speedup']:.2f}x "
              f"({100 * r['efficiency']:.0f}%)" + (f" MFU {100 * r['mfu']:.1f}%" if r.get("mfu") is not None else "")
              for r in result.rows]
-    return f"bench {result.bench_id}: " + "; ".join(parts) + f" -> {result.bench_dir / 'report.md'}"
+    line = f"bench {result.bench_id}: " + "; ".join(parts) + f" -> {result.bench_dir / 'report.md'}"
+    _, prediction = seeds_prediction(result.runs)
+    if prediction:
+        line += "\nPREDICTION, seeds' MRPC fine-tune (bert-base, 3 epochs, batch 32), training time and on-demand cost: " + \
+            "; ".join(f"{p['nodes']}x {p['instance_type']} {p['wall_s'] / 60:.1f} min {p['on_demand_usd']:.3f} USD"
+                      for p in prediction) + " (report.md)"
+    return line

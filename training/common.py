@@ -312,9 +312,10 @@ def train_and_record(trainer, results: dict, train_ds, info) -> None:
     --save_every, resumed from XC_RESUME_FROM, and the job's end on a spot notice (exit 75)."""
     if train_ds is None:
         return
-    from training import publish, spot, store
+    from training import dist, publish, spot, store
 
     store.fetch_resume()  # XC_RESUME_URL: the checkpoint from the cluster's store onto this node
+    dist.ready_for_ddp(trainer)
     resume = spot.resume_from()
     if resume:
         spot.check_resume_fits(trainer.model, resume)
@@ -330,8 +331,6 @@ def train_and_record(trainer, results: dict, train_ds, info) -> None:
     out = trainer.train(resume_from_checkpoint=resume)
     watcher.stop()
     results["train"] = dict(out.metrics, samples=len(train_ds), wall_s=time.monotonic() - train_start)
-    from training import dist
-
     results["ddp"] = dist.ddp_stats(trainer)
     if callback.preempted_by is not None:
         import sys

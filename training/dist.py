@@ -235,3 +235,15 @@ def ddp_stats(trainer) -> dict | None:
     out["comm_hook"] = data.get("comm_hook")
     out["gradient_as_bucket_view"] = bool(model.gradient_as_bucket_view)
     return out
+
+
+def ready_for_ddp(trainer) -> bool:
+    """Let accelerate wrap the model in DDP after an evaluation ran first (clm's step-0 loss): accelerate 1.15
+    (accelerator.py prepare_model) marks a model prepared also for evaluation_mode=True, as the Trainer's
+    evaluation_loop asks, and its training prepare then returns it unwrapped: every rank trains its own copy,
+    no gradient is all-reduced, and the logged loss (a mean over ranks) hides it. True when cleared."""
+    model = trainer.model
+    if trainer.model_wrapped is model and getattr(model, "_is_accelerate_prepared", False):
+        model._is_accelerate_prepared = False
+        return True
+    return False

@@ -1,0 +1,112 @@
+"""A PREDICTION, not a measurement: wall time and cost of the seeds' MRPC fine-tune (bert-base-cased, 3 epochs,
+batch 32, 3668 training pairs = 345 steps) on 1, 2 and 4 nodes of an instance type, spot and on-demand.
+
+    node samples/s  = measured single-node bert-base samples/s x the type's published cores / the cores measured
+    compute a step  = 32 / (nodes x node samples/s)        (the global batch stays 32: the same fine-tune)
+    all-reduce      = ring: 2 (N-1) / N x gradient bytes per node a step, at the type's network Gbit/s
+                      (DESIGN.md; bench/scaling_twin.py), none of it hidden behind the backward pass (an
+                      upper bound: DDP overlaps part of it)
+    wall time       = 345 x (compute + all-reduce)          training only: no start-up, data or evaluation
+    cost            = nodes x USD/h x wall time; spot at the live price where one is given, else "<= on-demand"
+                      (spot never bills above on-demand at the default maximum price)
+Cores are the only difference between CPUs it knows: clock, memory bandwidth and AMX are not in it.
+"""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+from core.catalog import CATALOG
+
+MRPC_TRAIN = 3668
+EPOCHS = 3
+BATCH = 32
+TYPES = ("c6i.16xlarge", "r7iz.16xlarge")
+NODES = (1, 2, 4)
+# bert-base-cased + a 2-label head; the job freezes the word embeddings (28996 x 768) by default
+BERT_BASE_PARAMS = 108_310_272 + 768 * 2 + 2
+BERT_BASE_TRAINED = BERT_BASE_PARAMS - 28996 * 768
+WIRE_BYTES = {"fp32": 4, "bf16": 2}  # fab train's default between hosts is bf16 on the wire (--comm-hook auto)
+# Training FLOPs of bert-base per token at MRPC's ~65 tokens: 6 x 85 M matmul parameters + attention (model_shapes)
+BERT_BASE_FLOPS_PER_TOKEN = 6 * 12 * (4 * 768 ** 2 + 2 * 768 * 3072) + 12 * 12 * 768 * 65
+MRPC_TOKENS = 65
+
+
+@dataclass(frozen=True)
+class Measured:
+    samples_per_s: float  # bert-base at MRPC's lengths, batch 32 or near, one process
+    cores: int  # the cores (torch threads) that measurement ran on
+    source: str  # where the figure comes from, printed with the prediction
+
+
+def steps() -> int:
+    return EPOCHS * math.ceil(MRPC_TRAIN / BATCH)
+
+
+def ring_bytes(grad_bytes: float, nodes: int) -> float:
+    return 2 * (nodes - 1) / nodes * grad_bytes
+
+
+def predict(measured: Measured, instance_type: str, nodes: int, spot_usd_h: float | None = None,
+            wire: str = "bf16", overlap: float = 0.0) -> dict:
+    t = CATALOG[instance_type]
+    node_sps = measured.samples_per_s * t.cores / measured.cores
+    compute_s = BATCH / (nodes * node_sps)
+    comm_s = ring_bytes(BERT_BASE_TRAINED * WIRE_BYTES[wire], nodes) * 8 / (t.network_gbit * 1e9)
+    step_s = compute_s + comm_s * (1 - overlap)
+    wall_s = steps() * step_s
+    on_demand = nodes * t.on_demand_usd_h * wall_s / 3600
+    spot = None if spot_usd_h is None else nodes * spot_usd_h * wall_s / 3600
+    return {"instance_type": instance_type, "nodes": nodes, "node_samples_per_s": node_sps, "compute_s": compute_s,
+            "comm_s": comm_s, "step_s": step_s, "wall_s": wall_s, "on_demand_usd": on_demand, "spot_usd": spot,
+            "wire": wire, "steps": steps()}
+
+
+def table(measured: Measured, spot_usd_h: dict[str, float] | None = None) -> list[dict]:
+    spot_usd_h = spot_usd_h or {}
+    return [predict(measured, t, n, spot_usd_h.get(t)) for t in TYPES for n in NODES]
+
+
+def from_bench_json(path: Path) -> Measured | None:
+    """The default path's bert-base figure of bench/glue_single_node.py --model-shape bert-base, if it ran here."""
+    try:
+        data = json.loads(Path(path).read_text())
+        row = data["configs"]["default"]
+        return Measured(float(row["samples_per_second"]), int(row["threads"]),
+                        f"{path.name}: bert-base shape, batch {data['batch']}, {data['cpu']}")
+    except (OSError, KeyError, ValueError, TypeError):
+        return None
+
+
+def from_run(results: dict) -> Measured | None:
+    """From a 1-node run's model FLOP/s (results.json 'mfu'), as bert-base samples/s at the same FLOP/s: a
+    smaller model reaches a lower share of the peak, so this underestimates bert-base's speed."""
+    flops = (results.get("mfu") or {}).get("model_flops_per_s")
+    if not flops:
+        return None
+    cores = int(results.get("threads") or 1) * int(results.get("world_size") or 1)
+    sps = flops / (BERT_BASE_FLOPS_PER_TOKEN * MRPC_TOKENS)
+    return Measured(sps, cores, f"the 1-node run's {flops / 1e9:.0f} GFLOP/s of {results.get('model')} "
+                                "taken as bert-base's (an underestimate)")
+
+
+def report_lines(measured: Measured, rows: list[dict]) -> list[str]:
+    lines = [
+        (f"## PREDICTION: the seeds' MRPC fine-tune (bert-base, {EPOCHS} epochs, batch {BATCH}, {MRPC_TRAIN} pairs, "
+        f"{steps()} steps)"),
+        "",
+        (f"Predicted, not measured: {measured.samples_per_s:.2f} samples/s on {measured.cores} core(s) "
+         f"({measured.source}) scaled by each type's published cores; ring all-reduce of "
+         f"{BERT_BASE_TRAINED / 1e6:.1f} M trained parameters in {rows[0]['wire']} at the type's network speed, "
+         "none of it overlapped; training only (reports/predict.py)."),
+        "",
+        "| instance type | nodes | step (s) | of it all-reduce (s) | wall time (min) | on-demand (USD) | spot (USD) |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        spot = f"{r['spot_usd']:.3f}" if r["spot_usd"] is not None else f"<= {r['on_demand_usd']:.3f}"
+        lines.append(f"| {r['instance_type']} | {r['nodes']} | {r['step_s']:.3f} | {r['comm_s']:.3f} "
+                     f"| {r['wall_s'] / 60:.1f} | {r['on_demand_usd']:.3f} | {spot} |")
+    return lines
