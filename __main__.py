@@ -13,6 +13,7 @@ from infra.image import Image
 from infra.network import Network
 from infra.nodes import MIN_HEALTHY_PERCENT, ROLLING_KEYS, Nodes
 from infra.settings import CONFIG_KEYS, ClusterSettings
+from infra.store import Store
 
 
 def read_settings() -> ClusterSettings:
@@ -30,7 +31,8 @@ def main() -> dict:
         checks.check_zone(settings, provider)
         network = Network(settings.cluster_name, settings, opts)
         image = Image(settings.cluster_name, settings, network, checks.partition(provider), opts)
-        nodes = Nodes(settings.cluster_name, settings, network, image.ami_id, opts)
+        store = Store(settings.cluster_name, settings, opts)
+        nodes = Nodes(settings.cluster_name, settings, network, image.ami_id, opts, store=store)
     except ClusterError as exc:
         raise pulumi.RunError(str(exc)) from None  # one line, no traceback
     pulumi.log.info(checks.quota_line(settings))
@@ -54,6 +56,8 @@ def main() -> dict:
         "autoScalingGroup": nodes.group.name,
         "sshUser": settings.ssh_user,
         "amiId": nodes.launch_template.image_id,  # the pinned one for image=base
+        # the cluster's store: checkpoints, outputs and records next to the nodes (fab reads it as the default)
+        "storeUrl": store.url,
         "hourlyCostUsd": estimate.total_usd_h,
         "costEstimate": estimate.summary(),
     }

@@ -41,12 +41,12 @@ def user_data(settings: ClusterSettings) -> str:
                   group=group_name(settings), hook=TERMINATION_HOOK)
 
 
-def node_policy(group_arn: str) -> str:
+def node_policy(group_arn: str, store_statements: list[dict] | None = None) -> str:
     """What a node may do with the cluster's AWS identity: complete the termination lifecycle action of its
-    own group, nothing else (no wildcard action, no '*' resource)."""
+    own group, and use the cluster's prefix of its store (no wildcard action, no '*' resource)."""
     return json.dumps({"Version": "2012-10-17", "Statement": [{
         "Sid": "CompleteOwnGroupsLifecycleAction", "Effect": "Allow",
-        "Action": ["autoscaling:CompleteLifecycleAction"], "Resource": [group_arn]}]})
+        "Action": ["autoscaling:CompleteLifecycleAction"], "Resource": [group_arn]}, *(store_statements or [])]})
 
 
 def node_tags(settings: ClusterSettings) -> dict[str, str]:
@@ -74,7 +74,7 @@ def instances_distribution(settings: ClusterSettings) -> dict:
 
 class Nodes(pulumi.ComponentResource):
     def __init__(self, name: str, settings: ClusterSettings, network, ami_id: pulumi.Input[str],
-                 opts: pulumi.ResourceOptions | None = None):
+                 opts: pulumi.ResourceOptions | None = None, store=None):
         super().__init__("xeon-cluster:infra:Nodes", name, None, opts)
         child = pulumi.ResourceOptions(parent=self)
         tags = settings.tags
@@ -130,6 +130,10 @@ class Nodes(pulumi.ComponentResource):
             f"{name}-termination", name=TERMINATION_HOOK, autoscaling_group_name=self.group.name,
             lifecycle_transition="autoscaling:EC2_INSTANCE_TERMINATING", heartbeat_timeout=TERMINATION_HEARTBEAT_S,
             default_result="CONTINUE", opts=child)
-        self.node_policy = aws.iam.RolePolicy(f"{name}-node", role=self.role.id,
-                                              policy=self.group.arn.apply(node_policy), opts=child)
+        from infra.store import node_statements
+
+        bucket_arn = store.bucket.arn if store is not None else None
+        policy = pulumi.Output.all(self.group.arn, bucket_arn).apply(
+            lambda a: node_policy(a[0], node_statements(a[1], store.prefix) if a[1] else None))
+        self.node_policy = aws.iam.RolePolicy(f"{name}-node", role=self.role.id, policy=policy, opts=child)
         self.register_outputs({"group": self.group.name, "launch_template_id": self.launch_template.id})

@@ -42,6 +42,7 @@ class ClusterSettings:
     allow_world_ssh: bool = False
     ssh_user: str = "ubuntu"
     root_volume_gib: int = 100
+    checkpoint_retention_days: int = 14  # the store's checkpoints/ expire after this many days
     profile: str = "oneccl"
     image: str = "bake"  # bake | base | ami-...
     ubuntu_version: str = "24.04"
@@ -127,6 +128,9 @@ class ClusterSettings:
         if not MIN_ROOT_GIB <= self.root_volume_gib <= 16384:
             raise ClusterError(f"rootVolumeGib {self.root_volume_gib} must be between {MIN_ROOT_GIB} and 16384; "
                                f"{_fix('rootVolumeGib', '100')}")
+        if not 1 <= self.checkpoint_retention_days <= 3650:
+            raise ClusterError(f"checkpointRetentionDays {self.checkpoint_retention_days} must be between 1 and 3650; "
+                               f"{_fix('checkpointRetentionDays', '14')}")
 
     def _check_image(self):
         if self.image not in IMAGE_MODES and not re.fullmatch(r"ami-[0-9a-f]{8}([0-9a-f]{9})?", self.image):

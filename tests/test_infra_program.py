@@ -355,15 +355,46 @@ def test_nodes_have_a_termination_hook_and_a_role_scoped_to_their_own_group(prog
     assert json.loads(role.inputs["assumeRolePolicy"])["Statement"][0]["Principal"] == {"Service": "ec2.amazonaws.com"}
     (policy,) = [p for p in m.of("aws:iam/rolePolicy:RolePolicy") if p.inputs["role"] == role.id]
     statements = json.loads(policy.inputs["policy"])["Statement"]
-    assert [s["Action"] for s in statements] == [["autoscaling:CompleteLifecycleAction"]]
-    assert [s["Resource"] for s in statements] == [[f"arn:aws:mock:::{group.name}"]]  # the group's own ARN
-    assert all("*" not in a for s in statements for a in [*s["Action"], *s["Resource"]])
+    (lifecycle,) = [s for s in statements if "autoscaling:CompleteLifecycleAction" in s["Action"]]
+    assert lifecycle["Action"] == ["autoscaling:CompleteLifecycleAction"]
+    assert lifecycle["Resource"] == [f"arn:aws:mock:::{group.name}"]  # the group's own ARN
+    assert all(not a.endswith("*") for s in statements for a in s["Action"])  # no wildcard action
     profile = m.named("aws:iam/instanceProfile:InstanceProfile", "dev-node")
     template = m.one("aws:ec2/launchTemplate:LaunchTemplate").inputs
     assert template["iamInstanceProfile"] == {"arn": f"arn:aws:mock:::{profile.name}"}
     assert template["metadataOptions"]["httpPutResponseHopLimit"] == 1 and template["metadataOptions"]["httpTokens"] == "required"
     user_data = base64.b64decode(template["userData"]).decode()
     assert "XC_ASG_NAME=dev-nodes" in user_data and f"XC_LIFECYCLE_HOOK={hook['name']}" in user_data
+
+
+def test_the_store_bucket_is_private_encrypted_kept_and_the_nodes_reach_only_their_prefix(program):
+    run = program(nodeCount="2", checkpointRetentionDays="7")
+    m = run.mocks
+    bucket = m.one("aws:s3/bucket:Bucket")
+    assert bucket.inputs["bucketPrefix"].startswith("xc-dev-") and bucket.inputs.get("forceDestroy") is not True
+    sse = m.one("aws:s3/bucketServerSideEncryptionConfiguration:BucketServerSideEncryptionConfiguration").inputs
+    assert sse["rules"][0]["applyServerSideEncryptionByDefault"]["sseAlgorithm"] == "AES256"
+    block = m.one("aws:s3/bucketPublicAccessBlock:BucketPublicAccessBlock").inputs
+    assert all(block[k] is True for k in ("blockPublicAcls", "blockPublicPolicy", "ignorePublicAcls",
+                                          "restrictPublicBuckets"))
+    owner = m.one("aws:s3/bucketOwnershipControls:BucketOwnershipControls").inputs
+    assert owner["rule"]["objectOwnership"] == "BucketOwnerEnforced"
+    tls = json.loads(m.one("aws:s3/bucketPolicy:BucketPolicy").inputs["policy"])["Statement"][0]
+    assert tls["Effect"] == "Deny" and tls["Condition"] == {"Bool": {"aws:SecureTransport": "false"}}
+    rules = {r["id"]: r for r in m.one("aws:s3/bucketLifecycleConfiguration:BucketLifecycleConfiguration").inputs["rules"]}
+    assert rules["expire-checkpoints"]["expiration"]["days"] == 7
+    assert rules["expire-checkpoints"]["filter"]["and"]["tags"] == {"xeon-cluster-kind": "checkpoint"}
+    assert rules["abort-incomplete-uploads"]["abortIncompleteMultipartUpload"]["daysAfterInitiation"] == 1
+    assert run.outputs["storeUrl"] == f"s3://{bucket.id}/dev"
+    role = m.named("aws:iam/role:Role", "dev-node")
+    (policy,) = [p for p in m.of("aws:iam/rolePolicy:RolePolicy") if p.inputs["role"] == role.id]
+    store = [s for s in json.loads(policy.inputs["policy"])["Statement"] if any(a.startswith("s3:") for a in s["Action"])]
+    arn = f"arn:aws:mock:::{bucket.name}"
+    objects = next(s for s in store if "s3:PutObject" in s["Action"])
+    assert objects["Resource"] == [f"{arn}/dev/*"]  # the cluster's prefix of its own bucket, nothing else
+    listing = next(s for s in store if s["Action"] == ["s3:ListBucket"])
+    assert listing["Resource"] == [arn] and listing["Condition"]["StringLike"]["s3:prefix"] == ["dev", "dev/*"]
+    assert not [a for s in store for a in s["Action"] if a in ("s3:*", "*")]
 
 
 def test_outputs_name_the_cluster_and_its_group_and_cost(program):

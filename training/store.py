@@ -30,6 +30,7 @@ log = logging.getLogger("training.store")
 COMPLETE_MARKER = "xc-complete"  # the same name as training.spot's: a checkpoint counts once it is there
 KEEP_CHECKPOINTS = 2  # complete checkpoints kept per run in the store; older ones go once a newer one counts
 CHUNK = 32 << 20  # multipart part size: a bert-base optimizer.pt (880 MB) goes up as ~28 parallel parts
+CHECKPOINT_TAG = "xeon-cluster-kind=checkpoint"  # infra/store.py expires objects with this tag
 CONCURRENCY = 16
 
 
@@ -150,7 +151,10 @@ class S3Store:
                               use_threads=True)
 
     def put_file(self, local: Path, key: str, progress=None) -> None:
-        self.client.upload_file(str(local), self.bucket, self.key(key), Config=self._transfer(), Callback=progress)
+        # checkpoints carry a tag: the bucket's lifecycle rule expires them (and only them) after the retention
+        extra = {"Tagging": CHECKPOINT_TAG} if "/checkpoints/" in f"/{key}" else None
+        self.client.upload_file(str(local), self.bucket, self.key(key), Config=self._transfer(), Callback=progress,
+                                ExtraArgs=extra)
 
     def put_bytes(self, key: str, data: bytes) -> None:
         self.client.put_object(Bucket=self.bucket, Key=self.key(key), Body=data)
