@@ -28,6 +28,7 @@ MIN_HEALTHY_PERCENT = 50  # a roll replaces at most half the nodes at a time, an
 # runs out (then CONTINUE): long enough to save a bert-base checkpoint with its optimizer state (~1.3 GB)
 # and move it off the node.
 TERMINATION_HOOK = "xc-checkpoint"
+TAG_MARKET = "xeon-cluster:market"  # in the launch template: a market change makes a new version, which rolls
 TERMINATION_HEARTBEAT_S = 300
 
 
@@ -104,7 +105,11 @@ class Nodes(pulumi.ComponentResource):
             # no subnet here: the group places nodes in its own subnet list
             network_interfaces=[{"device_index": 0, "security_groups": [network.security_group.id],
                                  "associate_public_ip_address": "true", "delete_on_termination": "true"}],
-            tag_specifications=[{"resource_type": "volume", "tags": tags}],
+            # spot, maxSpotPrice and sshUser live in the group's distribution and tags, which an instance
+            # refresh with skip_matching ignores: naming them in the template makes a change roll the nodes.
+            tag_specifications=[{"resource_type": "volume", "tags": tags}, {"resource_type": "instance", "tags": {
+                **tags, TAG_MARKET: f"spot:{settings.max_spot_price or 'on-demand-price'}" if settings.spot
+                else "on-demand", TAG_SSH_USER: settings.ssh_user}}],
             update_default_version=True, tags=tags, opts=template_options(settings, self))
 
         self.group = aws.autoscaling.Group(

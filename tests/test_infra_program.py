@@ -431,3 +431,14 @@ def test_component_document_embeds_exactly_the_setup_script_fab_setup_runs():
         spec = profiles.load_profile(name)
         assert marker_check == f'test "$(cat {spec.venv}/{profiles.MARKER_NAME})" = {spec.hash}'
         assert torch_check.startswith(REMOTE_PYTHON + " -c")  # the python every Node runs jobs with
+
+
+@pytest.mark.parametrize("change", [{"spot": "false"}, {"maxSpotPrice": "2.50"}, {"sshUser": "admin"}])
+def test_spot_price_and_ssh_user_changes_reach_the_launch_template_so_the_nodes_roll(program, change):
+    """An instance refresh with skip_matching replaces only nodes whose template differs: spot, maxSpotPrice
+    and sshUser used to change only the group's distribution or tags, so 'spot false' left the nodes on spot."""
+    def template(**config):
+        lt = program(**config).mocks.one("aws:ec2/launchTemplate:LaunchTemplate").inputs
+        return json.dumps(lt["tagSpecifications"], sort_keys=True)
+
+    assert template(**change) != template()
