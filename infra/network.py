@@ -4,12 +4,22 @@ placement group (10 Gbit/s single flows instead of 5, lowest latency between nod
 """
 from __future__ import annotations
 
+import ipaddress
+
 import pulumi
 import pulumi_aws as aws
 
 from infra.settings import ClusterSettings
 
 ALL = {"protocol": "-1", "from_port": 0, "to_port": 0}
+
+
+def subnet_cidr(vpc_cidr: str, zone: str) -> str:
+    """One half of the VPC, chosen by the zone letter: a changed availabilityZone replaces the subnet
+    (create before delete), and the new one, in the other half, cannot overlap the old one. Two zones
+    with letters of the same parity (a and c) share a half: such a move goes through a neighbour (b)."""
+    halves = list(ipaddress.ip_network(vpc_cidr).subnets(prefixlen_diff=1))
+    return str(halves[(ord(zone[-1]) - ord("a")) % 2])
 
 
 class Network(pulumi.ComponentResource):
@@ -23,7 +33,7 @@ class Network(pulumi.ComponentResource):
         gateway = aws.ec2.InternetGateway(f"{name}-igw", vpc_id=vpc.id, tags=tags, opts=child)
         # One subnet = one zone for every node (and the image build instance, which needs a public IP).
         self.subnet = aws.ec2.Subnet(
-            f"{name}-subnet", vpc_id=vpc.id, cidr_block=settings.vpc_cidr,
+            f"{name}-subnet", vpc_id=vpc.id, cidr_block=subnet_cidr(settings.vpc_cidr, settings.availability_zone),
             availability_zone=settings.availability_zone, map_public_ip_on_launch=True,
             tags={**tags, "Name": f"{settings.cluster_name}-{settings.availability_zone}"}, opts=child)
         routes = aws.ec2.RouteTable(f"{name}-routes", vpc_id=vpc.id, tags=tags, opts=child,
@@ -43,7 +53,9 @@ class Network(pulumi.ComponentResource):
             egress=[{"description": "package mirrors, model hubs, AWS APIs", **ALL,
                      "cidr_blocks": ["0.0.0.0/0"]}],
         )
-        self.placement_group = aws.ec2.PlacementGroup(f"{name}-pg", strategy="cluster", tags=tags, opts=child)
+        # A cluster placement group lives in one zone: its name carries the zone so that a move replaces it.
+        self.placement_group = aws.ec2.PlacementGroup(f"{name}-pg", name=f"{settings.cluster_name}-{settings.availability_zone}",
+                                                      strategy="cluster", tags=tags, opts=child)
 
         self.register_outputs({"subnet_id": self.subnet.id, "security_group_id": self.security_group.id,
                                "placement_group": self.placement_group.name})

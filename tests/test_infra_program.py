@@ -202,7 +202,7 @@ def test_one_self_replacing_group_holds_the_nodes_in_one_zone_and_placement_grou
     assert nic["securityGroups"] == [m.one("aws:ec2/securityGroup:SecurityGroup").id]
     asg = m.one(GROUP).inputs
     assert (asg["minSize"], asg["maxSize"], asg["desiredCapacity"]) == (3, 3, 3)
-    assert asg["vpcZoneIdentifiers"] == [subnet.id] and asg["placementGroup"] == group.name
+    assert asg["vpcZoneIdentifiers"] == [subnet.id] and asg["placementGroup"] == group.inputs["name"] == "bert-us-east-1c"
     assert asg["healthCheckType"] == "EC2" and asg["capacityRebalance"] is True
     template = asg["mixedInstancesPolicy"]["launchTemplate"]
     assert template["launchTemplateSpecification"] == {"launchTemplateId": lt.id, "version": "3"}
@@ -214,6 +214,20 @@ def test_one_self_replacing_group_holds_the_nodes_in_one_zone_and_placement_grou
         "Name": ("bert-node", True), "xeon-cluster:cluster": ("bert", True), "xeon-cluster:stack": ("dev", True),
         "xeon-cluster:role": ("worker", True), "xeon-cluster:ssh-user": ("ubuntu", True),
         "xeon-cluster:profile": ("oneccl", True)}
+
+
+def test_a_zone_move_makes_a_subnet_that_does_not_overlap_and_a_new_placement_group(program):
+    """Issue 26 item 4: the new subnet is created before the old one goes, so the two must not overlap."""
+    import ipaddress
+
+    def net(zone):
+        m = program(availabilityZone=zone).mocks
+        return (ipaddress.ip_network(m.one("aws:ec2/subnet:Subnet").inputs["cidrBlock"]),
+                m.one("aws:ec2/placementGroup:PlacementGroup").inputs["name"])
+
+    (a, pg_a), (b, pg_b) = net("us-east-1a"), net("us-east-1b")
+    assert not a.overlaps(b) and pg_a != pg_b
+    assert a.subnet_of(ipaddress.ip_network("10.42.0.0/16")) and b.subnet_of(ipaddress.ip_network("10.42.0.0/16"))
 
 
 def test_fallback_types_of_another_shape_are_refused(program):
