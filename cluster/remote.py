@@ -4,6 +4,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -142,14 +143,21 @@ def run(conn: Connection, command: str, purpose: str = "", **kw):
     kw.setdefault("warn", True)
     kw.setdefault("in_stream", False)
     kw.setdefault("timeout", command_timeout())
+    started = time.monotonic()
     try:
-        return conn.run(command, **kw)
+        res = conn.run(command, **kw)
+        # invoke reports a timeout only if its timer thread has finished killing the command by then; a kill
+        # still under way comes back as a plain failure: the clock tells them apart
+        timed_out = kw["timeout"] is not None and not res.ok and time.monotonic() - started >= kw["timeout"]
     except CommandTimedOut:
+        timed_out = True
+    if timed_out:
         what = purpose or " ".join(command.split()[:3])
         raise ClusterError(f"{conn.host}:{conn.port} did not finish {what!r} within {kw['timeout']:g}s; a node whose "
                            "login shell is slow (~/.bashrc running pyenv or conda init, a stale pyenv lock in "
                            "~/.pyenv/shims) or that is overloaded stalls every command: fix its shell start-up, "
                            "or raise XC_SSH_COMMAND_TIMEOUT") from None
+    return res
 
 
 def remote_home(conn: Connection) -> str:

@@ -20,7 +20,8 @@ from training import spot
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 
 BUCKET = "xc-cluster-store"
-ARGS = ["--num_train_epochs", "1", "--per_device_train_batch_size", "8", "--learning_rate", "1e-4",
+# long enough (100 steps) that a notice at step 8 lands before the end on a fast, quiet machine (5 s polls)
+ARGS = ["--num_train_epochs", "4", "--per_device_train_batch_size", "8", "--learning_rate", "1e-4",
         "--max_train_samples", "400", "--seed", "42"]
 
 
