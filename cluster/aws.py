@@ -15,7 +15,7 @@ from pathlib import Path
 
 from cluster import hostkeys
 from cluster.node import Node
-from core.constants import PROJECT_ROOT, REMOTE_PYTHON, TAG_CLUSTER, TAG_ROLE, TAG_SSH_USER
+from core.constants import PROJECT_ROOT, REMOTE_PYTHON, TAG_CLUSTER, TAG_HOST_KEY, TAG_ROLE, TAG_SSH_USER
 from core.ec2 import aws_errors, ec2_client
 from core.errors import ClusterError
 
@@ -92,7 +92,8 @@ def _aws_node(inst: dict, position: int, cluster: str) -> Node:
                 "availability_zone": inst.get("Placement", {}).get("AvailabilityZone", ""),
                 "role": "master" if position == 0 else "worker", "cluster": cluster,
                 "lifecycle": inst.get("InstanceLifecycle", "on-demand"),
-                "launch_time": str(inst.get("LaunchTime", ""))},
+                "launch_time": str(inst.get("LaunchTime", "")),
+                "host_key_tags": {k: v for k, v in tags.items() if k.startswith(TAG_HOST_KEY)}},
     )
 
 

@@ -1,9 +1,13 @@
-"""Verified host keys for AWS nodes, read from their console output (no trust on first use).
+"""Verified host keys for AWS nodes, read through the authenticated AWS API (no trust on first use).
 
-At first boot cloud-init prints the instance's host public keys to the serial console between
-``-----BEGIN SSH HOST KEY KEYS-----`` and ``-----END SSH HOST KEY KEYS-----``. EC2 hands that
-console output only to an authenticated ``ec2:GetConsoleOutput`` caller, for the instance id that
-DescribeInstances tied to the node's addresses: the same trust as the API session itself.
+Two channels, both tied by DescribeInstances to the instance that holds the node's addresses:
+- the instance's own tags ``xeon-cluster:host-key:<type>``, which the node writes at first boot with its
+  instance profile, allowed to tag only itself (node_setup/publish_host_keys.py, infra.nodes.node_policy);
+  DescribeInstances returns them with the instance, so they cost no call. They work on bare metal.
+- its console output: cloud-init prints the host public keys between ``-----BEGIN SSH HOST KEY KEYS-----``
+  and ``-----END SSH HOST KEY KEYS-----``, handed only to an authenticated ``ec2:GetConsoleOutput`` caller.
+  Latest mode works on Nitro-hypervisor types only; bare metal has only the buffered output, which can lag
+  by a long time.
 The keys go into one known_hosts file per cluster, which cluster.remote.connect() loads.
 """
 from __future__ import annotations
@@ -80,6 +84,20 @@ def console_text(output: str | None) -> str:
         return output
 
 
+def tag_host_keys(tags: dict[str, str]) -> list[tuple[str, str]]:
+    """(keytype, base64) pairs from the instance's xeon-cluster:host-key:<type> tags; malformed ones are skipped."""
+    from core.constants import TAG_HOST_KEY
+
+    keys = []
+    for key, value in sorted(tags.items()):
+        keytype = key.removeprefix(TAG_HOST_KEY)
+        if key.startswith(TAG_HOST_KEY) and keytype in KEY_FIELDS and _well_formed(keytype, value.strip()):
+            keys.append((keytype, value.strip()))
+        elif key.startswith(TAG_HOST_KEY):
+            log.warning("ignoring the instance tag %s: not a well-formed %s public key", key, keytype or "host")
+    return keys
+
+
 def console_host_keys(client, instance_id: str) -> list[tuple[str, str]]:
     """Host keys from the instance's console output: the latest (Nitro), else the buffered one."""
     for kwargs in ({"Latest": True}, {}):
@@ -140,7 +158,10 @@ def record_host_keys(nodes: list[Node], client, path: Path) -> None:
         addrs = _addresses(node)
         if all(any(rec in ("", instance) for *_, rec in known.get(a, [])) for a in addrs):
             continue  # recorded before, for this instance
-        keys = console_host_keys(client, instance)
+        keys = tag_host_keys(node.labels.get("host_key_tags") or {})
+        channel = "its instance tags show"
+        if not keys:
+            keys, channel = console_host_keys(client, instance), "its console output shows"
         if not keys:
             pending.append(node.name)
             continue
@@ -154,7 +175,7 @@ def record_host_keys(nodes: list[Node], client, path: Path) -> None:
                     drop.add(lineno)
                 elif fresh.get(keytype, key) != key:
                     raise ClusterError(
-                        f"node {node.name} ({instance}, {addr}): its console shows a {keytype} host key that "
+                        f"node {node.name} ({instance}, {addr}): {channel} a {keytype} host key that "
                         f"differs from the one in {path} line {lineno + 1}; if the instance was replaced, remove "
                         "that stale line and retry, otherwise do not connect and find out why the key changed")
         have = {(addr, keytype, key) for addr in addrs for n, keytype, key, _ in known.get(addr, []) if n not in drop}
@@ -162,8 +183,7 @@ def record_host_keys(nodes: list[Node], client, path: Path) -> None:
             missing = [a for a in addrs if (a, keytype, key) not in have]
             if missing:
                 added.append(f"{','.join(missing)} {keytype} {key} {instance} {node.name}")
-        log.info("host keys of %s (%s) from its console output: %s", node.name, instance,
-                 ", ".join(t for t, _ in keys))
+        log.info("host keys of %s (%s), as %s: %s", node.name, instance, channel, ", ".join(t for t, _ in keys))
     if added or drop:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(f".{path.name}.{os.getpid()}")
@@ -173,5 +193,5 @@ def record_host_keys(nodes: list[Node], client, path: Path) -> None:
     if pending:
         who = f"node {pending[0]}'s" if len(pending) == 1 else f"nodes {', '.join(pending)}'s"
         they = "it is" if len(pending) == 1 else "they are"
-        raise HostKeysPending(f"{who} console output has no host keys yet ({they} still booting); retry in a minute",
-                              pending)
+        raise HostKeysPending(f"{who} instance tags and console output have no host keys yet ({they} still booting); "
+                              "retry in a minute", pending)

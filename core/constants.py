@@ -24,4 +24,5 @@ TAG_STACK = TAG_PREFIX + "stack"
 TAG_ROLE = TAG_PREFIX + "role"
 TAG_SSH_USER = TAG_PREFIX + "ssh-user"
 TAG_PROFILE = TAG_PREFIX + "profile"
+TAG_HOST_KEY = TAG_PREFIX + "host-key:"  # + key type: the node's own host public key (node_setup/publish_host_keys.py)
 TAG_IMAGE_BUILD = TAG_PREFIX + "image-build"  # on Image Builder's build instance, which is no node

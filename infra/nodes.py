@@ -15,7 +15,7 @@ import json
 import pulumi
 import pulumi_aws as aws
 
-from core.constants import TAG_PROFILE, TAG_ROLE, TAG_SSH_USER
+from core.constants import PROJECT_ROOT, TAG_CLUSTER, TAG_HOST_KEY, TAG_PROFILE, TAG_ROLE, TAG_SSH_USER
 from core.render import render
 from infra.settings import ClusterSettings
 
@@ -39,15 +39,25 @@ def group_name(settings: ClusterSettings) -> str:
 def user_data(settings: ClusterSettings) -> str:
     return render("cloud-init.yaml.j2", cluster=settings.cluster_name, stack=settings.stack,
                   profile=settings.profile, image_mode=settings.image, region=settings.region,
-                  group=group_name(settings), hook=TERMINATION_HOOK)
+                  group=group_name(settings), hook=TERMINATION_HOOK,
+                  publisher=(PROJECT_ROOT / "node_setup" / "publish_host_keys.py").read_text())
 
 
-def node_policy(group_arn: str, store_statements: list[dict] | None = None) -> str:
+def node_policy(group_arn: str, cluster: str, store_statements: list[dict] | None = None) -> str:
     """What a node may do with the cluster's AWS identity: complete the termination lifecycle action of its
-    own group, and use the cluster's prefix of its store (no wildcard action, no '*' resource)."""
+    own group, tag itself (and nothing else) with its host keys, and use the cluster's prefix of its store
+    (no wildcard action, no '*' resource)."""
+    partition = group_arn.split(":")[1] if group_arn.startswith("arn:") else "aws"
     return json.dumps({"Version": "2012-10-17", "Statement": [{
         "Sid": "CompleteOwnGroupsLifecycleAction", "Effect": "Allow",
-        "Action": ["autoscaling:CompleteLifecycleAction"], "Resource": [group_arn]}, *(store_statements or [])]})
+        "Action": ["autoscaling:CompleteLifecycleAction"], "Resource": [group_arn]}, {
+        # the calling instance (ec2:SourceInstanceARN) must be the tagged one (${ec2:InstanceID})
+        "Sid": "PublishOwnHostKeys", "Effect": "Allow", "Action": ["ec2:CreateTags"],
+        "Resource": [f"arn:{partition}:ec2:*:*:instance/*"],
+        "Condition": {"ArnEquals": {"ec2:SourceInstanceARN": f"arn:{partition}:ec2:*:*:instance/${{ec2:InstanceID}}"},
+                      "StringEquals": {f"aws:ResourceTag/{TAG_CLUSTER}": cluster},
+                      "ForAllValues:StringLike": {"aws:TagKeys": [f"{TAG_HOST_KEY}*"]}}},
+        *(store_statements or [])]})
 
 
 def node_tags(settings: ClusterSettings) -> dict[str, str]:
@@ -139,6 +149,7 @@ class Nodes(pulumi.ComponentResource):
 
         bucket_arn = store.bucket.arn if store is not None else None
         policy = pulumi.Output.all(self.group.arn, bucket_arn).apply(
-            lambda a: node_policy(a[0], node_statements(a[1], store.prefix) if a[1] else None))
+            lambda a: node_policy(a[0], settings.cluster_name,
+                                  node_statements(a[1], store.prefix) if a[1] else None))
         self.node_policy = aws.iam.RolePolicy(f"{name}-node", role=self.role.id, policy=policy, opts=child)
         self.register_outputs({"group": self.group.name, "launch_template_id": self.launch_template.id})

@@ -2,7 +2,8 @@
 PUT /latest/api/token (TTL header required), then GET .../spot/instance-action with that token
 answers 404 until the test calls interrupt(), then the notice AWS sends two minutes ahead. terminate_by_group()
 makes .../autoscaling/target-lifecycle-state answer "Terminated" (a termination lifecycle hook holding the node,
-no spot notice), recommend_rebalance() serves .../events/recommendations/rebalance; instance-id answers always."""
+no spot notice), recommend_rebalance() serves .../events/recommendations/rebalance; instance-id, placement/region and the instance
+profile's credentials (iam/security-credentials/) answer always."""
 from __future__ import annotations
 
 import json
@@ -19,6 +20,10 @@ class FakeIMDS:
         self.lifecycle_state = "InService"
         self.rebalance: dict | None = None
         self.instance_id = "i-0fake0000000000001"
+        self.region = "us-east-1"
+        self.role = "xc-node"
+        self.credentials = {"Code": "Success", "AccessKeyId": "testing", "SecretAccessKey": "testing",
+                            "Token": "testing-session", "Expiration": "2099-01-01T00:00:00Z"}
         self.requests: list[tuple[str, str, int]] = []
         outer = self
 
@@ -45,6 +50,12 @@ class FakeIMDS:
                     return self._send(200, outer.lifecycle_state.encode())
                 if self.path == "/latest/meta-data/instance-id":
                     return self._send(200, outer.instance_id.encode())
+                if self.path == "/latest/meta-data/placement/region":
+                    return self._send(200, outer.region.encode())
+                if self.path == "/latest/meta-data/iam/security-credentials/":
+                    return self._send(200, outer.role.encode())
+                if self.path == f"/latest/meta-data/iam/security-credentials/{outer.role}":
+                    return self._send(200, json.dumps(outer.credentials).encode())
                 if self.path == "/latest/meta-data/events/recommendations/rebalance" and outer.rebalance:
                     return self._send(200, json.dumps(outer.rebalance).encode())
                 if self.path != "/latest/meta-data/spot/instance-action" or outer.notice is None:

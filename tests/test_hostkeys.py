@@ -7,9 +7,15 @@ from __future__ import annotations
 import base64
 import io
 import logging
+import os
+import runpy
 import socket
+import subprocess
+import sys
 import threading
 import types
+import urllib.parse
+from pathlib import Path
 
 import moto_fixture
 import paramiko
@@ -17,16 +23,18 @@ import pytest
 from botocore.exceptions import ClientError
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ed25519
+from fake_imds import FakeIMDS
 
 from cluster import aws as discovery
 from cluster import hostkeys
 from cluster.node import Node
 from cluster.remote import connect
-from core.constants import TAG_CLUSTER, TAG_ROLE
+from core.constants import TAG_CLUSTER, TAG_HOST_KEY, TAG_ROLE
 from core.ec2 import ec2_client
 from core.errors import ClusterError
 
 moto_server, aws_env = moto_fixture.moto_server, moto_fixture.aws_env
+ROOT = Path(__file__).resolve().parent.parent
 
 # Real keys (ssh-keygen), as cloud-init prints them from /etc/ssh/ssh_host_*_key.pub.
 ECDSA = ("ecdsa-sha2-nistp256", ("AAAAE2VjZHNhLXNoYTItbmlzdHAyNTYAAAAIbmlzdHAyNTYAAABBBF8QOuvpgDPRFtYEDURHb1KdVQB1eXQnJN"
@@ -168,8 +176,8 @@ def test_a_changed_key_is_refused_and_the_file_kept(tmp_path):
     other = ("ssh-ed25519", ed25519_key().get_base64())
     ec2 = FakeEC2({"i-0a": console([other])})
     node = aws_node(0, "198.51.100.11", "10.42.0.11", "i-0a")  # new public address: the file lacks it
-    with pytest.raises(ClusterError, match=rf"node bert-0 \(i-0a, 10\.42\.0\.11\): its console shows a ssh-ed25519 host "
-                                           rf"key that differs from the one in {path} line 1; if the instance was "
+    with pytest.raises(ClusterError, match=rf"node bert-0 \(i-0a, 10\.42\.0\.11\): its console output shows a "
+                                           rf"ssh-ed25519 host key that differs from the one in {path} line 1; if the instance was "
                                            r"replaced, remove that stale line"):
         hostkeys.record_host_keys([node], ec2, path)
     assert path.read_text() == f"10.42.0.11 {ED25519[0]} {ED25519[1]} i-0a bert-0\n"
@@ -196,15 +204,15 @@ def test_a_node_without_keys_in_its_console_is_pending_and_the_others_are_record
     booting = console().split("-----BEGIN SSH HOST KEY KEYS")[0]
     ec2 = FakeEC2({"i-0a": console(), "i-0b": booting, "i-0c": ""})
     nodes = [aws_node(0, "198.51.100.11", "10.42.0.11", "i-0a"), aws_node(1, "198.51.100.12", "10.42.0.12", "i-0b")]
-    with pytest.raises(ClusterError, match=r"^node bert-1's console output has no host keys yet \(it is still "
-                                           r"booting\); retry in a minute$"):
+    with pytest.raises(ClusterError, match=r"^node bert-1's instance tags and console output have no host keys "
+                                           r"yet \(it is still booting\); retry in a minute$"):
         hostkeys.record_host_keys(nodes, ec2, path)
     assert len(path.read_text().splitlines()) == 3 and "bert-1" not in path.read_text()
     # Latest=True first, then the buffered output, before giving up on a node
     assert ec2.calls[1:] == [{"InstanceId": "i-0b", "Latest": True}, {"InstanceId": "i-0b"}]
     nodes.append(aws_node(2, "198.51.100.13", "10.42.0.13", "i-0c"))
-    with pytest.raises(hostkeys.HostKeysPending, match=r"^nodes bert-1, bert-2's console output has no host keys yet "
-                                                       r"\(they are still booting\); retry in a minute$") as exc:
+    with pytest.raises(hostkeys.HostKeysPending, match=r"^nodes bert-1, bert-2's instance tags and console output "
+                                                       r"have no host keys yet \(they are still booting\); retry in a minute$") as exc:
         hostkeys.record_host_keys(nodes, ec2, path)
     assert exc.value.nodes == ["bert-1", "bert-2"]
 
@@ -246,8 +254,10 @@ def test_moto_console_without_keys_is_the_clear_pending_error(aws_env, tmp_path,
         (node,) = discovery.aws_nodes("bert")  # discovery goes on: a task may use only the ready nodes
     path = tmp_path / "state" / "aws-bert" / "known_hosts"
     assert node.labels["known_hosts"] == str(path) and not path.exists()
-    assert "node bert-0's console output has no host keys yet (it is still booting); retry in a minute" in caplog.text
-    with pytest.raises(ClusterError, match=r"node bert-0's console output has no host keys yet .*retry in a minute"):
+    assert "node bert-0's instance tags and console output have no host keys yet (it is still booting); retry in a minute" \
+        in caplog.text
+    with pytest.raises(ClusterError, match=r"node bert-0's instance tags and console output have no host keys yet .*retry in "
+                                           r"a minute"):
         hostkeys.record_host_keys([node], client, path)
 
 
@@ -292,6 +302,105 @@ def test_refused_console_access_names_the_permission(aws_env, monkeypatch, tmp_p
     with pytest.raises(ClusterError, match=r"AWS refused GetConsoleOutput \(UnauthorizedOperation: not allowed\); "
                                            r"check that the credentials are valid and allow ec2:GetConsoleOutput"):
         discovery.aws_nodes("bert", client=Denied(ec2_client(moto_fixture.REGION), ""))
+
+
+# -- the second channel: the node's own instance tags (bare metal) -----------------------------
+PUBLISHER = ROOT / "node_setup" / "publish_host_keys.py"
+
+
+def host_key_folder(tmp_path: Path) -> Path:
+    """/etc/ssh as a node has it: an RSA key too long for a tag, an ed25519 and an ECDSA key."""
+    folder = tmp_path / "etc-ssh"
+    folder.mkdir()
+    for name, (keytype, key) in (("rsa", RSA), ("ed25519", ED25519), ("ecdsa", ECDSA)):
+        (folder / f"ssh_host_{name}_key.pub").write_text(f"{keytype} {key} root@ip-10-42-0-11\n")
+        (folder / f"ssh_host_{name}_key").write_text("private: never read\n")
+    return folder
+
+
+def test_the_publishers_signature_is_botocores(monkeypatch):
+    # the node signs its one call by hand (no boto3 at first boot): it must be SigV4 exactly
+    import datetime
+
+    from botocore.auth import SigV4Auth
+    from botocore.awsrequest import AWSRequest
+    from botocore.credentials import Credentials
+
+    publisher = runpy.run_path(str(PUBLISHER), run_name="publisher")
+    creds = {"AccessKeyId": "AKIDEXAMPLE", "SecretAccessKey": "wJalrXUtnFEMI/K7MDENG+bPxRfiCYEXAMPLEKEY",
+             "Token": "session-token"}
+    body = publisher["create_tags_body"]("i-0123456789abcdef0", [ED25519, ECDSA])
+    url = "https://ec2.eu-west-1.amazonaws.com/"
+    now = datetime.datetime(2026, 11, 24, 10, 0, 0, tzinfo=datetime.timezone.utc)
+    ours = publisher["signed_headers"](url, body, "eu-west-1", creds, now)
+
+    request = AWSRequest(method="POST", url=url, data=body.encode(), headers={
+        "Content-Type": "application/x-www-form-urlencoded; charset=utf-8"})
+    monkeypatch.setattr("botocore.auth.datetime.datetime", type("Frozen", (datetime.datetime,), {
+        "utcnow": classmethod(lambda cls: now.replace(tzinfo=None)),
+        "now": classmethod(lambda cls, tz=None: now if tz else now.replace(tzinfo=None))}))
+    SigV4Auth(Credentials("AKIDEXAMPLE", creds["SecretAccessKey"], "session-token"), "ec2", "eu-west-1").add_auth(
+        request)
+    assert request.headers["X-Amz-Date"] == ours["x-amz-date"] == "20261124T100000Z"
+    assert ours["authorization"] == request.headers["Authorization"]
+    assert ours["x-amz-security-token"] == "session-token"
+    assert dict(urllib.parse.parse_qsl(body))["Tag.1.Key"] == "xeon-cluster:host-key:ssh-ed25519"
+    assert publisher["TAG_PREFIX"] == TAG_HOST_KEY
+
+
+def test_a_node_publishes_its_keys_as_tags_and_fab_verifies_a_metal_node_by_them(aws_env, tmp_path, monkeypatch):
+    monkeypatch.setenv("XC_STATE_DIR", str(tmp_path / "state"))
+    instance = launch(0)
+    imds = FakeIMDS()
+    imds.instance_id, imds.region = instance, moto_fixture.REGION
+    try:
+        run = subprocess.run([sys.executable, str(PUBLISHER)], check=False, capture_output=True, text=True, timeout=60, env={
+            "PATH": os.environ["PATH"], "XC_IMDS_ENDPOINT": imds.url, "XC_EC2_ENDPOINT": aws_env,
+            "XC_SSH_HOST_KEY_DIR": str(host_key_folder(tmp_path))})
+    finally:
+        imds.close()
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.strip() == f"published ssh-ed25519, ecdsa-sha2-nistp256 host keys of {instance} as its tags"
+    client = ec2_client(moto_fixture.REGION)
+    (inst,) = [i for r in client.describe_instances()["Reservations"] for i in r["Instances"]]
+    tags = {t["Key"]: t["Value"] for t in inst["Tags"]}
+    assert tags[TAG_HOST_KEY + "ssh-ed25519"] == ED25519[1] and tags[TAG_HOST_KEY + "ecdsa-sha2-nistp256"] == ECDSA[1]
+    assert TAG_HOST_KEY + "ssh-rsa" not in tags  # ~550 characters: over EC2's 256 for a tag value
+
+    class Metal(ConsoleOverMoto):
+        """r7iz.metal-*: no Latest output, and the buffered one does not show the key block yet."""
+
+        def get_console_output(self, **kwargs):
+            self.calls.append(kwargs)
+            if kwargs.get("Latest"):
+                raise ClientError({"Error": {"Code": "UnsupportedOperation", "Message": "not on metal"}},
+                                  "GetConsoleOutput")
+            return {"InstanceId": kwargs["InstanceId"], "Output": b64(console().split("-----BEGIN SSH")[0])}
+
+    metal = Metal(client, "")
+    (node,) = discovery.aws_nodes("bert", client=metal)
+    path = tmp_path / "state" / "aws-bert" / "known_hosts"
+    assert metal.calls == []  # DescribeInstances brought the tags: no console call at all
+    assert path.read_text().splitlines() == [f"{node.host},{node.private_host} {t} {k} {instance} bert-0"
+                                             for t, k in (ECDSA, ED25519)]
+    # a tag that disagrees with the key recorded for the instance is refused, as a console that does
+    moved = aws_node(0, "198.51.100.99", node.private_host, instance)  # a new public address: looked up again
+    moved.labels["host_key_tags"] = {TAG_HOST_KEY + "ssh-ed25519": ed25519_key().get_base64()}
+    with pytest.raises(ClusterError, match=r"its instance tags show a ssh-ed25519 host key that differs from the "
+                                           rf"one in {path} line 2"):
+        hostkeys.record_host_keys([moved], metal, path)
+
+
+def test_a_malformed_host_key_tag_is_ignored_and_the_console_still_counts(tmp_path, caplog):
+    node = aws_node(0, "198.51.100.11", "10.42.0.11", "i-0a")
+    node.labels["host_key_tags"] = {TAG_HOST_KEY + "ssh-ed25519": ECDSA[1], TAG_HOST_KEY + "ssh-dss": "AAAA"}
+    ec2 = FakeEC2({"i-0a": console([ED25519])})
+    with caplog.at_level(logging.WARNING, logger="cluster.hostkeys"):
+        hostkeys.record_host_keys([node], ec2, tmp_path / "kh")
+    assert "ignoring the instance tag xeon-cluster:host-key:ssh-ed25519: not a well-formed ssh-ed25519" in caplog.text
+    assert "ignoring the instance tag xeon-cluster:host-key:ssh-dss" in caplog.text
+    assert (tmp_path / "kh").read_text().split()[1:3] == list(ED25519) and len(ec2.calls) == 1
+
 
 
 # -- a real SSH handshake against the recorded keys -------------------------------------------

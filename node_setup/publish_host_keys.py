@@ -1,0 +1,120 @@
+#!/usr/bin/env python3
+"""Publish this node's SSH host public keys as tags of its own EC2 instance, at first boot.
+
+The second channel for host keys (cluster.hostkeys reads them back with DescribeInstances, an
+authenticated AWS call): GetConsoleOutput's Latest mode works on Nitro-hypervisor types only, and
+bare metal's buffered output may not show cloud-init's key block for a long time. Only the node's
+own instance profile may write these tags, only on itself (infra.nodes.node_policy).
+
+Python's standard library alone: it runs from cloud-init before any project software is on the
+node (image=base), so it signs its one CreateTags call with AWS Signature Version 4 itself.
+Environment (tests): XC_IMDS_ENDPOINT, XC_EC2_ENDPOINT, XC_SSH_HOST_KEY_DIR.
+"""
+from __future__ import annotations
+
+import datetime
+import hashlib
+import hmac
+import json
+import os
+import sys
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+from pathlib import Path
+
+TAG_PREFIX = "xeon-cluster:host-key:"  # core.constants.TAG_HOST_KEY
+KEY_TYPES = ("ssh-ed25519", "ecdsa-sha2-nistp256", "ecdsa-sha2-nistp384", "ecdsa-sha2-nistp521")
+MAX_TAG_VALUE = 256  # EC2's limit: an RSA key (~550 characters) does not fit and is left out
+TRIES, WAIT_S = 12, 5  # the instance profile's credentials can lag the boot by a few seconds
+
+
+def imds(base: str, path: str, token: str | None = None) -> str:
+    if token is None:
+        req = urllib.request.Request(base + "/latest/api/token", method="PUT",
+                                     headers={"X-aws-ec2-metadata-token-ttl-seconds": "300"})
+    else:
+        req = urllib.request.Request(base + path, headers={"X-aws-ec2-metadata-token": token})
+    with urllib.request.urlopen(req, timeout=5) as reply:
+        return reply.read().decode()
+
+
+def host_keys(folder: Path) -> list[tuple[str, str]]:
+    """(type, base64) of the host keys that fit a tag, from ssh_host_*_key.pub."""
+    out = []
+    for pub in sorted(folder.glob("ssh_host_*_key.pub")):
+        fields = pub.read_text().split()
+        if len(fields) >= 2 and fields[0] in KEY_TYPES and len(fields[1]) <= MAX_TAG_VALUE:
+            out.append((fields[0], fields[1]))
+    return sorted(out, key=lambda k: KEY_TYPES.index(k[0]))
+
+
+def _hmac(key: bytes, text: str) -> bytes:
+    return hmac.new(key, text.encode(), hashlib.sha256).digest()
+
+
+def signed_headers(url: str, body: str, region: str, creds: dict, now: datetime.datetime) -> dict[str, str]:
+    """SigV4 headers for a form-encoded POST to EC2's query API."""
+    parts = urllib.parse.urlsplit(url)
+    stamp, day = now.strftime("%Y%m%dT%H%M%SZ"), now.strftime("%Y%m%d")
+    headers = {"content-type": "application/x-www-form-urlencoded; charset=utf-8", "host": parts.netloc,
+               "x-amz-date": stamp}
+    if creds.get("Token"):
+        headers["x-amz-security-token"] = creds["Token"]
+    names = sorted(headers)
+    canonical = "\n".join(["POST", parts.path or "/", "", *(f"{n}:{headers[n]}" for n in names), "",
+                           ";".join(names), hashlib.sha256(body.encode()).hexdigest()])
+    scope = f"{day}/{region}/ec2/aws4_request"
+    to_sign = "\n".join(["AWS4-HMAC-SHA256", stamp, scope, hashlib.sha256(canonical.encode()).hexdigest()])
+    key = _hmac(_hmac(_hmac(_hmac(("AWS4" + creds["SecretAccessKey"]).encode(), day), region), "ec2"),
+                "aws4_request")
+    signature = hmac.new(key, to_sign.encode(), hashlib.sha256).hexdigest()
+    headers["authorization"] = (f"AWS4-HMAC-SHA256 Credential={creds['AccessKeyId']}/{scope}, "
+                                f"SignedHeaders={';'.join(names)}, Signature={signature}")
+    return headers
+
+
+def create_tags_body(instance: str, keys: list[tuple[str, str]]) -> str:
+    params = {"Action": "CreateTags", "Version": "2016-11-15", "ResourceId.1": instance}
+    for i, (keytype, b64) in enumerate(keys, 1):
+        params[f"Tag.{i}.Key"], params[f"Tag.{i}.Value"] = TAG_PREFIX + keytype, b64
+    return urllib.parse.urlencode(params)
+
+
+def publish(base: str, endpoint: str | None, folder: Path) -> str:
+    keys = host_keys(folder)
+    if not keys:
+        raise RuntimeError(f"no ed25519 or ecdsa host key in {folder}")
+    token = imds(base, "", None)
+    instance = imds(base, "/latest/meta-data/instance-id", token)
+    region = imds(base, "/latest/meta-data/placement/region", token)
+    role = imds(base, "/latest/meta-data/iam/security-credentials/", token).split()[0]
+    creds = json.loads(imds(base, f"/latest/meta-data/iam/security-credentials/{role}", token))
+    url = endpoint or f"https://ec2.{region}.amazonaws.com/"
+    body = create_tags_body(instance, keys)
+    headers = signed_headers(url, body, region, creds, datetime.datetime.now(datetime.timezone.utc))
+    req = urllib.request.Request(url, data=body.encode(), headers=headers, method="POST")
+    with urllib.request.urlopen(req, timeout=20):
+        pass
+    return f"published {', '.join(t for t, _ in keys)} host keys of {instance} as its tags"
+
+
+def main() -> int:
+    base = os.environ.get("XC_IMDS_ENDPOINT", "http://169.254.169.254").rstrip("/")
+    endpoint = os.environ.get("XC_EC2_ENDPOINT") or None
+    folder = Path(os.environ.get("XC_SSH_HOST_KEY_DIR", "/etc/ssh"))
+    for attempt in range(1, TRIES + 1):
+        try:
+            print(publish(base, endpoint, folder), flush=True)
+            return 0
+        except (OSError, ValueError, KeyError, IndexError, RuntimeError) as exc:
+            detail = exc.read().decode(errors="replace")[:300] if isinstance(exc, urllib.error.HTTPError) else ""
+            print(f"xc-publish-host-keys: try {attempt}/{TRIES}: {exc} {detail}".strip(), file=sys.stderr, flush=True)
+            if attempt < TRIES:
+                time.sleep(WAIT_S)
+    return 1  # the console output stays the other channel
+
+
+if __name__ == "__main__":
+    sys.exit(main())
