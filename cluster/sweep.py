@@ -3,7 +3,7 @@ and (with --yes) its deletion in dependency order (cluster.sweep_delete).
 
 A resource belongs to cluster NAME only when it carries the tag xeon-cluster:cluster=NAME (every resource
 of the stack does, through the provider's default tags) or xeon-cluster:image-build=NAME (Image Builder's
-build instance). The one exception is Image Builder's own build log group, /aws/imagebuilder/<recipe>,
+build instance), the store bucket included. The one exception is Image Builder's own build log group, /aws/imagebuilder/<recipe>,
 whose recipe infra.image names NAME-<digest>. Nothing else is listed, so nothing else is ever deleted.
 """
 from __future__ import annotations

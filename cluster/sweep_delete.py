@@ -13,7 +13,7 @@ ORDER = (
     "auto scaling group", "ec2 fleet", "spot fleet", "spot request", "instance", "launch template", "ami",
     "snapshot", "volume", "key pair", "placement group", "imagebuilder pipeline", "imagebuilder image",
     "imagebuilder recipe", "imagebuilder component", "imagebuilder infra config", "imagebuilder distribution",
-    "instance profile", "iam role", "log group", "network interface", "elastic ip", "security group", "subnet",
+    "instance profile", "iam role", "log group", "s3 bucket", "network interface", "elastic ip", "security group", "subnet",
     "route table", "internet gateway", "vpc",
 )
 VERBS = {"spot fleet": "cancelled", "spot request": "cancelled", "instance": "terminated", "ami": "deregistered",
@@ -68,6 +68,10 @@ def delete_all(clients, orphans: list, out, sleep: Callable[[float], None] = tim
         items = by_kind.get(kind, [])
         if kind == "security group" and items:
             _revoke_cross_references(clients["ec2"], items, attempt)
+        for o in items if kind == "s3 bucket" else []:
+            runs = o.ref.get("runs", [])
+            say(f"emptying s3 bucket {o.id} ({o.name}" + (f"; runs {', '.join(runs)}" if runs else "")
+                + "): its checkpoints, outputs and run records go with it")
         done = [o for o in items if attempt(o, functools.partial(DELETE[kind], clients, o))]
         if kind == "ami":
             for o in done:
@@ -85,7 +89,8 @@ def delete_all(clients, orphans: list, out, sleep: Callable[[float], None] = tim
 
 
 def _gone(code: str) -> bool:
-    return code.endswith(("NotFound", "NotFoundException")) or code in ("NoSuchEntity", "ResourceNotFoundException")
+    return code.endswith(("NotFound", "NotFoundException")) or code in ("NoSuchEntity", "ResourceNotFoundException",
+                                                                        "NoSuchBucket")
 
 
 def _first_line(text: str) -> str:
@@ -162,6 +167,20 @@ def _gateway(c, o) -> None:
     c["ec2"].delete_internet_gateway(InternetGatewayId=o.id)
 
 
+def _bucket(c, o) -> None:
+    """Every object version and delete marker, a thousand a call, then the bucket."""
+    s3 = c["s3"]
+    for page in s3.get_paginator("list_object_versions").paginate(Bucket=o.id):
+        batch = [{"Key": v["Key"], "VersionId": v["VersionId"]}
+                 for v in page.get("Versions", []) + page.get("DeleteMarkers", [])]
+        for i in range(0, len(batch), 1000):
+            reply = s3.delete_objects(Bucket=o.id, Delete={"Objects": batch[i:i + 1000], "Quiet": True})
+            for bad in reply.get("Errors", [])[:1]:
+                raise Failed(f"{bad.get('Code')}: {bad.get('Message')} ({bad.get('Key')}; "
+                             f"{len(reply['Errors'])} object(s) not deleted)")
+    s3.delete_bucket(Bucket=o.id)
+
+
 def _ib(op: str, param: str):
     return lambda c, o: getattr(c["imagebuilder"], op)(**{param: o.ref["arn"]})
 
@@ -189,6 +208,7 @@ DELETE: dict[str, Callable] = {
     "instance profile": _instance_profile,
     "iam role": _role,
     "log group": lambda c, o: c["logs"].delete_log_group(logGroupName=o.id),
+    "s3 bucket": _bucket,
     "network interface": lambda c, o: c["ec2"].delete_network_interface(NetworkInterfaceId=o.id),
     "elastic ip": _address,
     "security group": lambda c, o: c["ec2"].delete_security_group(GroupId=o.id),

@@ -245,6 +245,50 @@ def _imagebuilder(c) -> list[Orphan]:
     return out
 
 
+def _bucket_region(s3, bucket: dict) -> str:
+    if bucket.get("BucketRegion"):
+        return bucket["BucketRegion"]
+    return s3.get_bucket_location(Bucket=bucket["Name"]).get("LocationConstraint") or "us-east-1"
+
+
+def _bucket_tags(s3, name: str) -> dict[str, str]:
+    from botocore.exceptions import ClientError
+
+    try:
+        return _tags(s3.get_bucket_tagging(Bucket=name).get("TagSet"))
+    except ClientError as exc:
+        if exc.response.get("Error", {}).get("Code") in ("NoSuchTagSet", "NoSuchBucket"):
+            return {}
+        raise
+
+
+def bucket_contents(s3, name: str) -> dict:
+    """Every version of every object (a versioned bucket bills them all): count, bytes and the runs they hold."""
+    count, size, runs = 0, 0, set()
+    for page in s3.get_paginator("list_object_versions").paginate(Bucket=name):
+        for item in page.get("Versions", []) + page.get("DeleteMarkers", []):
+            count += 1
+            size += item.get("Size", 0)
+            parts = item["Key"].split("/")
+            if "runs" in parts[:-2]:  # <cluster>/runs/<id>/...
+                runs.add(parts[parts.index("runs") + 1])
+    return {"objects": count, "bytes": size, "runs": sorted(runs)}
+
+
+def _buckets(c) -> list[Orphan]:
+    """The cluster's store (infra.store): kept by 'pulumi destroy' because it may hold trained models."""
+    s3, region = c["s3"], c["ec2"].meta.region_name
+    listed = [b for b in _pages(s3, "list_buckets", "Buckets") if _bucket_region(s3, b) == region]
+    out = []
+    for bucket, tags in zip(listed, _each(lambda b: _bucket_tags(s3, b["Name"]), listed)):
+        if _cluster(tags):
+            held = bucket_contents(s3, bucket["Name"])
+            gib = held["bytes"] / 2**30
+            out.append(Orphan("s3 bucket", bucket["Name"], f"{held['objects']} objects, {gib:.2f} GiB",
+                              round(gib * catalog.S3_USD_PER_GIB_MONTH, 2), _cluster(tags), held))
+    return out
+
+
 SOURCES = (  # what it lists (for the warning), the lister, and whether a failure there is only a warning
     ("Auto Scaling groups", _groups, True),
     ("EC2 Fleets and spot fleets", _fleets, True),
@@ -255,5 +299,6 @@ SOURCES = (  # what it lists (for the warning), the lister, and whether a failur
     ("Image Builder resources", _imagebuilder, True),
     ("IAM roles and instance profiles", _iam, True),
     ("log groups", _log_groups, True),
+    ("S3 buckets", _buckets, True),
     ("network pieces", _network, False),
 )

@@ -60,6 +60,7 @@ EBS_USD_PER_GIB_MONTH = {"gp3": 0.08, "gp2": 0.10}
 GP3_USD_PER_GIB_MONTH = EBS_USD_PER_GIB_MONTH["gp3"]
 SNAPSHOT_USD_PER_GIB_MONTH = 0.05  # standard tier, full size: an upper bound, snapshots are incremental
 PUBLIC_IPV4_USD_H = 0.005  # every public IPv4 address, charged since 2024
+S3_USD_PER_GIB_MONTH = 0.023  # S3 Standard, first 50 TB (us-east-1)
 LOG_USD_PER_GIB_MONTH = 0.03  # CloudWatch Logs storage
 
 

@@ -3,8 +3,8 @@ records) under <cluster>/runs/<id>/, next to the nodes: a checkpoint never cross
 
 Private and encrypted (SSE-S3, all four public-access blocks, bucket-owner-enforced ownership, TLS-only
 policy); checkpoints/ expire after checkpointRetentionDays and incomplete multipart uploads after a day.
-Kept on 'pulumi destroy' (retain_on_delete): trained models are never deleted silently. 'fab sweep' does not
-list it yet; docs/ops.md says how to delete it.
+Kept on 'pulumi destroy' (retain_on_delete, shown there as delete[retain]): trained models are never deleted
+silently. 'fab sweep' lists it with its size and cost; 'fab sweep --yes' empties and deletes it.
 """
 from __future__ import annotations
 

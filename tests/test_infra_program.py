@@ -92,10 +92,22 @@ from infra.image import BUILD_POLICIES, SCRIPT_PATH, component_document
 from node_setup import profiles
 
 
+class RetainRecorder(pulumi.runtime.mocks.MockMonitor):
+    """The mock monitor, also keeping each resource's retainOnDelete option (options never reach Mocks)."""
+
+    def __init__(self, mocks: Recorder):
+        super().__init__(mocks)
+        self.retained: dict[str, bool] = {}
+
+    def RegisterResource(self, request):  # the monitor's gRPC method
+        self.retained[request.name] = request.retainOnDelete
+        return super().RegisterResource(request)
+
+
 @dataclass
 class Run:
     mocks: Recorder
-    monitor: pulumi.runtime.mocks.MockMonitor
+    monitor: RetainRecorder
     outputs: dict = field(default_factory=dict)
 
     def urns(self) -> list[str]:
@@ -109,7 +121,7 @@ def program(monkeypatch, tmp_path):
 
     def run(mocks: Recorder | None = None, **config) -> Run:
         mocks = mocks or Recorder()
-        monitor = pulumi.runtime.mocks.MockMonitor(mocks)
+        monitor = RetainRecorder(mocks)
         pulumi.runtime.set_mocks(mocks, project="xeon-cluster", stack="dev", preview=False, monitor=monitor)
         pulumi.runtime.set_all_config({f"xeon-cluster:{k}": str(v) for k, v in {**REQUIRED, **config}.items()})
         result = Run(mocks, monitor)
@@ -381,11 +393,34 @@ def test_nodes_have_a_termination_hook_and_a_role_scoped_to_their_own_group(prog
     assert "XC_ASG_NAME=dev-nodes" in user_data and f"XC_LIFECYCLE_HOOK={hook['name']}" in user_data
 
 
+def test_nodes_publish_their_host_keys_as_tags_of_themselves_only(program):
+    """Bare metal has no Latest console output: each node tags itself with its host keys at first boot."""
+    run = program(nodeCount="2")
+    template = run.mocks.one("aws:ec2/launchTemplate:LaunchTemplate").inputs
+    user_data = base64.b64decode(template["userData"]).decode()
+    assert len(user_data.encode()) < 16 * 1024  # EC2's limit for user data
+    cloud = yaml.safe_load(user_data)
+    (publisher,) = [f for f in cloud["write_files"] if f["path"] == "/usr/local/sbin/xc-publish-host-keys"]
+    assert publisher["content"] == (ROOT / "node_setup" / "publish_host_keys.py").read_text()
+    assert publisher["permissions"] == "0755"
+    assert cloud["runcmd"] == [["/usr/local/sbin/xc-name-node"], ["/usr/local/sbin/xc-publish-host-keys"]]
+    role = run.mocks.named("aws:iam/role:Role", "dev-node")
+    (policy,) = [p for p in run.mocks.of("aws:iam/rolePolicy:RolePolicy") if p.inputs["role"] == role.id]
+    (tagging,) = [s for s in json.loads(policy.inputs["policy"])["Statement"] if "ec2:CreateTags" in s["Action"]]
+    assert tagging["Action"] == ["ec2:CreateTags"] and tagging["Resource"] == ["arn:aws:ec2:*:*:instance/*"]
+    assert tagging["Condition"] == {
+        "ArnEquals": {"ec2:SourceInstanceARN": "arn:aws:ec2:*:*:instance/${ec2:InstanceID}"},  # itself only
+        "StringEquals": {"aws:ResourceTag/xeon-cluster:cluster": "dev"},
+        "ForAllValues:StringLike": {"aws:TagKeys": ["xeon-cluster:host-key:*"]}}  # no other tag, no role tag
+
+
 def test_the_store_bucket_is_private_encrypted_kept_and_the_nodes_reach_only_their_prefix(program):
     run = program(nodeCount="2", checkpointRetentionDays="7")
     m = run.mocks
     bucket = m.one("aws:s3/bucket:Bucket")
     assert bucket.inputs["bucketPrefix"].startswith("xc-dev-") and bucket.inputs.get("forceDestroy") is not True
+    # pulumi destroy keeps the bucket (and only it): the runs' checkpoints and outputs outlive the stack
+    assert [name for name, kept in run.monitor.retained.items() if kept] == [bucket.name]
     sse = m.one("aws:s3/bucketServerSideEncryptionConfiguration:BucketServerSideEncryptionConfiguration").inputs
     assert sse["rules"][0]["applyServerSideEncryptionByDefault"]["sseAlgorithm"] == "AES256"
     block = m.one("aws:s3/bucketPublicAccessBlock:BucketPublicAccessBlock").inputs

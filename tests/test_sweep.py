@@ -101,7 +101,21 @@ def plant(cluster: str) -> dict[str, str]:
     logs.create_log_group(logGroupName=ids["build-log"])
     ids["log"] = f"{cluster}-app"
     logs.create_log_group(logGroupName=ids["log"], tags={TAG_CLUSTER: cluster})
+    ids["bucket"] = plant_bucket(f"xc-{cluster}-store", cluster, [f"{cluster}/runs/r1/checkpoints/step-4/model.pt",
+                                                                  f"{cluster}/runs/r1/summary.json",
+                                                                  f"{cluster}/runs/r2/output/metrics.json"])
     return ids
+
+
+def plant_bucket(name: str, cluster: str | None, keys: list[str]) -> str:
+    """A store bucket as infra.store makes it (tagged through the provider's default tags), holding ``keys``."""
+    s3 = client("s3")
+    s3.create_bucket(Bucket=name)
+    if cluster:
+        s3.put_bucket_tagging(Bucket=name, Tagging={"TagSet": tags(cluster)})
+    for key in keys:
+        s3.put_object(Bucket=name, Key=key, Body=b"x" * 1000)
+    return name
 
 
 def plant_survivors() -> dict[str, str]:
@@ -117,6 +131,8 @@ def plant_survivors() -> dict[str, str]:
     client("iam").create_role(RoleName=ids["role"], AssumeRolePolicyDocument="{}")
     for log in ("/aws/imagebuilder/bert-2-0123456789", "/aws/imagebuilder/other-0123456789", "bert-app-untagged"):
         client("logs").create_log_group(logGroupName=log)
+    ids["bucket"] = plant_bucket("xc-bert-untagged", None, ["bert/runs/r9/summary.json"])
+    ids["ernie-bucket"] = plant_bucket("xc-ernie-store", "ernie", ["ernie/runs/r1/summary.json"])
     return ids
 
 
@@ -127,7 +143,8 @@ def still_there(ids: dict[str, str]) -> dict[str, bool]:
     keys = {k["KeyPairId"] for k in ec2.describe_key_pairs()["KeyPairs"]}
     roles = {r["RoleName"] for r in client("iam").list_roles()["Roles"]}
     logs = {g["logGroupName"] for g in client("logs").describe_log_groups()["logGroups"]}
-    return {"volume": ids["volume"] in volumes, "ernie-volume": ids["ernie-volume"] in volumes,
+    buckets = {b["Name"] for b in client("s3").list_buckets()["Buckets"]}
+    return {"bucket": ids["bucket"] in buckets, "ernie-bucket": ids["ernie-bucket"] in buckets,"volume": ids["volume"] in volumes, "ernie-volume": ids["ernie-volume"] in volumes,
             "sg": ids["sg"] in groups, "key": ids["key"] in keys, "role": ids["role"] in roles,
             "logs": {"/aws/imagebuilder/bert-2-0123456789", "/aws/imagebuilder/other-0123456789",
                      "bert-app-untagged"} <= logs}
@@ -160,6 +177,7 @@ def test_sweep_finds_every_orphan_deletes_them_and_spares_the_rest(aws_env):
     assert row(orphans["eip"]).endswith(" 3.65")  # a public IPv4 address
     assert row(orphans["instance"]).endswith(" 248.20")  # c6i.2xlarge, $0.34/h x 730 h
     assert row(orphans["instance"]).startswith("instance ")
+    assert re.fullmatch(r"s3 bucket +xc-bert-store +3 objects, 0\.00 GiB +0\.00", row(orphans["bucket"]))
 
     swept = fab("sweep", "--cluster", "aws:bert", "--yes", timeout=300)
     assert swept.returncode == 0, swept.stdout + swept.stderr
@@ -167,6 +185,11 @@ def test_sweep_finds_every_orphan_deletes_them_and_spares_the_rest(aws_env):
     assert f"deleted auto scaling group {orphans['asg']}" in swept.stdout
     assert f"deleted vpc {orphans['vpc']}" in swept.stdout
     assert "revoked the ingress rules of security group" in swept.stdout
+    # the store is named with what it holds before it goes
+    emptying = "emptying s3 bucket xc-bert-store (3 objects, 0.00 GiB; runs r1, r2): its checkpoints, outputs and " \
+               "run records go with it"
+    assert emptying in swept.stdout
+    assert swept.stdout.index(emptying) < swept.stdout.index("deleted s3 bucket xc-bert-store")
     assert swept.stdout.strip().splitlines()[-1].startswith("nothing left of cluster bert in us-east-1")
 
     again = fab("sweep", "--cluster", "aws:bert", timeout=300)
@@ -178,6 +201,7 @@ def test_sweep_finds_every_orphan_deletes_them_and_spares_the_rest(aws_env):
     ec2 = client("ec2")
     assert ec2.describe_vpcs(Filters=[{"Name": "vpc-id", "Values": [orphans["vpc"]]}])["Vpcs"] == []
     assert client("iam").list_instance_profiles()["InstanceProfiles"] == []
+    assert orphans["bucket"] not in {b["Name"] for b in client("s3").list_buckets()["Buckets"]}
 
 
 def test_without_a_name_it_takes_the_only_cluster_and_refuses_several(aws_env):
