@@ -39,11 +39,16 @@ sshd:
 demo: venv
 	$(BIN)/fab demo
 
+# Test files run on TEST_WORKERS parallel workers (pytest-xdist; a file's tests stay on one worker, in order):
+# a cluster test spends most of its time waiting on nodes, notices and timeouts. TEST_WORKERS=0: one process.
+TEST_WORKERS ?= 3
+XDIST = $(if $(filter 0,$(TEST_WORKERS)),-p no:xdist,-n $(TEST_WORKERS) --dist loadfile)
+
 test: venv
-	$(BIN)/python -m pytest -q --durations=25
+	$(BIN)/python -m pytest -q --durations=25 $(XDIST)
 
 test-fast: venv
-	$(BIN)/python -m pytest -q --durations=15 -m "not cluster and not slow"
+	$(BIN)/python -m pytest -q --durations=15 -m "not cluster and not slow" $(XDIST)
 
 # ruff, the layout rules (tests/test_layout.py) and the docs' links, and repeated code across the packages.
 LINT_PKGS := core cluster node_setup launch doctor reports infra training fabfile.py __main__.py

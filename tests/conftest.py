@@ -3,10 +3,16 @@ from __future__ import annotations
 
 import os
 import random
+import re
+import signal
 import socket
 import subprocess
 import sys
+import threading
+import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Self
 
 import pytest
 
@@ -40,6 +46,91 @@ def fab(*args: str, env: dict | None = None, timeout: float = 900, check: bool =
     if check and res.returncode != 0:
         raise AssertionError(f"fab {' '.join(args)} failed ({res.returncode}):\n{res.stdout}\n{res.stderr}")
     return res
+
+
+class FabProcess:
+    """A `fab` running in the background: wait for a line, signal it, collect its end. Threads read stdout and
+    stderr as they come (a waiting test never blocks on a full pipe); with merge=True stderr goes to stdout, in
+    order; new_session=True puts it in a process group of its own. Use it as a context manager: a fab still
+    running when the test leaves is killed."""
+
+    def __init__(self, *args: str, env: dict | None = None, merge: bool = False, cwd: Path = ROOT,
+                 new_session: bool = False):
+        self.args = args
+        self.proc = subprocess.Popen([*FAB, *args], cwd=cwd, text=True, env={**os.environ, **(env or {})},
+                                     stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                     stderr=subprocess.STDOUT if merge else subprocess.PIPE,
+                                     start_new_session=new_session)
+        self.out: list[str] = []
+        self.err: list[str] = []
+        self._cursor = {"out": 0, "err": 0}  # wait_for looks after its previous match
+        self._readers = [threading.Thread(target=lambda s, into: into.extend(iter(s.readline, "")), args=pair,
+                                          daemon=True)
+                         for pair in [(self.proc.stdout, self.out)] + ([] if merge else [(self.proc.stderr, self.err)])]
+        for t in self._readers:
+            t.start()
+
+    @property
+    def stdout(self) -> str:
+        return "".join(self.out)
+
+    @property
+    def stderr(self) -> str:
+        return "".join(self.err)
+
+    def wait_for(self, want: str | re.Pattern | Callable[[str], bool], timeout: float, count: int = 1,
+                 stream: str = "out"):
+        """The count-th line after the previous match (of stdout, or stream='err') that holds `want`: a text (the
+        line is returned), a compiled pattern (its match is returned) or a test of the line. An AssertionError with
+        the output so far when it does not come within `timeout` seconds or fab ends first."""
+        lines = self.out if stream == "out" else self.err
+        if isinstance(want, re.Pattern):
+            test = want.search
+        else:
+            test = want if callable(want) else (lambda line: want in line)
+        deadline = time.monotonic() + timeout
+        while True:
+            found = 0
+            for i in range(self._cursor[stream], len(lines)):
+                hit = test(lines[i])
+                found += bool(hit)
+                if hit and found == count:
+                    self._cursor[stream] = i + 1
+                    return hit if isinstance(want, re.Pattern) else lines[i]
+            ended = self.proc.poll() is not None and not any(t.is_alive() for t in self._readers)
+            if ended or time.monotonic() > deadline:
+                why = f"fab ended ({self.proc.returncode})" if ended else f"not in {timeout:.0f}s"
+                raise AssertionError(f"{getattr(want, 'pattern', want)!r} x{count} not seen, {why}: fab "
+                                     f"{' '.join(self.args)}\n{self.stdout[-3000:]}\n{self.stderr[-3000:]}")
+            time.sleep(0.1)
+
+    def signal(self, sig: int = signal.SIGINT) -> None:
+        self.proc.send_signal(sig)
+
+    def finish(self, timeout: float) -> subprocess.CompletedProcess:
+        """Wait for fab's end (it is killed after `timeout` seconds: the test then fails on its exit code)."""
+        try:
+            self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        for t in self._readers:
+            t.join(10)
+        return subprocess.CompletedProcess(["fab", *self.args], self.proc.returncode, self.stdout, self.stderr)
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+
+def progress_step(line: str) -> int | None:
+    """The step of a '[progress] step N' line, else None."""
+    m = re.search(r"\[progress\] step (\d+)", line)
+    return int(m.group(1)) if m else None
 
 
 def fab_in_process(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
@@ -83,6 +174,10 @@ class LocalCluster:
     def fab(self, *args, **kw):
         return fab(*args, env={**self.env, **kw.pop("env", {})}, **kw)
 
+    def start(self, *args, env: dict | None = None, merge: bool = False, new_session: bool = False) -> FabProcess:
+        """`fab ARGS` on this cluster, in the background."""
+        return FabProcess(*args, env={**self.env, **(env or {})}, merge=merge, new_session=new_session)
+
     def run_dirs(self) -> set[str]:
         return {p.name for p in self.runs.iterdir()} if self.runs.exists() else set()
 
@@ -100,9 +195,9 @@ def cluster2(tmp_path_factory):
     fab("local-down", env=lc.env, timeout=60)
 
 
-def processes_with_env(needle: str) -> list[int]:
+def processes_with_env(needle: str, prefix: bool = False) -> list[int]:
     """PIDs whose environment holds the entry `needle` ('XC_RUN_ID=abc'), or any entry of that
-    name when `needle` ends with '=' ('XC_RUN_ID=')."""
+    name when `needle` ends with '=' ('XC_RUN_ID='), or any entry starting with it when `prefix`."""
     found = []
     for env in Path("/proc").glob("[0-9]*/environ"):
         try:
@@ -110,9 +205,15 @@ def processes_with_env(needle: str) -> list[int]:
         except OSError:
             continue
         key = needle.encode()
-        if any(e.startswith(key) for e in entries) if needle.endswith("=") else key in entries:
+        if any(e.startswith(key) for e in entries) if prefix or needle.endswith("=") else key in entries:
             found.append(int(env.parent.name))
     return found
+
+
+def ranks_on(state: Path) -> set[int]:
+    """Processes of a run (XC_RUN_ID set) on the local cluster whose state folder is `state`: every session its
+    nodes' sshd starts carries XC_HOME=<state>/nodes/<node>/home. Other clusters' runs (parallel workers) are not."""
+    return set(processes_with_env("XC_RUN_ID=")) & set(processes_with_env(f"XC_HOME={state}/", prefix=True))
 
 
 def processes_with_cmdline(text: str) -> list[int]:

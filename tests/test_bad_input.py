@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, fab, fab_in_process, processes_with_cmdline, processes_with_env
+from conftest import ROOT, fab, fab_in_process, processes_with_cmdline, ranks_on
 
 
 @dataclass
@@ -371,7 +371,7 @@ def test_bad_input_is_one_line_and_starts_nothing(case, data, tmp_path, request)
         env = {"XC_STATE_DIR": str(state.parent), "XC_RUNS_DIR": str(runs), "XC_CLUSTER": "local"}
     env.update(case.env)
     before = set(runs.iterdir()) if runs.exists() else set()
-    ranks_before = set(processes_with_env("XC_RUN_ID="))  # another suite's runs on this machine are not ours
+    ranks_before = ranks_on(state)  # only this cluster's: other workers' and suites' runs are not ours
     undo = globals()[case.prepare](state) if case.prepare else None
     try:
         argv = [w.format(d=data, state=state) for w in shlex.split(case.command)]
@@ -388,7 +388,7 @@ def test_bad_input_is_one_line_and_starts_nothing(case, data, tmp_path, request)
     assert case.message.format(d=data, state=state) in lines[-1], lines[-1]
     assert "; " in lines[-1], f"no fix named: {lines[-1]}"
     assert (set(runs.iterdir()) if runs.exists() else set()) == before  # no run folder
-    assert set(processes_with_env("XC_RUN_ID=")) - ranks_before == set()  # it started no rank
+    assert ranks_on(state) - ranks_before == set()  # it started no rank
     if not case.cluster:  # and no sshd was started for it
         assert processes_with_cmdline(str(state)) == []
         assert case.prepare == "corrupt_state" or not (state / "state.json").exists()

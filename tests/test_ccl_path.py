@@ -12,7 +12,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import processes_with_env, start_cluster
+from conftest import processes_with_env
 
 from doctor import collective as doctor
 from launch import cleanup, records
@@ -179,11 +179,9 @@ TINY = ["--num_train_epochs", "1", "--per_device_train_batch_size", "8", "--max_
         "--max_eval_samples", "64", "--seed", "42"]
 
 
-@pytest.fixture(scope="module")
-def ccl_cluster(tmp_path_factory):
-    lc = start_cluster(tmp_path_factory.mktemp("ccl"), 2)
-    yield lc
-    lc.fab("local-down", timeout=60)
+@pytest.fixture
+def ccl_cluster(cluster2):
+    return cluster2  # the shared cluster: these runs change nothing on it
 
 
 @pytest.mark.ccl

@@ -6,12 +6,11 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
 import pytest
-from conftest import FAB, ROOT, processes_with_cmdline, processes_with_env, start_cluster
+from conftest import processes_with_cmdline, processes_with_env, start_cluster
 
 from launch import records
 from launch.run import DEMO_ARGS
@@ -144,39 +143,11 @@ def test_user_script_runs_unchanged_with_rank_variables(cluster2, tmp_path):
     assert "[1 node1] rank 1 of 2 on node1 sum 3" in res.stdout
 
 
-class OutputReader:
-    """Collects a process's output on a thread, so the test can wait for a line without blocking."""
-
-    def __init__(self, proc):
-        self.lines: list[str] = []
-        self.thread = threading.Thread(target=lambda: self.lines.extend(iter(proc.stdout.readline, "")),
-                                       daemon=True)
-        self.thread.start()
-
-    def wait_for(self, pattern: str, timeout: float) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if any(pattern in line for line in list(self.lines)):
-                return
-            if not self.thread.is_alive():
-                break
-            time.sleep(0.2)
-        raise AssertionError(f"{pattern!r} not seen in {timeout}s:\n" + "".join(self.lines)[-3000:])
-
-    def text(self, timeout: float) -> str:
-        self.thread.join(timeout)
-        return "".join(self.lines)
-
-
 def test_killed_rank_fails_the_whole_job_quickly_and_leaves_nothing(cluster2):
     before = cluster2.run_dirs()
-    proc = subprocess.Popen([*FAB, "train", "--nodes", "2", "--", "--num_train_epochs", "50",
-                             "--per_device_train_batch_size", "8"], cwd=ROOT, text=True,
-                            env={**os.environ, **cluster2.env}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            stdin=subprocess.DEVNULL)
-    reader = OutputReader(proc)
-    try:
-        reader.wait_for("[progress] step", 240)
+    with cluster2.start("train", "--nodes", "2", "--", "--num_train_epochs", "50", "--per_device_train_batch_size", "8",
+                        merge=True) as running:
+        running.wait_for("[progress] step", 240)
         run_id = (cluster2.run_dirs() - before).pop()
         victims = [p for p in processes_with_env(f"XC_RUN_ID={run_id}")
                    if p in processes_with_env("PMI_RANK=1")
@@ -184,13 +155,10 @@ def test_killed_rank_fails_the_whole_job_quickly_and_leaves_nothing(cluster2):
         assert victims, "rank 1's python process not found"
         killed_at = time.monotonic()
         os.kill(victims[0], signal.SIGKILL)
-        proc.wait(timeout=90)
+        ended = running.finish(90)
         elapsed = time.monotonic() - killed_at
-        out = reader.text(10)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    assert proc.returncode != 0
+    out = ended.stdout
+    assert ended.returncode != 0
     assert elapsed < 60, f"job took {elapsed:.0f}s to fail"
     last = out.strip().splitlines()[-1]
     assert last.startswith("error: run") and "node1" in last, last
@@ -249,7 +217,7 @@ def test_missing_sshd_is_reported_with_the_install_command(monkeypatch):
 
 
 def test_local_down_stops_exactly_its_own_processes(tmp_path):
-    lc = start_cluster(tmp_path, 2)
+    lc = start_cluster(tmp_path, 2)  # own cluster: local-down stops it
     pids = [n["pid"] for n in json.loads((lc.state / "state.json").read_text())["nodes"]]
     bystander = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
@@ -266,7 +234,7 @@ def test_local_down_stops_exactly_its_own_processes(tmp_path):
 
 
 def test_four_node_run(tmp_path):
-    lc = start_cluster(tmp_path, 4)
+    lc = start_cluster(tmp_path, 4)  # own cluster: four nodes
     try:
         res = lc.fab("train", "--nodes", "4", "--", *TINY_ARGS, timeout=600)
         assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
@@ -315,7 +283,7 @@ def test_local_up_on_a_port_another_process_holds_fails_naming_the_node(tmp_path
 def test_a_corrupt_state_file_is_one_line_and_local_down_still_stops_the_nodes(tmp_path):
     from conftest import fab
 
-    lc = start_cluster(tmp_path, 2)
+    lc = start_cluster(tmp_path, 2)  # own cluster: its state file is corrupted
     (lc.state / "state.json").write_text('{"port": 1, "nodes": [{"pid": ')  # a half-written file
     res = lc.fab("train", "--nodes", "2", "--script", __file__, timeout=60)
     assert res.returncode == 1 and "Traceback" not in res.stderr
@@ -331,22 +299,15 @@ def test_a_corrupt_state_file_is_one_line_and_local_down_still_stops_the_nodes(t
 
 def test_one_ctrl_c_stops_the_run_within_seconds_and_leaves_nothing(cluster2):
     before = cluster2.run_dirs()
-    proc = subprocess.Popen([*FAB, "train", "--nodes", "2", "--save-every", "0", "--", *DEMO_ARGS], cwd=ROOT,
-                            text=True, env={**os.environ, **cluster2.env}, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, stdin=subprocess.DEVNULL)
-    try:
-        seen = ""
-        while "[progress] step" not in seen and proc.poll() is None:
-            seen += proc.stdout.readline()
-        proc.send_signal(signal.SIGINT)
+    with cluster2.start("train", "--nodes", "2", "--save-every", "0", "--", *DEMO_ARGS) as running:
+        running.wait_for("[progress] step", 400)
+        running.signal(signal.SIGINT)
         pressed = time.monotonic()
-        out, err = proc.communicate(timeout=120)
+        ended = running.finish(120)
         took = time.monotonic() - pressed
-    finally:
-        if proc.poll() is None:
-            proc.kill()
+    out, err = ended.stdout, ended.stderr
     print(f"Ctrl-C to exit: {took:.1f}s")
-    assert proc.returncode == 130, seen + out + err
+    assert ended.returncode == 130, out + err
     assert took < 10, f"{took:.1f}s from Ctrl-C to exit"
     run_id = (cluster2.run_dirs() - before).pop()
     assert "interrupted: stopping every rank" in out
@@ -385,24 +346,16 @@ def test_one_run_at_a_time_and_an_orphaned_run_is_found_and_stopped(cluster2, tm
     quiet = tmp_path / "quiet.py"  # a long step that prints nothing: nothing tells mpirun its reader is gone
     quiet.write_text("import time\nprint('started', flush=True)\ntime.sleep(600)\n")
     before = cluster2.run_dirs()
-    proc = subprocess.Popen([*FAB, "train", "--nodes", "2", "--script", str(quiet)], cwd=ROOT, text=True,
-                            env={**os.environ, **cluster2.env}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            stdin=subprocess.DEVNULL)
-    try:
-        seen = ""
-        while seen.count("started") < 2 and proc.poll() is None:
-            seen += proc.stdout.readline()
+    with cluster2.start("train", "--nodes", "2", "--script", str(quiet), merge=True) as running:
+        running.wait_for("started", 240, count=2)
         run_a = (cluster2.run_dirs() - before).pop()
         second = cluster2.fab("train", "--script", str(hello), timeout=120)
         assert second.returncode == 1
         last = second.stderr.strip().splitlines()[-1]
         assert last.startswith(f"error: run {run_a} holds this cluster (node0 (") and f"'fab stop {run_a}'" in last, last
         assert cluster2.run_dirs() - before == {run_a}  # refused before its run folder
-        proc.kill()  # fab dies as on a closed laptop: its ranks train on with nobody to end them
-        proc.wait(timeout=30)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
+        running.signal(signal.SIGKILL)  # fab dies as on a closed laptop: its ranks train on with nobody to end them
+        running.finish(30)
     time.sleep(2)
     assert processes_with_env(f"XC_RUN_ID={run_a}"), "the orphaned ranks should still be running"
     doc = cluster2.fab("doctor", "--quick", "--master-port", str(free_cluster_port(1)), timeout=300)
@@ -436,29 +389,25 @@ def test_a_dead_mpi_proxy_ends_the_run_within_a_minute_naming_its_node(cluster2,
     quiet = tmp_path / "quiet.py"
     quiet.write_text("import time\nprint('started', flush=True)\ntime.sleep(600)\n")
     before = cluster2.run_dirs()
-    proc = subprocess.Popen([*FAB, "train", "--nodes", "2", "--script", str(quiet)], cwd=ROOT, text=True,
-                            env={**os.environ, **cluster2.env}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            stdin=subprocess.DEVNULL)
     run_id = None
-    try:
-        seen = ""
-        while seen.count("started") < 2 and proc.poll() is None:
-            seen += proc.stdout.readline()
-        run_id = (cluster2.run_dirs() - before).pop()
-        proxies = _pids_of_node("hydra_pmi_proxy", "node1")
-        assert proxies, f"node1's hydra_pmi_proxy not found; fab said: {seen[-2000:]}"
-        killed = time.monotonic()
-        for pid in proxies:
-            os.kill(pid, signal.SIGKILL)
-        out, _ = proc.communicate(timeout=120)
-        elapsed = time.monotonic() - killed
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            if run_id:  # a failed check must not leave its 600 s ranks to the tests after it
+    with cluster2.start("train", "--nodes", "2", "--script", str(quiet), merge=True) as running:
+        try:
+            running.wait_for("started", 240, count=2)
+            run_id = (cluster2.run_dirs() - before).pop()
+            proxies = _pids_of_node("hydra_pmi_proxy", "node1")
+            assert proxies, f"node1's hydra_pmi_proxy not found; fab said: {running.stdout[-2000:]}"
+            killed = time.monotonic()
+            for pid in proxies:
+                os.kill(pid, signal.SIGKILL)
+            ended = running.finish(120)
+            elapsed = time.monotonic() - killed
+        finally:
+            if running.proc.poll() is None and run_id:  # a failed check must not leave its 600 s ranks behind
+                running.proc.kill()
                 cluster2.fab("stop", run_id, timeout=120)
+    out = ended.stdout
     print(f"proxy killed -> fab exited in {elapsed:.1f}s")
-    assert proc.returncode != 0 and elapsed < 60, f"{elapsed:.0f}s"
+    assert ended.returncode != 0 and elapsed < 60, f"{elapsed:.0f}s"
     last = out.strip().splitlines()[-1]
     assert last.startswith(f"error: run {run_id} failed") and "node1" in last and "Traceback" not in last, last
     assert processes_with_env(f"XC_RUN_ID={run_id}") == []

@@ -6,13 +6,10 @@ Against the fake IMDS on loopback; the cluster tests on the session's 2-node loc
 from __future__ import annotations
 
 import json
-import os
 import re
-import subprocess
-import time
 
 import pytest
-from conftest import FAB, ROOT, processes_with_env
+from conftest import processes_with_env, progress_step
 from fake_imds import FakeIMDS
 
 from launch import records
@@ -71,26 +68,13 @@ def test_the_node_completes_its_lifecycle_action_with_continue(tmp_path, monkeyp
 
 
 def _run(cluster, imds, trigger, wait_steps: int = 8):
-    """fab train with the fake IMDS; `trigger(imds)` once training reached wait_steps; returns (proc, out, err)."""
-    proc = subprocess.Popen([*FAB, "train", "--nodes", "2", "--save-every", "0", "--env",
-                             f"XC_IMDS_ENDPOINT={imds.url}", "--", *ARGS], cwd=ROOT, text=True,
-                            env={**os.environ, **cluster.env}, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            stdin=subprocess.DEVNULL)
-    seen = ""
-    try:
-        deadline = time.monotonic() + 400
-        while time.monotonic() < deadline:
-            line = proc.stdout.readline()
-            seen += line
-            m = re.search(r"\[progress\] step (\d+)/", line)
-            if m and int(m.group(1)) >= wait_steps:
-                break
+    """fab train with the fake IMDS; `trigger(imds)` once training reached wait_steps; returns (ended, out, err)."""
+    with cluster.start("train", "--nodes", "2", "--save-every", "0", "--env", f"XC_IMDS_ENDPOINT={imds.url}", "--",
+                       *ARGS) as running:
+        running.wait_for(lambda line: (progress_step(line) or 0) >= wait_steps, 400)
         trigger(imds)
-        out, err = proc.communicate(timeout=600)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    return proc, seen + out, err
+        ended = running.finish(600)
+    return ended, ended.stdout, ended.stderr
 
 
 @pytest.mark.cluster

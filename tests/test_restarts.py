@@ -5,16 +5,13 @@ from __future__ import annotations
 
 import io
 import json
-import os
 import re
-import subprocess
-import threading
 import time
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-from conftest import FAB, ROOT, fab, processes_with_env, start_cluster
+from conftest import fab, processes_with_env, start_cluster
 from fake_imds import FakeIMDS
 
 from core.errors import ClusterError, NodeFailure, Preempted
@@ -123,30 +120,6 @@ def test_no_restart_left_ends_with_the_failure_and_the_wait_problem(tmp_path, mo
         restarts.train_with_restarts(LOCAL, req, max_restarts=-1)
 
 
-class Lines:
-    """Drains a process's stdout in a thread so the test can wait for a line."""
-
-    def __init__(self, stream):
-        self.lines: list[str] = []
-        self.seen = 0  # lines before this one were looked at by an earlier wait_for
-        self.thread = threading.Thread(target=lambda: self.lines.extend(iter(stream.readline, "")), daemon=True)
-        self.thread.start()
-
-    def wait_for(self, pattern: str, proc, timeout: float) -> re.Match:
-        """The first line after the previous match that matches."""
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            for i in range(self.seen, len(self.lines)):
-                m = re.search(pattern, self.lines[i])
-                if m:
-                    self.seen = i + 1
-                    return m
-            if proc.poll() is not None and not self.thread.is_alive():
-                break
-            time.sleep(0.2)
-        raise AssertionError(f"no line matching {pattern!r} within {timeout}s:\n" + "".join(self.lines)[-4000:])
-
-
 def _home_steps(run_dir: Path) -> list[int]:
     """Complete checkpoints of the run in its store: the local folder beside runs/ (the nodes share the disk)."""
     folder = run_dir.parent.parent / "store" / "runs" / run_dir.name / "checkpoints"
@@ -162,50 +135,44 @@ LONGER = ["--num_train_epochs", "5"]
 @pytest.mark.cluster
 @pytest.mark.slow
 def test_a_preempted_run_and_a_killed_node_are_resumed_by_themselves(tmp_path):
-    lc = start_cluster(tmp_path, 2)
+    lc = start_cluster(tmp_path, 2)  # own cluster: a node of it is killed
     imds = FakeIMDS()
-    proc = subprocess.Popen([*FAB, "train", "--nodes", "2", "--save-every", "20", "--max-restarts", "2",
-                             "--restart-wait", "300", "--env", f"XC_IMDS_ENDPOINT={imds.url}", "--", *DEMO_ARGS,
-                             *LONGER],
-                            cwd=ROOT, text=True, env={**os.environ, **lc.env}, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
-    out = Lines(proc.stdout)
+    running = lc.start("train", "--nodes", "2", "--save-every", "20", "--max-restarts", "2", "--restart-wait", "300",
+                       "--env", f"XC_IMDS_ENDPOINT={imds.url}", "--", *DEMO_ARGS, *LONGER, merge=True)
     try:
-        first = out.wait_for(r"^run (\S+): results in", proc, 300).group(1)
-        out.wait_for(r"\[progress\] step (1\d|[2-9]\d)/", proc, 400)
+        first = running.wait_for(re.compile(r"^run (\S+): results in"), 300).group(1)
+        running.wait_for(re.compile(r"\[progress\] step (1\d|[2-9]\d)/"), 400)
         imds.interrupt()  # a notice on every node: the run checkpoints and ends, the restart waits
         noticed = time.monotonic()
-        out.wait_for(r"waiting for 2 node\(s\): node\d has a spot interruption notice", proc, 200)
+        running.wait_for(re.compile(r"waiting for 2 node\(s\): node\d has a spot interruption notice"), 200)
         waiting = time.monotonic()
         imds.clear()  # the nodes are 'replaced': no notice any more
-        second = out.wait_for(rf"^run (?!{first})(\S+): results in", proc, 300).group(1)
+        second = running.wait_for(re.compile(rf"^run (?!{first})(\S+): results in"), 300).group(1)
         print(f"notice -> waiting for nodes {waiting - noticed:.1f}s; notice withdrawn -> resumed run "
               f"{time.monotonic() - waiting:.1f}s")
         # the resumed run loses node1 outright once a checkpoint of its own is in the store
         deadline = time.monotonic() + 400
-        while not _home_steps(lc.runs / second) and time.monotonic() < deadline and proc.poll() is None:
+        while not _home_steps(lc.runs / second) and time.monotonic() < deadline and running.proc.poll() is None:
             time.sleep(0.5)
-        assert _home_steps(lc.runs / second), "".join(out.lines)[-4000:]
+        assert _home_steps(lc.runs / second), running.stdout[-4000:]
         killed_at = time.monotonic()
         killed = lc.fab("local-kill", "--node", "node1", timeout=60)
         assert killed.returncode == 0 and killed.stdout.startswith("node1 killed"), killed.stdout + killed.stderr
-        out.wait_for(r"waiting for 2 node\(s\): .*node1", proc, 200)
+        running.wait_for(re.compile(r"waiting for 2 node\(s\): .*node1"), 200)
         lost_at = time.monotonic()
         back = lc.fab("local-up", "--nodes", "2", "--port", str(lc.port), timeout=60)
         assert back.returncode == 0, back.stderr
         back_at = time.monotonic()
-        third = out.wait_for(rf"^run (?!{first}|{second})(\S+): results in", proc, 300).group(1)
+        third = running.wait_for(re.compile(rf"^run (?!{first}|{second})(\S+): results in"), 300).group(1)
         print(f"node killed -> run ended and waiting {lost_at - killed_at:.1f}s; node back -> resumed run "
               f"{time.monotonic() - back_at:.1f}s")
-        proc.wait(timeout=900)
-        out.thread.join(10)
+        ended = running.finish(900)
     finally:
-        if proc.poll() is None:
-            proc.kill()
+        running.__exit__()
         imds.close()
         fab("local-down", env=lc.env, timeout=60)
-    text = "".join(out.lines)
-    assert proc.returncode == 0, text[-4000:]
+    text = ended.stdout
+    assert ended.returncode == 0, text[-4000:]
     assert "restart 1 of 2: run " + first + " was preempted on node" in text
     assert "restart 2 of 2: run " + second + " lost node1" in text
     assert re.search(rf"run {third} finished in \d+s eval accuracy", text)
@@ -246,19 +213,15 @@ def test_a_run_that_fails_while_staging_still_gets_its_record(cluster2, monkeypa
 @pytest.mark.cluster
 @pytest.mark.slow
 def test_losing_node0_mid_run_ends_with_a_record_and_nothing_left_on_the_others(tmp_path):
-    lc = start_cluster(tmp_path, 2)
-    proc = subprocess.Popen([*FAB, "train", "--nodes", "2", "--save-every", "0", "--", *DEMO_ARGS], cwd=ROOT,
-                            text=True, env={**os.environ, **lc.env}, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
-    out = Lines(proc.stdout)
+    lc = start_cluster(tmp_path, 2)  # own cluster: node0 is killed
+    running = lc.start("train", "--nodes", "2", "--save-every", "0", "--", *DEMO_ARGS, merge=True)
     try:
-        run_id = out.wait_for(r"^run (\S+): results in", proc, 300).group(1)
-        out.wait_for(r"\[progress\] step [2-9]/", proc, 400)
+        run_id = running.wait_for(re.compile(r"^run (\S+): results in"), 300).group(1)
+        running.wait_for(re.compile(r"\[progress\] step [2-9]/"), 400)
         assert lc.fab("local-kill", "--node", "node0", timeout=60).returncode == 0
-        proc.wait(timeout=300)
-        out.thread.join(10)
-        text = "".join(out.lines)
-        assert proc.returncode == 1, text[-3000:]
+        ended = running.finish(300)
+        text = ended.stdout
+        assert ended.returncode == 1, text[-3000:]
         summary = records.load(lc.runs / run_id).to_json()
         assert summary["status"] == "failed" and summary["failed_node"] == "node0", summary.get("reason")
         assert summary["lost_nodes"] == ["node0"]
@@ -268,6 +231,5 @@ def test_losing_node0_mid_run_ends_with_a_record_and_nothing_left_on_the_others(
         assert "node1" in summary["cleanup"]["killed"] and not summary["cleanup"]["left"]
         assert processes_with_env(f"XC_RUN_ID={run_id}") == []
     finally:
-        if proc.poll() is None:
-            proc.kill()
+        running.__exit__()
         fab("local-down", env=lc.env, timeout=60)

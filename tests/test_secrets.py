@@ -4,13 +4,11 @@ secrets.env (mode 0600) is gone after the run. On a real 2-node local cluster.""
 from __future__ import annotations
 
 import hashlib
-import os
-import subprocess
 import time
 from pathlib import Path
 
 import pytest
-from conftest import FAB, ROOT, processes_with_cmdline
+from conftest import processes_with_cmdline
 
 from launch import records, secrets
 
@@ -31,19 +29,17 @@ def test_a_secret_reaches_the_ranks_and_no_record(cluster2, tmp_path):
     script = tmp_path / "secrets_job.py"
     script.write_text(SCRIPT)
     before = cluster2.run_dirs()
-    proc = subprocess.Popen(
-        [*FAB, "train", "--nodes", "2", "--script", str(script), "--env", "HF_TOKEN=secret123",
-         "--env", "XC_TEST_OWN", "--env", "PLAIN=visible"], cwd=ROOT,
-        env={**os.environ, **cluster2.env, "XC_TEST_OWN": "operator-own-value"},
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     on_command_lines = []
-    while proc.poll() is None:  # mpirun, hydra, ssh and the ranks are all running meanwhile
-        on_command_lines += processes_with_cmdline("secret123") + processes_with_cmdline("operator-own-value")
-        time.sleep(0.2)
-    out, err = proc.communicate()
-    assert proc.returncode == 0, out[-2000:] + err[-2000:]
+    with cluster2.start("train", "--nodes", "2", "--script", str(script), "--env", "HF_TOKEN=secret123", "--env",
+                        "XC_TEST_OWN", "--env", "PLAIN=visible", env={"XC_TEST_OWN": "operator-own-value"}) as running:
+        while running.proc.poll() is None:  # mpirun, hydra, ssh and the ranks are all running meanwhile
+            on_command_lines += processes_with_cmdline("secret123") + processes_with_cmdline("operator-own-value")
+            time.sleep(0.2)
+        ended = running.finish(60)
+    out, err = ended.stdout, ended.stderr
+    assert ended.returncode == 0, out[-2000:] + err[-2000:]
     # only fab's own command line holds the value the operator typed; nothing fab started does
-    assert set(on_command_lines) <= {proc.pid}
+    assert set(on_command_lines) <= {running.proc.pid}
 
     sha = hashlib.sha256(b"secret123").hexdigest()
     own = hashlib.sha256(b"operator-own-value").hexdigest()

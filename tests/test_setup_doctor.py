@@ -24,7 +24,7 @@ ROW = re.compile(r"^(node\d+)\s+(ok|already set up|FAILED)\s+([\d.]+)$", re.MULT
 
 
 @pytest.fixture(scope="module")
-def lc(tmp_path_factory):
+def lc(tmp_path_factory):  # own cluster: fab setup installs packages into its nodes' environment
     cluster = start_cluster(tmp_path_factory.mktemp("setup-doctor"), 2)
     yield cluster
     cluster.fab("local-down", timeout=60)

@@ -3,13 +3,11 @@ on loopback, brought home and resumed on a real local cluster."""
 from __future__ import annotations
 
 import json
-import os
 import re
-import subprocess
 import time
 
 import pytest
-from conftest import FAB, ROOT, processes_with_env
+from conftest import processes_with_env, progress_step
 from fake_imds import FakeIMDS
 
 from launch import records
@@ -92,29 +90,19 @@ def _progress_steps(text: str) -> list[int]:
 def test_notice_checkpoints_home_and_resume_finishes_like_an_uninterrupted_run(cluster2):
     imds = FakeIMDS()
     before = cluster2.run_dirs()
-    proc = subprocess.Popen([*FAB, "train", "--nodes", "2", "--save-every", "0", "--env",
-                             f"XC_IMDS_ENDPOINT={imds.url}", "--", *ARGS], cwd=ROOT, text=True,
-                            env={**os.environ, **cluster2.env}, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            stdin=subprocess.DEVNULL)
     try:
-        deadline = time.monotonic() + 400
-        seen = ""
-        while time.monotonic() < deadline:
-            line = proc.stdout.readline()
-            seen += line
-            steps = _progress_steps(line)
-            if steps and steps[0] >= 10:
-                break
-        imds.interrupt()
-        noticed = time.monotonic()
-        out, err = proc.communicate(timeout=300)
-        stopped_in = time.monotonic() - noticed
+        with cluster2.start("train", "--nodes", "2", "--save-every", "0", "--env", f"XC_IMDS_ENDPOINT={imds.url}",
+                            "--", *ARGS) as running:
+            running.wait_for(lambda line: (progress_step(line) or 0) >= 10, 400)
+            imds.interrupt()
+            noticed = time.monotonic()
+            ended = running.finish(300)
+            stopped_in = time.monotonic() - noticed
     finally:
-        if proc.poll() is None:
-            proc.kill()
         imds.close()
+    out, err = ended.stdout, ended.stderr
     run_id = (cluster2.run_dirs() - before).pop()
-    assert proc.returncode == 75, seen + out + err
+    assert ended.returncode == 75, out + err
     last = err.strip().splitlines()[-1]
     m = re.fullmatch(rf"run {run_id} preempted on node(\d) at step (\d+): checkpoint saved \((\S+)\); "
                      rf"resume with 'fab train --resume {run_id}'", last)

@@ -4,14 +4,11 @@ nodes and finishes, `fab pull` brings the results home, `fab runs` lists a run t
 from __future__ import annotations
 
 import json
-import os
 import re
 import shutil
-import subprocess
-import time
 
 import pytest
-from conftest import FAB, ROOT
+from conftest import progress_step
 from fake_imds import FakeIMDS
 from moto_fixture import aws_env, client, moto_server  # noqa: F401
 
@@ -36,27 +33,16 @@ def test_preempted_to_s3_resumed_from_s3_and_pulled(cluster2, aws_env, monkeypat
     store = f"s3://{BUCKET}/cl"
     imds = FakeIMDS()
     before = cluster2.run_dirs()
-    proc = subprocess.Popen([*FAB, "train", "--nodes", "2", "--store", store, "--save-every", "0", "--env",
-                             f"XC_IMDS_ENDPOINT={imds.url}", "--", *ARGS], cwd=ROOT, text=True,
-                            env={**os.environ, **cluster2.env}, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            stdin=subprocess.DEVNULL)
     try:
-        deadline, seen = time.monotonic() + 400, ""
-        while time.monotonic() < deadline:
-            line = proc.stdout.readline()
-            seen += line
-            if not line and proc.poll() is not None:
-                break
-            if (_steps(line) or [0])[0] >= 8:
-                break
-        imds.interrupt()
-        out, err = proc.communicate(timeout=300)
+        with cluster2.start("train", "--nodes", "2", "--store", store, "--save-every", "0", "--env",
+                            f"XC_IMDS_ENDPOINT={imds.url}", "--", *ARGS) as running:
+            running.wait_for(lambda line: (progress_step(line) or 0) >= 8, 400)
+            imds.interrupt()
+            ended = running.finish(300)
     finally:
-        if proc.poll() is None:
-            proc.kill()
         imds.close()
-    out = seen + out
-    assert proc.returncode == 75, out[-3000:] + err[-3000:]
+    out, err = ended.stdout, ended.stderr
+    assert ended.returncode == 75, out[-3000:] + err[-3000:]
     assert f"store: {store} (--store)" in out.splitlines()[:3]  # the run's first lines name its store
     run_id = (cluster2.run_dirs() - before).pop()
     m = re.search(rf"preempted on node\d at step (\d+): checkpoint saved \({store}/runs/{run_id}/checkpoints/"

@@ -7,11 +7,10 @@ from __future__ import annotations
 import os
 import re
 import signal
-import subprocess
 import time
 
 import pytest
-from conftest import FAB, ROOT, fab, processes_with_env, start_cluster
+from conftest import fab, processes_with_env, start_cluster
 from fake_imds import FakeIMDS
 
 from launch import records
@@ -40,32 +39,23 @@ def _steps(run_dir) -> list[int]:
 @pytest.mark.cluster
 @pytest.mark.slow
 def test_a_detached_run_survives_fab_kill_9_and_resumes_by_itself(tmp_path):
-    lc = start_cluster(tmp_path, 2)
+    lc = start_cluster(tmp_path, 2)  # own cluster: its supervisor outlives the test's fab; the cluster goes with it
     imds = FakeIMDS()
-    env = {**os.environ, **lc.env}
-    proc = subprocess.Popen([*FAB, "train", "--nodes", "2", "--detach", "--max-restarts", "2", "--restart-wait", "300",
-                             "--save-every", "20", "--env", f"XC_IMDS_ENDPOINT={imds.url}", "--", *DEMO_ARGS],
-                            cwd=ROOT, text=True, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            stdin=subprocess.DEVNULL, start_new_session=True)
-    sup_pid, sup = None, None
+    running = lc.start("train", "--nodes", "2", "--detach", "--max-restarts", "2", "--restart-wait", "300",
+                       "--save-every", "20", "--env", f"XC_IMDS_ENDPOINT={imds.url}", "--", *DEMO_ARGS, merge=True,
+                       new_session=True)
+    sup_pid, sup, follow = None, None, None
     try:
-        out = ""
-        for line in proc.stdout:
-            out += line
-            if " detached under its supervisor " in line:
-                break
-        m = re.search(r"run (\S+) detached under its supervisor \(pid (\d+), up to 2 restart", out)
-        assert m, out[-3000:]
+        m = running.wait_for(re.compile(r"run (\S+) detached under its supervisor \(pid (\d+), up to 2 restart"), 600)
         first, sup_pid = m.group(1), int(m.group(2))
-        os.killpg(proc.pid, signal.SIGKILL)  # fab and anything in its process group: not the supervisor
-        proc.wait(timeout=10)
+        os.killpg(running.proc.pid, signal.SIGKILL)  # fab and anything in its process group: not the supervisor
+        running.finish(10)
         assert processes_with_env(f"XC_RUN_ID={first}"), "fab returned but no rank is running"
         rec = records.load(lc.runs / first)
         sup = rec.supervisor
         assert rec.status == Status.RUNNING and sup["pid"] == sup_pid
         assert records.supervisor_alive(rec.supervisor), "the supervisor died with fab"
-        follow = subprocess.Popen([*FAB, "logs", first, "-f"], cwd=ROOT, text=True, env=env, stdout=subprocess.PIPE,
-                                  stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        follow = lc.start("logs", first, "-f", merge=True)
 
         _wait("training steps of the first run", lambda: max(_steps(lc.runs / first), default=0) >= 10, 400)
         imds.interrupt()  # every node gets a notice: the run checkpoints and ends; the supervisor waits
@@ -81,18 +71,20 @@ def test_a_detached_run_survives_fab_kill_9_and_resumes_by_itself(tmp_path):
         done = _wait("the resumed run's end", lambda: (r := records.load_or_none(lc.runs / second)) and r.status.terminal and r,
                      600, poll=2)
         _wait("the supervisor's exit", lambda: not records.supervisor_alive(sup), 60)
-        followed = follow.communicate(timeout=120)[0]
+        follow_end = follow.finish(120)
+        followed = follow_end.stdout
         print(f"notice -> restarting {waiting - noticed:.1f}s; notice withdrawn -> resumed {resumed - waiting:.1f}s")
     finally:
         imds.close()
-        if "follow" in locals() and follow.poll() is None:
-            follow.kill()
+        running.__exit__()
+        if follow is not None:
+            follow.__exit__()
         if sup and records.supervisor_alive(sup):
             os.kill(sup["pid"], signal.SIGKILL)
         fab("local-down", env=lc.env, timeout=60)
     assert done.status == Status.OK, (done.reason, (lc.runs / second / "log.txt").read_text()[-3000:])
     # 'fab logs -f' followed the supervised run through its restart to the end of the chain
-    assert follow.returncode == 0, followed[-3000:]
+    assert follow_end.returncode == 0, followed[-3000:]
     assert f"run {first} preempted; resumed as run {second}" in followed, followed[-3000:]
     assert "[progress] step" in followed and followed.strip().splitlines()[-1].startswith(f"run {second} finished in ")
     assert done.resumed_from["run_id"] == first and done.supervisor["pid"] == sup_pid
@@ -114,20 +106,12 @@ def test_an_attached_run_whose_fab_was_killed_is_recorded_abandoned(cluster2, tm
     script = tmp_path / "ticking.py"
     script.write_text(TICKING)
     before = cluster2.run_dirs()
-    proc = subprocess.Popen([*FAB, "train", "--nodes", "2", "--script", str(script)], cwd=ROOT, text=True,
-                            env={**os.environ, **cluster2.env}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            stdin=subprocess.DEVNULL)
-    try:
-        seen = ""
-        while seen.count("tick 3") < 2 and proc.poll() is None:
-            seen += proc.stdout.readline()
+    with cluster2.start("train", "--nodes", "2", "--script", str(script), merge=True) as running:
+        running.wait_for("tick 3", 240, count=2)
         run_id = (cluster2.run_dirs() - before).pop()
         assert records.load(cluster2.runs / run_id).status == Status.RUNNING
-        proc.kill()  # kill -9: nothing of fab gets to write the record
-        proc.wait(timeout=30)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
+        running.signal(signal.SIGKILL)  # kill -9: nothing of fab gets to write the record
+        running.finish(30)
     # its SSH session went with it, and mpirun and the ranks with that
     _wait("the ranks' end", lambda: not processes_with_env(f"XC_RUN_ID={run_id}"), 60, poll=0.5)
     listed = cluster2.fab("runs", timeout=120)
@@ -135,4 +119,4 @@ def test_an_attached_run_whose_fab_was_killed_is_recorded_abandoned(cluster2, tm
     rec = records.load(cluster2.runs / run_id)
     assert rec.status == Status.ABANDONED and rec.abandoned["was"] == "running"
     assert rec.abandoned["found"] == "no process of the run on node0, node1" and rec.abandoned["unchecked"] == {}
-    assert rec.abandoned["supervisor"]["pid"] == proc.pid
+    assert rec.abandoned["supervisor"]["pid"] == running.proc.pid
