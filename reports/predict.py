@@ -1,7 +1,10 @@
 """A PREDICTION, not a measurement: wall time and cost of the seeds' MRPC fine-tune (bert-base-cased, 3 epochs,
 batch 32, 3668 training pairs = 345 steps) on 1, 2 and 4 nodes of an instance type, spot and on-demand.
 
-    node samples/s  = measured single-node bert-base samples/s x the type's published cores / the cores measured
+    node samples/s  = measured single-node bert-base samples/s x the type's published cores / the cores measured,
+                      in the precision fab's auto picks there: bf16 on a type with AMX, else fp32 (c6i's Ice
+                      Lake has no bf16 instructions); a bf16 figure stands in only where no fp32 one was
+                      measured, and the row says so
     compute a step  = 32 / (nodes x node samples/s)        (the global batch stays 32: the same fine-tune)
     all-reduce      = ring: 2 (N-1) / N x gradient bytes per node a step, at the type's network Gbit/s
                       (DESIGN.md; bench/scaling_twin.py), none of it hidden behind the backward pass (an
@@ -39,6 +42,20 @@ class Measured:
     samples_per_s: float  # bert-base at MRPC's lengths, batch 32 or near, one process
     cores: int  # the cores (torch threads) that measurement ran on
     source: str  # where the figure comes from, printed with the prediction
+    precision: str = "bf16"  # of samples_per_s
+    fp32_samples_per_s: float | None = None  # the same in fp32, where it was measured beside it
+
+    def figure(self, precision: str) -> tuple[float, str]:
+        """samples/s in `precision`, and "" or why the figure is another precision's."""
+        if precision == self.precision:
+            return self.samples_per_s, ""
+        if precision == "fp32" and self.fp32_samples_per_s:
+            return self.fp32_samples_per_s, ""
+        return self.samples_per_s, f"{self.precision} figure for {precision}: optimistic"
+
+
+def type_precision(instance_type: str) -> str:
+    return "bf16" if CATALOG[instance_type].amx else "fp32"
 
 
 def steps() -> int:
@@ -52,14 +69,17 @@ def ring_bytes(grad_bytes: float, nodes: int) -> float:
 def predict(measured: Measured, instance_type: str, nodes: int, spot_usd_h: float | None = None,
             wire: str = "bf16", overlap: float = 0.0) -> dict:
     t = CATALOG[instance_type]
-    node_sps = measured.samples_per_s * t.cores / measured.cores
+    precision = type_precision(instance_type)
+    figure, caveat = measured.figure(precision)
+    node_sps = figure * t.cores / measured.cores
     compute_s = BATCH / (nodes * node_sps)
     comm_s = ring_bytes(BERT_BASE_TRAINED * WIRE_BYTES[wire], nodes) * 8 / (t.network_gbit * 1e9)
     step_s = compute_s + comm_s * (1 - overlap)
     wall_s = steps() * step_s
     on_demand = nodes * t.on_demand_usd_h * wall_s / 3600
     spot = None if spot_usd_h is None else nodes * spot_usd_h * wall_s / 3600
-    return {"instance_type": instance_type, "nodes": nodes, "node_samples_per_s": node_sps, "compute_s": compute_s,
+    return {"instance_type": instance_type, "nodes": nodes, "precision": precision, "caveat": caveat,
+            "node_samples_per_s": node_sps, "compute_s": compute_s,
             "comm_s": comm_s, "step_s": step_s, "wall_s": wall_s, "on_demand_usd": on_demand, "spot_usd": spot,
             "wire": wire, "steps": steps()}
 
@@ -74,8 +94,11 @@ def from_bench_json(path: Path) -> Measured | None:
     try:
         data = json.loads(Path(path).read_text())
         row = data["configs"]["default"]
+        fp32 = data["configs"].get("fp32") or {}
         return Measured(float(row["samples_per_second"]), int(row["threads"]),
-                        f"{path.name}: bert-base shape, batch {data['batch']}, {data['cpu']}")
+                        f"{path.name}: bert-base shape, batch {data['batch']}, {data['cpu']}",
+                        row.get("precision", "bf16"),
+                        float(fp32["samples_per_second"]) if fp32.get("samples_per_second") else None)
     except (OSError, KeyError, ValueError, TypeError):
         return None
 
@@ -97,16 +120,20 @@ def report_lines(measured: Measured, rows: list[dict]) -> list[str]:
         (f"## PREDICTION: the seeds' MRPC fine-tune (bert-base, {EPOCHS} epochs, batch {BATCH}, {MRPC_TRAIN} pairs, "
         f"{steps()} steps)"),
         "",
-        (f"Predicted, not measured: {measured.samples_per_s:.2f} samples/s on {measured.cores} core(s) "
-         f"({measured.source}) scaled by each type's published cores; ring all-reduce of "
+        (f"Predicted, not measured: {measured.samples_per_s:.2f} samples/s ({measured.precision})"
+         + (f" and {measured.fp32_samples_per_s:.2f} (fp32)" if measured.fp32_samples_per_s else "")
+         + f" on {measured.cores} core(s) ({measured.source}) scaled by each type's published cores, in the "
+         "precision fab picks there (bf16 with AMX, else fp32); ring all-reduce of "
          f"{BERT_BASE_TRAINED / 1e6:.1f} M trained parameters in {rows[0]['wire']} at the type's network speed, "
          "none of it overlapped; training only (reports/predict.py)."),
         "",
-        "| instance type | nodes | step (s) | of it all-reduce (s) | wall time (min) | on-demand (USD) | spot (USD) |",
-        "|---|---:|---:|---:|---:|---:|---:|",
+        ("| instance type | nodes | precision | step (s) | of it all-reduce (s) | wall time (min) | on-demand (USD) "
+         "| spot (USD) |"),
+        "|---|---:|---|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
         spot = f"{r['spot_usd']:.3f}" if r["spot_usd"] is not None else f"<= {r['on_demand_usd']:.3f}"
-        lines.append(f"| {r['instance_type']} | {r['nodes']} | {r['step_s']:.3f} | {r['comm_s']:.3f} "
+        precision = r["precision"] + (f" ({r['caveat']})" if r["caveat"] else "")
+        lines.append(f"| {r['instance_type']} | {r['nodes']} | {precision} | {r['step_s']:.3f} | {r['comm_s']:.3f} "
                      f"| {r['wall_s'] / 60:.1f} | {r['on_demand_usd']:.3f} | {spot} |")
     return lines

@@ -20,7 +20,7 @@ def test_ring_all_reduce_moves_twice_n_minus_one_over_n_of_the_gradient():
 
 
 def test_prediction_worked_by_hand():
-    measured = predict.Measured(samples_per_s=4.0, cores=2, source="test")
+    measured = predict.Measured(samples_per_s=4.0, cores=2, source="test", precision="fp32")
     # c6i.16xlarge: 32 cores, 25 Gbit/s, 2.72 USD/h on demand
     one = predict.predict(measured, "c6i.16xlarge", 1, spot_usd_h=1.0)
     assert one["node_samples_per_s"] == pytest.approx(64.0)  # 4 samples/s x 32 / 2 cores
@@ -42,6 +42,18 @@ def test_prediction_worked_by_hand():
     fp32 = predict.predict(measured, "r7iz.16xlarge", 2, wire="fp32", overlap=0.5)
     assert fp32["comm_s"] == pytest.approx(predict.BERT_BASE_TRAINED * 4 * 8 / 25e9)
     assert fp32["step_s"] == pytest.approx(0.25 + fp32["comm_s"] / 2)
+
+
+def test_each_type_gets_the_precision_fab_picks_there():
+    measured = predict.Measured(12.0, 2, "test", precision="bf16", fp32_samples_per_s=4.0)
+    c6i, r7iz = (predict.predict(measured, t, 1) for t in ("c6i.16xlarge", "r7iz.16xlarge"))
+    assert (c6i["precision"], c6i["node_samples_per_s"], c6i["caveat"]) == ("fp32", 4.0 * 32 / 2, "")  # no bf16 on Ice Lake
+    assert (r7iz["precision"], r7iz["node_samples_per_s"], r7iz["caveat"]) == ("bf16", 12.0 * 32 / 2, "")  # AMX
+    bf16_only = predict.Measured(12.0, 2, "test", precision="bf16")
+    row = predict.predict(bf16_only, "c6i.16xlarge", 1)
+    assert row["node_samples_per_s"] == 12.0 * 32 / 2 and row["caveat"] == "bf16 figure for fp32: optimistic"
+    line = next(x for x in predict.report_lines(bf16_only, [row]) if x.startswith("| c6i"))
+    assert "| fp32 (bf16 figure for fp32: optimistic) |" in line
 
 
 def test_table_covers_both_types_at_1_2_4_nodes_and_labels_itself_a_prediction():
@@ -66,7 +78,10 @@ def test_bench_report_predicts_from_the_bert_base_bench_or_the_one_node_run(tmp_
     assert len(rows) == 6
     bench_json = tmp_path / "glue_single_node-bert-base.json"
     bench_json.write_text(json.dumps({"batch": 32, "cpu": "cpu: X", "configs": {
-        "default": {"samples_per_second": 5.0, "threads": 2}}}))
+        "default": {"samples_per_second": 5.0, "threads": 2, "precision": "bf16"},
+        "fp32": {"samples_per_second": 2.0, "threads": 2, "precision": "fp32"}}}))
     measured, rows = bench.seeds_prediction([run], bench_json)
     assert (measured.samples_per_s, measured.cores) == (5.0, 2) and "cpu: X" in measured.source
-    assert rows[0]["node_samples_per_s"] == pytest.approx(5.0 * 32 / 2)
+    assert measured.fp32_samples_per_s == 2.0
+    assert rows[0]["instance_type"] == "c6i.16xlarge" and rows[0]["node_samples_per_s"] == pytest.approx(2.0 * 32 / 2)
+    assert rows[3]["instance_type"] == "r7iz.16xlarge" and rows[3]["node_samples_per_s"] == pytest.approx(5.0 * 32 / 2)
