@@ -10,10 +10,19 @@ from pathlib import Path
 import boto3
 
 ROOT = Path(__file__).resolve().parent.parent
-# The services fab's own code makes clients for (core/ec2.py aws_client; cluster/sweep.py's table).
-SERVICES = ("ec2", "autoscaling", "iam", "imagebuilder", "logs")
-# Code fab runs with the operator's credentials: fab tasks, discovery, sweep, the cost lookup, doctor.
-FAB_CODE = ("cluster", "core", "launch", "doctor", "infra/cost.py", "fabfile.py")
+# The services fab's own code makes clients for (core/ec2.py aws_client; cluster/sweep.py's table; the store).
+SERVICES = ("ec2", "autoscaling", "iam", "imagebuilder", "logs", "s3")
+# Code fab runs with the operator's credentials: fab tasks, discovery, sweep, the cost lookup, doctor, and the
+# store's client (training/store.py), which fab pull, fab runs, doctor's store row and resuming use at home.
+FAB_CODE = ("cluster", "core", "launch", "doctor", "infra/cost.py", "fabfile.py", "training/store.py")
+# S3 operations whose IAM action has another name (the S3 user guide's table of actions per operation).
+S3_ACTION_OF = {"ListObjectsV2": "ListBucket", "HeadBucket": "ListBucket", "HeadObject": "GetObject",
+                "DeleteObjects": "DeleteObject", "ListObjectVersions": "ListBucketVersions",
+                "ListBuckets": "ListAllMyBuckets", "CreateMultipartUpload": "PutObject", "UploadPart": "PutObject",
+                "CompleteMultipartUpload": "PutObject"}
+# boto3's transfer methods (not in the service model) and what they call; the store tags checkpoints on upload
+TRANSFER = {"upload_file": {"s3:PutObject", "s3:PutObjectTagging", "s3:AbortMultipartUpload"},
+            "download_file": {"s3:GetObject"}}
 
 
 def fab_actions() -> set[str]:
@@ -22,7 +31,13 @@ def fab_actions() -> set[str]:
     for service in SERVICES:
         client = session.client(service)
         for method, op in client.meta.method_to_api_mapping.items():
+            if service == "s3":
+                op = S3_ACTION_OF.get(op, op)
             methods.setdefault(method, set()).add(f"{client.meta.service_model.signing_name}:{op}")
+    for method, actions in TRANSFER.items():
+        methods.setdefault(method, set()).update(actions)
+    # fab sweep deletes a store bucket's every version, which needs the versions' own action
+    methods["list_object_versions"].add("s3:DeleteObjectVersion")
     files = [p for entry in FAB_CODE for p in ((ROOT / entry).rglob("*.py") if (ROOT / entry).is_dir()
                                                 else [ROOT / entry])]
     names = {m.group(1) for f in files for m in re.finditer(r'[."]([a-z][a-z0-9_]+)[("]', f.read_text())}
@@ -35,6 +50,7 @@ def test_policy_allows_every_call_fab_makes_and_nothing_wildcard():
                for a in ([st["Action"]] if isinstance(st["Action"], str) else st["Action"])}
     needed = fab_actions()
     assert "ec2:CreateTags" in needed and "ec2:DescribeInstances" in needed  # the scan sees discovery
+    assert {"s3:GetObject", "s3:ListBucket", "s3:ListAllMyBuckets", "s3:DeleteBucket"} <= needed  # store, sweep
     missing = sorted(needed - allowed)
     assert not missing, f"docs/iam-policy.json lacks {missing}"
     assert not [a for a in allowed if "*" in a]
