@@ -33,8 +33,12 @@ def sweep_script(run_id: str) -> str:
 
 # Every run id with a live process on the node, with its process count: "run <id> <count>". Only processes in
 # the node's own network namespace count: a network twin's nodes share this machine's processes, not its network.
+# A local node's sessions carry XC_HOME (its sshd sets it), and so do the ranks started through them: there only
+# processes with the same XC_HOME count, not those of another local cluster on the same machine.
 RUNS_ALIVE = ("for e in /proc/[0-9]*/environ; do [ \"${e%environ}ns/net\" -ef /proc/$$/ns/net ] || continue; "
-              "{ tr '\\0' '\\n' < \"$e\"; } 2>/dev/null | grep -m1 '^XC_RUN_ID='; "
+              "env=$(tr '\\0' '\\n' < \"$e\" 2>/dev/null) || continue; "
+              "[ -z \"${XC_HOME:-}\" ] || printf '%s\\n' \"$env\" | grep -qxF \"XC_HOME=$XC_HOME\" || continue; "
+              "printf '%s\\n' \"$env\" | grep -m1 '^XC_RUN_ID='; "
               "done | sort | uniq -c | while read n kv; do echo \"run ${kv#XC_RUN_ID=} $n\"; done; true")
 
 

@@ -97,6 +97,10 @@ def end(r: Run, o: Outcome, say) -> RunResult:
     extra: dict = {}
     if o.exit_code != 0:
         swept = r.sweep()
+        if len(o.finished) != r.plan.world_size:  # the job did not publish its outputs itself
+            from launch import store_run
+
+            store_run.publish_outputs(r)
         node, reason = o.watch_failure or failed_rank(o.lines, r.plan)
         # oneCCL may abort a rank during interpreter shutdown: once every rank has finished its work
         # and rank 0's results are written, the run counts, and the record says what happened after.

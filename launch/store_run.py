@@ -32,3 +32,21 @@ def has_checkpoint(req: TrainRequest, run_id: str) -> bool:
     except ClusterError as exc:
         log.warning("%s", exc)
         return False
+
+
+def publish_outputs(r) -> None:
+    """[store] A run that ends without its job's own publish (a failure): the outputs that came home to
+    runs/<id>/output/ (small: metrics, state, logs; weights only if fetched) into the store beside its records.
+    From here, not node 0: the run's secrets, the only credentials a node off AWS has, are gone by now. Never
+    raises: the run's ending is recorded whatever the store does."""
+    from training import store as training_store
+
+    url = (r.record.env or {}).get("XC_STORE")
+    if not url:
+        return
+    try:
+        sent = training_store.publish_output(r.run_dir / "output", url, r.run_id)
+        if sent is not None:
+            log.info("the failed run's outputs are in the store %s (%.1f MB)", url, sent / 1e6)
+    except training_store.StoreError as exc:
+        log.warning("the failed run's outputs did not reach the store: %s", exc)

@@ -372,15 +372,17 @@ def test_one_run_at_a_time_and_an_orphaned_run_is_found_and_stopped(cluster2, tm
     assert after.returncode == 0, after.stdout[-2000:] + after.stderr[-2000:]
 
 
-def _pids_of_node(cmd_part: str, node: str) -> list[int]:
-    """PIDs whose command line holds cmd_part and whose environment says they run on local node `node`."""
+def _pids_of_node(cmd_part: str, node: str, lc) -> list[int]:
+    """PIDs whose command line holds cmd_part and whose environment says they run on node `node` of local cluster
+    `lc` (XC_HOME, which its sshd sets: not another worker's cluster on this machine)."""
     found = []
+    home = f"XC_HOME={lc.state}/nodes/{node}/home".encode()
     for pid in processes_with_cmdline(cmd_part):
         try:
             env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
         except OSError:
             continue
-        if f"XC_NODE={node}".encode() in env:
+        if f"XC_NODE={node}".encode() in env and home in env:
             found.append(pid)
     return found
 
@@ -394,7 +396,7 @@ def test_a_dead_mpi_proxy_ends_the_run_within_a_minute_naming_its_node(cluster2,
         try:
             running.wait_for("started", 240, count=2)
             run_id = (cluster2.run_dirs() - before).pop()
-            proxies = _pids_of_node("hydra_pmi_proxy", "node1")
+            proxies = _pids_of_node("hydra_pmi_proxy", "node1", cluster2)
             assert proxies, f"node1's hydra_pmi_proxy not found; fab said: {running.stdout[-2000:]}"
             killed = time.monotonic()
             for pid in proxies:

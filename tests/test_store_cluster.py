@@ -105,3 +105,34 @@ def test_doctor_has_a_store_row_per_node(cluster2, aws_env, monkeypatch):  # noq
     assert bad.returncode == 1 and [r[0] for r in rows] == ["FAIL", "FAIL"]
     assert rows[0][1].startswith("store s3://xc-no-such-store/p: the bucket does not exist")
     assert "(fix: create it ('pulumi up' makes the stack's)" in bad.stderr
+
+
+FAILS_AFTER_WRITING = """import os, pathlib, time
+out = pathlib.Path(os.environ["XC_OUTPUT_DIR"])
+out.mkdir(parents=True, exist_ok=True)
+if os.environ["RANK"] == "0":
+    (out / "partial_metrics.json").write_text('{"step": 7}')
+    time.sleep(60)
+time.sleep(3)
+raise SystemExit("rank 1 gives up")
+"""
+
+
+@pytest.mark.cluster
+def test_a_failed_runs_outputs_and_records_reach_the_store(cluster2, aws_env, monkeypatch, tmp_path):  # noqa: F811
+    """Outputs go to the store whatever the ending: what came home of a failed run goes beside its records."""
+    monkeypatch.setenv("XC_S3_ENDPOINT_URL", aws_env)
+    client("s3").create_bucket(Bucket="xc-failed-store")
+    store = "s3://xc-failed-store/cl"
+    script = tmp_path / "fails.py"
+    script.write_text(FAILS_AFTER_WRITING)
+    before = cluster2.run_dirs()
+    res = cluster2.fab("train", "--nodes", "2", "--store", store, "--script", str(script), timeout=300)
+    assert res.returncode == 1, res.stdout[-2000:] + res.stderr[-2000:]
+    run_id = (cluster2.run_dirs() - before).pop()
+    keys = {o["Key"] for o in client("s3").list_objects_v2(Bucket="xc-failed-store",
+                                                           Prefix=f"cl/runs/{run_id}/").get("Contents", [])}
+    assert f"cl/runs/{run_id}/output/partial_metrics.json" in keys, sorted(keys)
+    assert {f"cl/runs/{run_id}/summary.json", f"cl/runs/{run_id}/log.txt"} <= keys
+    assert json.loads(client("s3").get_object(Bucket="xc-failed-store", Key=f"cl/runs/{run_id}/summary.json")[
+        "Body"].read())["status"] == "failed"
