@@ -437,3 +437,30 @@ def test_a_rank_that_dies_while_its_child_holds_its_output_ends_the_run_quickly(
     run_id = (cluster2.run_dirs() - before).pop()
     assert last.startswith(f"error: run {run_id} failed") and "node1" in last, last
     assert processes_with_env(f"XC_RUN_ID={run_id}") == []
+
+
+def test_a_local_node_counts_only_its_own_clusters_runs(cluster2, tmp_path, monkeypatch):
+    """Local clusters share this machine's processes: a run on one is not 'on' another's nodes (doctor's runs
+    row, fab status, the one-run-at-a-time lock all ask cleanup.runs_alive)."""
+    from cluster.resolve import open_cluster
+    from launch.cleanup import runs_alive
+
+    quiet = tmp_path / "quiet.py"
+    quiet.write_text("import time\nprint('started', flush=True)\ntime.sleep(600)\n")
+    other = start_cluster(tmp_path / "other", 2)  # own cluster: the one that must not see cluster2's run
+    before = cluster2.run_dirs()
+    try:
+        with cluster2.start("train", "--nodes", "2", "--script", str(quiet), merge=True) as running:
+            running.wait_for("started", 240, count=2)
+            run_id = (cluster2.run_dirs() - before).pop()
+            for key, value in cluster2.env.items():
+                monkeypatch.setenv(key, value)
+            assert runs_alive(open_cluster().nodes) == {run_id: {"node0": 1, "node1": 1}}
+            for key, value in other.env.items():
+                monkeypatch.setenv(key, value)
+            assert runs_alive(open_cluster().nodes) == {}
+            running.signal(signal.SIGINT)
+            assert running.finish(120).returncode == 130
+    finally:
+        other.fab("local-down", timeout=60)
+    assert processes_with_env(f"XC_RUN_ID={run_id}") == []
