@@ -20,6 +20,19 @@ ROOT = Path(__file__).resolve().parent.parent
 FAB = [sys.executable, "-m", "fabric"]
 
 
+# The files that take minutes, longest first: make test spreads files over parallel workers in collection order,
+# and a long file that starts last is the whole suite's tail. Every other file keeps its place after these.
+LONG_FILES = ("test_cluster.py", "test_jobs.py", "test_spot.py", "test_restarts.py", "test_store_cluster.py",
+              "test_group_termination.py", "test_loss_scale.py", "test_runs.py", "test_supervisor.py",
+              "test_bench_kube.py", "test_setup_doctor.py", "test_slow_login.py", "test_workdir.py",
+              "test_user_scripts.py", "test_netns.py", "test_ccl_path.py")
+
+
+def pytest_collection_modifyitems(config, items):
+    rank = {name: i for i, name in enumerate(LONG_FILES)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(LONG_FILES)))  # stable: a file's own order stays
+
+
 def _port_free(port: int, hosts) -> bool:
     for host in hosts:
         with socket.socket() as s:

@@ -66,14 +66,17 @@ def test_in_the_job_avx512_bf16_alone_or_a_capped_onednn_measures(monkeypatch):
 
 @pytest.mark.skipif(not ({"amx_bf16", "avx512_bf16"} & dist.cpu_flags()), reason="this CPU has no bf16 instructions")
 def test_a_real_measurement_picks_fp32_where_bf16_matmuls_are_slow():
-    # oneDNN capped at AVX512_CORE converts bf16 for fp32 FMAs: 0.2x fp32 on Sapphire Rapids
-    code = ("from training import dist, mfu; s = mfu.bf16_speedup(); "
-            "print(f'speedup={s:.3f} precision={dist.resolve_precision(\"auto\")}')")
-    env = {**os.environ, "ONEDNN_MAX_CPU_ISA": "AVX512_CORE", "PYTHONPATH": str(ROOT), "XC_PRECISION": ""}
+    # oneDNN capped at AVX2 has no bf16 instructions and emulates them: ~0.006x fp32 on an AMD EPYC with
+    # AVX512-BF16 (AVX512_CORE, 0.2x on Sapphire Rapids, was 0.8x there: too near 1 for a machine under load).
+    # The decision is checked against the measurement it made itself.
+    code = ("from training import dist, mfu\nmeasure, seen = mfu.bf16_speedup, []\n"
+            "mfu.bf16_speedup = lambda: seen.append(measure()) or seen[-1]\n"
+            "precision = dist.resolve_precision('auto')\nprint(f'speedup={seen[0]:.3f} precision={precision}')")
+    env = {**os.environ, "ONEDNN_MAX_CPU_ISA": "AVX2", "PYTHONPATH": str(ROOT), "XC_PRECISION": ""}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120,
                          check=True).stdout
     speedup = float(out.split("speedup=")[1].split()[0])
-    assert 0 < speedup < 1 and out.strip().endswith("precision=fp32"), out
+    assert 0 < speedup < 0.5 and out.strip().endswith("precision=fp32"), out
 
 
 RANK_PY = """
