@@ -68,9 +68,10 @@ def test_in_the_job_avx512_bf16_alone_or_a_capped_onednn_measures(monkeypatch):
 def test_a_real_measurement_picks_fp32_where_bf16_matmuls_are_slow():
     # oneDNN capped at AVX2 has no bf16 instructions and emulates them: ~0.006x fp32 on an AMD EPYC with
     # AVX512-BF16 (AVX512_CORE, 0.2x on Sapphire Rapids, was 0.8x there: too near 1 for a machine under load).
-    # The decision is checked against the measurement it made itself.
+    # The decision is checked against the measurement it made itself, at a smaller shape than BERT-base's FFN
+    # (emulated bf16 takes seconds a matmul there, minutes on a loaded machine).
     code = ("from training import dist, mfu\nmeasure, seen = mfu.bf16_speedup, []\n"
-            "mfu.bf16_speedup = lambda: seen.append(measure()) or seen[-1]\n"
+            "mfu.bf16_speedup = lambda: seen.append(measure(rows=256, d=256, ffn=1024)) or seen[-1]\n"
             "precision = dist.resolve_precision('auto')\nprint(f'speedup={seen[0]:.3f} precision={precision}')")
     env = {**os.environ, "ONEDNN_MAX_CPU_ISA": "AVX2", "PYTHONPATH": str(ROOT), "XC_PRECISION": ""}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120,
