@@ -140,10 +140,15 @@ class FabProcess:
             self.proc.wait()
 
 
+def progress_steps(text: str) -> list[int]:
+    """The steps of every '[progress] step N/M' line in `text`."""
+    return [int(s) for s in re.findall(r"\[progress\] step (\d+)/", text)]
+
+
 def progress_step(line: str) -> int | None:
-    """The step of a '[progress] step N' line, else None."""
-    m = re.search(r"\[progress\] step (\d+)", line)
-    return int(m.group(1)) if m else None
+    """The step of a '[progress] step N/M' line, else None."""
+    steps = progress_steps(line)
+    return steps[0] if steps else None
 
 
 def fab_in_process(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:

@@ -7,7 +7,7 @@ import re
 import time
 
 import pytest
-from conftest import processes_with_env, progress_step
+from conftest import processes_with_env, progress_step, progress_steps
 from fake_imds import FakeIMDS
 
 from launch import records
@@ -81,9 +81,6 @@ def test_home_checkpoints_skip_partial_transfers(tmp_path):
 ARGS = DEMO_ARGS  # 800 pairs x 2 epochs: enough steps for the model to learn, so accuracies compare
 
 
-def _progress_steps(text: str) -> list[int]:
-    return [int(s) for s in re.findall(r"\[progress\] step (\d+)/", text)]
-
 
 @pytest.mark.cluster
 @pytest.mark.slow
@@ -122,7 +119,7 @@ def test_notice_checkpoints_home_and_resume_finishes_like_an_uninterrupted_run(c
     res = cluster2.fab("train", "--resume", run_id, timeout=900)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     resumed = (cluster2.run_dirs() - before - {run_id}).pop()
-    assert min(_progress_steps(res.stdout)) > step  # no step trained twice beyond the checkpoint
+    assert min(progress_steps(res.stdout)) > step  # no step trained twice beyond the checkpoint
     results = json.loads((cluster2.runs / resumed / "results.json").read_text())
     assert results["resumed_from_step"] == step
     rsum = records.load(cluster2.runs / resumed).to_json()
@@ -141,7 +138,7 @@ def test_notice_checkpoints_home_and_resume_finishes_like_an_uninterrupted_run(c
     assert "resuming on 1 rank(s) instead of 2: gradient accumulation 1 -> 2 keeps the global batch at 16" in one.stdout
     totals = {int(t) for t in re.findall(r"\[progress\] step \d+/(\d+)", res.stdout + one.stdout)}
     assert len(totals) == 1, totals
-    assert min(_progress_steps(one.stdout)) > step
+    assert min(progress_steps(one.stdout)) > step
     single = (cluster2.run_dirs() - before - {run_id, resumed}).pop()
     ssum = records.load(cluster2.runs / single).to_json()
     assert ssum["world_size"] == 1 and ssum["resumed_from"] == {"run_id": run_id, "step": step}

@@ -8,7 +8,7 @@ import re
 import shutil
 
 import pytest
-from conftest import progress_step
+from conftest import progress_step, progress_steps
 from fake_imds import FakeIMDS
 from moto_fixture import aws_env, client, moto_server  # noqa: F401
 
@@ -21,9 +21,6 @@ BUCKET = "xc-cluster-store"
 ARGS = ["--num_train_epochs", "4", "--per_device_train_batch_size", "8", "--learning_rate", "1e-4",
         "--max_train_samples", "400", "--seed", "42"]
 
-
-def _steps(text: str) -> list[int]:
-    return [int(s) for s in re.findall(r"\[progress\] step (\d+)/", text)]
 
 
 def test_preempted_to_s3_resumed_from_s3_and_pulled(cluster2, aws_env, monkeypatch, tmp_path):  # noqa: F811
@@ -64,7 +61,7 @@ def test_preempted_to_s3_resumed_from_s3_and_pulled(cluster2, aws_env, monkeypat
 
     res = cluster2.fab("train", "--resume", run_id, "--store", store, timeout=900)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
-    assert min(_steps(res.stdout)) > step
+    assert min(progress_steps(res.stdout)) > step
     resumed = (cluster2.run_dirs() - before - {run_id}).pop()
     assert json.loads((cluster2.runs / resumed / "results.json").read_text())["resumed_from_step"] == step
     assert not home_ckpts.exists() and not (cluster2.runs / resumed / "checkpoints").exists()

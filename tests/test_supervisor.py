@@ -10,7 +10,7 @@ import signal
 import time
 
 import pytest
-from conftest import fab, processes_with_env, start_cluster
+from conftest import fab, processes_with_env, progress_steps, start_cluster
 from fake_imds import FakeIMDS
 
 from launch import records
@@ -33,7 +33,7 @@ def _steps(run_dir) -> list[int]:
         text = (run_dir / "log.txt").read_text(errors="replace")
     except OSError:
         return []
-    return [int(s) for s in re.findall(r"\[progress\] step (\d+)/", text)]
+    return progress_steps(text)
 
 
 @pytest.mark.cluster
