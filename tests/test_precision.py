@@ -80,6 +80,20 @@ def test_a_real_measurement_picks_fp32_where_bf16_matmuls_are_slow():
     assert 0 < speedup < 0.5 and out.strip().endswith("precision=fp32"), out
 
 
+
+def test_emulated_bf16_is_told_at_a_few_rows_not_timed_at_the_full_shape():
+    # oneDNN capped at AVX2 emulates bf16 on any x86 CPU: one matmul at BERT-base's FFN shape then takes seconds
+    # (minutes for the two timed windows on a loaded machine). The 32-row look answers, and nothing else runs.
+    code = ("from training import mfu\nmeasure, shapes = mfu.matmul_flops, []\n"
+            "mfu.matmul_flops = lambda dt, rows, *a, **k: shapes.append(rows) or measure(dt, rows, *a, **k)\n"
+            "print(f'speedup={mfu.bf16_speedup():.4f} rows={shapes}')")
+    env = {**os.environ, "ONEDNN_MAX_CPU_ISA": "AVX2", "PYTHONPATH": str(ROOT)}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120,
+                         check=True).stdout
+    speedup = float(out.split("speedup=")[1].split()[0])
+    assert 0 < speedup < mfu.EMULATED and out.strip().endswith("rows=[32, 32]"), out
+
+
 RANK_PY = """
 import os, sys
 import torch.distributed as tdist

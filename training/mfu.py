@@ -9,12 +9,12 @@ import time
 PEAK_SECONDS = 1.0
 
 
-def matmul_flops(dtype, rows: int, d: int, ffn: int, seconds: float = PEAK_SECONDS) -> float:
+def matmul_flops(dtype, rows: int, d: int, ffn: int, seconds: float = PEAK_SECONDS, warmup: int = 3) -> float:
     """FLOP/s of (rows x d) @ (d x ffn) on this process's threads."""
     import torch
 
     a, b = torch.randn(rows, d, dtype=dtype), torch.randn(d, ffn, dtype=dtype)
-    for _ in range(3):
+    for _ in range(warmup):
         torch.matmul(a, b)
     count, start = 0, time.perf_counter()
     while time.perf_counter() - start < seconds:
@@ -23,11 +23,21 @@ def matmul_flops(dtype, rows: int, d: int, ffn: int, seconds: float = PEAK_SECON
     return 2 * rows * d * ffn * count / (time.perf_counter() - start)
 
 
+# Below this at a few rows, bf16 is emulated (no bf16 instructions reach oneDNN): at the full shape one emulated
+# matmul takes seconds, and the timing would take minutes to say the same
+EMULATED = 0.2
+
+
 def bf16_speedup(rows: int = 2048, d: int = 768, ffn: int = 3072, rounds: int = 2, seconds: float = 0.15) -> float:
     """bf16 over fp32 matmul FLOP/s on this process's threads (BERT-base's FFN shape), the best of `rounds`
-    alternating windows each: what precision auto weighs where no AMX settles it."""
+    alternating windows each: what precision auto weighs where no AMX settles it. A first look at 32 rows
+    answers at once where bf16 is emulated (a CPU whose flags claim more than it has, oneDNN capped)."""
     import torch
 
+    small = (matmul_flops(torch.bfloat16, 32, d, ffn, seconds / 3, warmup=1)
+             / matmul_flops(torch.float32, 32, d, ffn, seconds / 3, warmup=1))
+    if small < EMULATED:
+        return small
     best = {torch.bfloat16: 0.0, torch.float32: 0.0}
     for _ in range(rounds):
         for dtype, top in list(best.items()):
