@@ -228,8 +228,13 @@ def main() -> None:
     else:
         real, padded = padding_bound(a.samples)
     tokens = round(real / a.samples)
-    before = {p: matmul_peak(p, d=shape.width, ffn=shape.ffn) for p in ("bf16", "fp32")}
-    ceiling_before = {p: matmul_ceiling(p, a.batch, tokens, shape=a.model_shape) for p in ("bf16", "fp32")}
+    # bf16 only where the runs can be bf16: emulated bf16 (no bf16 instructions) times at ~1 GFLOP/s, minutes
+    from training.dist import cpu_flags
+
+    has_bf16 = bool({"amx_bf16", "avx512_bf16"} & cpu_flags())
+    wanted = ("bf16", "fp32") if has_bf16 or "bf16" in a.levers.split(",") else ("fp32",)
+    before = {p: matmul_peak(p, d=shape.width, ffn=shape.ffn) for p in wanted}
+    ceiling_before = {p: matmul_ceiling(p, a.batch, tokens, shape=a.model_shape) for p in wanted}
     print(f"matmul peak before the runs ({load_line()}): "
           + ", ".join(f"{p} {v / 1e9:.0f} GFLOP/s" for p, v in before.items()), flush=True)
     configs, levers = (CLM_CONFIGS, CLM_LEVERS) if a.model_shape == "gpt2" else (CONFIGS, LEVERS)
@@ -261,10 +266,10 @@ def main() -> None:
         r["eval_accuracy_per_run"] = [x for x, _ in accs[name]]
     per_token = model_flops_per_token(real / a.samples, a.model_shape)
     # measured before the runs and after them, the best of both: a peak measured in a slow minute would flatter MFU
-    peaks = {p: max(before[p], matmul_peak(p, d=shape.width, ffn=shape.ffn))
+    peaks = {p: max(before.get(p, 0.0), matmul_peak(p, d=shape.width, ffn=shape.ffn))
              for p in sorted({r["precision"] for r in rows.values()})}
     default_row = rows.get("default", rows["seeds"])
-    ceiling = max(ceiling_before[default_row["precision"]],
+    ceiling = max(ceiling_before.get(default_row["precision"], 0.0),
                   matmul_ceiling(default_row["precision"], a.batch, tokens, shape=a.model_shape))
     base = rows["seeds"]["samples_per_second"]
     what = ("clm job, GPT-2 small shape (random weights), {n} blocks of 1024 tokens" if a.model_shape == "gpt2" else
