@@ -80,7 +80,6 @@ def test_a_real_measurement_picks_fp32_where_bf16_matmuls_are_slow():
     assert 0 < speedup < 0.5 and out.strip().endswith("precision=fp32"), out
 
 
-
 def test_emulated_bf16_is_told_at_a_few_rows_not_timed_at_the_full_shape():
     # oneDNN capped at AVX2 emulates bf16 on any x86 CPU: one matmul at BERT-base's FFN shape then takes seconds
     # (minutes for the two timed windows on a loaded machine). The 32-row look answers, and nothing else runs.
