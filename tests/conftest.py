@@ -1,6 +1,7 @@
 """Shared fixtures: a real local cluster (sshd on loopback) in a private state folder."""
 from __future__ import annotations
 
+import json
 import os
 import random
 import re
@@ -211,6 +212,34 @@ def cluster2(tmp_path_factory):
     lc = start_cluster(tmp_path_factory.mktemp("cluster2"), 2)
     yield lc
     fab("local-down", env=lc.env, timeout=60)
+
+
+@pytest.fixture(scope="session")
+def uninterrupted_demo(cluster2, tmp_path_factory) -> Callable[[], dict]:
+    """One uninterrupted 2-node run of the demo's arguments (--save-every 0), trained once per `make test` and
+    shared: test_cluster checks that it learned and recorded everything, test_spot compares a resumed run's
+    accuracy with it. Call it where the run is needed: whichever xdist worker calls first trains it on its
+    cluster, a later call reads it (waiting on the lock while another worker trains it).
+    The call returns the fab result (returncode, stdout, stderr) and the run's folder."""
+    from filelock import FileLock
+
+    from launch.run import DEMO_ARGS
+
+    base = tmp_path_factory.getbasetemp()
+    shared = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base  # workers' temp folders are siblings
+    done = shared / "uninterrupted-demo.json"
+
+    def get() -> dict:
+        with FileLock(str(done) + ".lock"):
+            if not done.is_file():
+                before = cluster2.run_dirs()
+                res = cluster2.fab("train", "--nodes", "2", "--save-every", "0", "--", *DEMO_ARGS, timeout=900)
+                new = sorted(cluster2.run_dirs() - before)
+                done.write_text(json.dumps({"returncode": res.returncode, "stdout": res.stdout, "stderr": res.stderr,
+                                            "run_dir": str(cluster2.runs / new[0]) if len(new) == 1 else None}))
+            return json.loads(done.read_text())
+
+    return get
 
 
 def processes_with_env(needle: str, prefix: bool = False) -> list[int]:

@@ -17,8 +17,6 @@ from launch.run import DEMO_ARGS
 
 pytestmark = pytest.mark.cluster
 
-# The demo's own flags: the test asserts the model learned something, which takes ~100 steps.
-LEARN_ARGS = DEMO_ARGS
 TINY_ARGS = ["--num_train_epochs", "1", "--per_device_train_batch_size", "8", "--max_train_samples", "32",
              "--max_eval_samples", "32"]
 
@@ -78,19 +76,18 @@ def test_the_probe_times_bf16_against_fp32_only_where_amx_does_not_settle_it(clu
 
 
 @pytest.mark.slow
-def test_two_node_glue_run_learns_and_records_everything(cluster2):
-    before = cluster2.run_dirs()  # other tests share this cluster's runs folder
-    res = cluster2.fab("train", "--nodes", "2", "--job", "glue", "--", *LEARN_ARGS, timeout=900)
-    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
-    out = res.stdout
+def test_two_node_glue_run_learns_and_records_everything(uninterrupted_demo):
+    res = uninterrupted_demo()  # the demo's arguments on 2 nodes (glue, the default job), shared with test_spot
+    assert res["returncode"] == 0 and res["run_dir"], res["stdout"][-3000:] + res["stderr"][-3000:]
+    out = res["stdout"]
     # every rank's start-up line, prefixed with rank and host, streamed through
     assert "[0 node0] rank 0/2" in out and "[1 node1] rank 1/2" in out
     assert "backend=gloo" in out
     assert "[0 node0] [progress] step" in out
-    run_dir = cluster2.runs / (cluster2.run_dirs() - before).pop()
+    run_dir = Path(res["run_dir"])
     results = json.loads((run_dir / "results.json").read_text())
     summary = records.load(run_dir).to_json()
-    assert results["world_size"] == 2 and results["backend"] == "gloo"
+    assert results["world_size"] == 2 and results["backend"] == "gloo" and results["job"] == "glue"
     ev = results["eval"]
     assert ev["eval_accuracy"] > ev["eval_majority_rate"] + 0.05, ev
     assert results["train"]["train_samples_per_second"] > 0

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import re
 import time
+from pathlib import Path
 
 import pytest
 from conftest import processes_with_env, progress_step, progress_steps
@@ -84,7 +85,7 @@ ARGS = DEMO_ARGS  # 800 pairs x 2 epochs: enough steps for the model to learn, s
 
 @pytest.mark.cluster
 @pytest.mark.slow
-def test_notice_checkpoints_home_and_resume_finishes_like_an_uninterrupted_run(cluster2):
+def test_notice_checkpoints_home_and_resume_finishes_like_an_uninterrupted_run(cluster2, uninterrupted_demo):
     imds = FakeIMDS()
     before = cluster2.run_dirs()
     try:
@@ -145,10 +146,9 @@ def test_notice_checkpoints_home_and_resume_finishes_like_an_uninterrupted_run(c
     accum = ssum["args"].index("--gradient_accumulation_steps")
     assert ssum["args"][accum + 1] == "2" and ssum["args"].count("--gradient_accumulation_steps") == 1
 
-    full = cluster2.fab("train", "--nodes", "2", "--save-every", "0", "--", *ARGS, timeout=900)
-    assert full.returncode == 0
-    straight = json.loads((cluster2.runs / (cluster2.run_dirs() - before - {run_id, resumed, single}).pop()
-                           / "results.json").read_text())
+    full = uninterrupted_demo()  # the same arguments on 2 nodes, --save-every 0: trained once, shared with test_cluster
+    assert full["returncode"] == 0 and full["run_dir"], full["stderr"][-3000:]
+    straight = json.loads((Path(full["run_dir"]) / "results.json").read_text())
     acc, ref = results["eval"]["eval_accuracy"], straight["eval"]["eval_accuracy"]
     print(f"eval accuracy: resumed {acc:.4f}, uninterrupted {ref:.4f}")
     assert ref > straight["eval"]["eval_majority_rate"] + 0.05  # it learned, so the comparison means something
