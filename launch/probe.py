@@ -116,6 +116,6 @@ def resolve_precision(requested: str, facts: list[NodeFacts]) -> str:
     if requested == "bf16":
         slow = [f.node.name for f in facts if not f.topo.bf16]
         if slow:
-            log.warning("bf16 requested but %s have neither AMX nor AVX512-BF16: it will be emulated (slow)",
-                        ", ".join(slow))
+            log.warning("bf16 requested but node(s) %s have neither AMX nor AVX512-BF16: oneDNN emulates it there, at about 1%% "
+                        "of fp32's matmul speed on an AVX2-only EPYC; use --precision auto or fp32", ", ".join(slow))
     return requested

@@ -36,6 +36,11 @@ def test_auto_is_bf16_only_where_every_node_runs_bf16_matmuls_faster(caplog):
     assert "precision auto: fp32; bf16 matmuls against fp32 ones timed on n0 1.90x, n1 0.58x" in caplog.text
     # what the user asked for stands, measured or not
     assert probe.resolve_precision("bf16", [facts("n0", AVX512_BF16, 0.58)]) == "bf16"
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):  # stands, but a CPU without bf16 instructions is told, with the fix
+        assert probe.resolve_precision("bf16", [facts("n0", AMX), facts("n1", NO_BF16)]) == "bf16"
+    assert "bf16 requested but node(s) n1 have neither AMX nor AVX512-BF16" in caplog.text
+    assert "use --precision auto or fp32" in caplog.text and "n0" not in caplog.text
     assert probe.resolve_precision("fp32", [facts("n0", AMX)]) == "fp32"
 
 
