@@ -128,6 +128,10 @@ def validate(req: TrainRequest) -> workdir.Workdir | None:
         spot.parse_save_every(req.save_every)
     except ValueError as exc:
         raise ClusterError(f"--save-every: {exc}; e.g. --save-every 10m or --save-every 200") from None
+    try:
+        spot.parse_poll(req.env.get(spot.POLL_ENV))
+    except ValueError as exc:
+        raise ClusterError(f"--env {exc}; pass seconds between 0.1 and 60, e.g. --env {spot.POLL_ENV}=1") from None
     if req.master_port is not None and not 1024 <= req.master_port <= 65535:
         raise ClusterError(f"--master-port {req.master_port} is not a usable TCP port; use 1024..65535, or leave it "
                            "out to get a free one")

@@ -15,8 +15,7 @@ from fake_imds import FakeIMDS
 from launch import records
 from training import spot
 
-ARGS = ["--num_train_epochs", "3", "--per_device_train_batch_size", "8", "--max_train_samples", "400",
-        "--max_eval_samples", "64", "--learning_rate", "1e-4", "--seed", "42"]
+ARGS = FakeIMDS.SHORT_ARGS
 
 
 def test_a_group_termination_is_a_notice_with_its_cause():
@@ -69,7 +68,7 @@ def test_the_node_completes_its_lifecycle_action_with_continue(tmp_path, monkeyp
 
 def _run(cluster, imds, trigger, wait_steps: int = 8):
     """fab train with the fake IMDS; `trigger(imds)` once training reached wait_steps; returns (ended, out, err)."""
-    with cluster.start("train", "--nodes", "2", "--save-every", "0", "--env", f"XC_IMDS_ENDPOINT={imds.url}", "--",
+    with cluster.start("train", "--nodes", "2", "--save-every", "0", *imds.train_env(), "--",
                        *ARGS) as running:
         running.wait_for(lambda line: (progress_step(line) or 0) >= wait_steps, 400)
         trigger(imds)

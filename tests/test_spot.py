@@ -48,6 +48,18 @@ def test_watcher_thread_reports_a_notice_and_stops_quietly_off_aws():
     assert not off.is_alive() and off.notice is None and off.active is False
 
 
+def test_the_poll_interval_comes_from_the_ranks_environment(monkeypatch):
+    monkeypatch.delenv(spot.POLL_ENV, raising=False)
+    assert spot.NoticeWatcher("http://x").interval == spot.POLL_S == 5.0
+    monkeypatch.setenv(spot.POLL_ENV, "0.5")
+    assert spot.NoticeWatcher("http://x").interval == 0.5
+    assert spot.NoticeWatcher("http://x", interval=2).interval == 2
+    for bad in ("often", "0", "61"):
+        monkeypatch.setenv(spot.POLL_ENV, bad)
+        with pytest.raises(ValueError, match=spot.POLL_ENV):
+            spot.NoticeWatcher("http://x")
+
+
 def test_only_complete_checkpoints_count(tmp_path, monkeypatch):
     for step, complete in ((10, True), (20, True), (30, False)):
         d = tmp_path / f"checkpoint-{step}"
@@ -89,8 +101,8 @@ def test_notice_checkpoints_home_and_resume_finishes_like_an_uninterrupted_run(c
     imds = FakeIMDS()
     before = cluster2.run_dirs()
     try:
-        with cluster2.start("train", "--nodes", "2", "--save-every", "0", "--env", f"XC_IMDS_ENDPOINT={imds.url}",
-                            "--", *ARGS) as running:
+        with cluster2.start("train", "--nodes", "2", "--save-every", "0", *imds.train_env(), "--",
+                            *ARGS) as running:
             running.wait_for(lambda line: (progress_step(line) or 0) >= 10, 400)
             imds.interrupt()
             noticed = time.monotonic()

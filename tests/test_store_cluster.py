@@ -17,9 +17,7 @@ from training import spot
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 
 BUCKET = "xc-cluster-store"
-# long enough (100 steps) that a notice at step 8 lands before the end on a fast, quiet machine (5 s polls)
-ARGS = ["--num_train_epochs", "4", "--per_device_train_batch_size", "8", "--learning_rate", "1e-4",
-        "--max_train_samples", "400", "--seed", "42"]
+ARGS = FakeIMDS.SHORT_ARGS
 
 
 
@@ -31,8 +29,8 @@ def test_preempted_to_s3_resumed_from_s3_and_pulled(cluster2, aws_env, monkeypat
     imds = FakeIMDS()
     before = cluster2.run_dirs()
     try:
-        with cluster2.start("train", "--nodes", "2", "--store", store, "--save-every", "0", "--env",
-                            f"XC_IMDS_ENDPOINT={imds.url}", "--", *ARGS) as running:
+        with cluster2.start("train", "--nodes", "2", "--store", store, "--save-every", "0", *imds.train_env(), "--",
+                            *ARGS) as running:
             running.wait_for(lambda line: (progress_step(line) or 0) >= 8, 400)
             imds.interrupt()
             ended = running.finish(300)

@@ -15,7 +15,6 @@ from fake_imds import FakeIMDS
 
 from launch import records
 from launch.records import Status
-from launch.run import DEMO_ARGS
 
 
 def _wait(what: str, check, timeout: float, poll: float = 1.0):
@@ -42,7 +41,7 @@ def test_a_detached_run_survives_fab_kill_9_and_resumes_by_itself(tmp_path):
     lc = start_cluster(tmp_path, 2)  # own cluster: its supervisor outlives the test's fab; the cluster goes with it
     imds = FakeIMDS()
     running = lc.start("train", "--nodes", "2", "--detach", "--max-restarts", "2", "--restart-wait", "300",
-                       "--save-every", "20", "--env", f"XC_IMDS_ENDPOINT={imds.url}", "--", *DEMO_ARGS, merge=True,
+                       "--save-every", "20", *imds.train_env(), "--", *FakeIMDS.SHORT_ARGS, merge=True,
                        new_session=True)
     sup_pid, sup, follow = None, None, None
     try:

@@ -34,12 +34,26 @@ INSTANCE_ID_PATH = "/latest/meta-data/instance-id"
 SPOT_CAUSE, GROUP_CAUSE = "spot interruption", "group termination"
 CLUSTER_ENV = "/etc/xeon-cluster/cluster.env"  # written by the nodes' cloud-init: group and hook names
 TOKEN_TTL_S = 21600
-POLL_S = 5.0
+POLL_S = 5.0  # AWS's advice for instance-action; XC_NOTICE_POLL_S in the ranks' environment changes it
+POLL_ENV = "XC_NOTICE_POLL_S"
 COMPLETE_MARKER = "xc-complete"
 PREEMPTED_TAG = "[preempted]"
 REBALANCE_TAG = "[rebalance]"
 PREEMPTED_EXIT = 75  # EX_TEMPFAIL: try again later
 DEFAULT_SAVE_EVERY = "600s"
+
+
+def parse_poll(value: str | None) -> float:
+    """XC_NOTICE_POLL_S: seconds between IMDS polls, 0.1..60 (default POLL_S)."""
+    if value is None or value == "":
+        return POLL_S
+    try:
+        seconds = float(value)
+    except ValueError:
+        raise ValueError(f"{POLL_ENV}={value!r} is not a number of seconds") from None
+    if not 0.1 <= seconds <= 60:
+        raise ValueError(f"{POLL_ENV}={value} is outside 0.1..60 seconds")
+    return seconds
 
 
 def parse_save_every(value: str | None) -> tuple[str, float]:
@@ -59,13 +73,14 @@ def parse_save_every(value: str | None) -> tuple[str, float]:
 
 
 class NoticeWatcher(threading.Thread):
-    """Polls IMDSv2's spot instance-action every POLL_S seconds. Off AWS, where nothing answers the
-    first token request, it stops at once: no further requests, no cost."""
+    """Polls IMDSv2's spot instance-action every POLL_S seconds (XC_NOTICE_POLL_S). Off AWS, where nothing
+    answers the first token request, it stops at once: no further requests, no cost."""
 
-    def __init__(self, base: str | None = None, interval: float = POLL_S, timeout: float = 2.0):
+    def __init__(self, base: str | None = None, interval: float | None = None, timeout: float = 2.0):
         super().__init__(name="spot-notice", daemon=True)
         self.base = (base or os.environ.get("XC_IMDS_ENDPOINT") or DEFAULT_IMDS).rstrip("/")
-        self.interval, self.timeout = interval, timeout
+        self.interval = interval if interval is not None else parse_poll(os.environ.get(POLL_ENV))
+        self.timeout = timeout
         self.notice: dict | None = None  # with "cause": SPOT_CAUSE or GROUP_CAUSE
         self.rebalance: dict | None = None  # a rebalance recommendation: checkpoint, but no notice
         self.active = True
