@@ -128,3 +128,16 @@ def test_ranks_on_unlike_cpus_agree_on_one_precision_instead_of_hanging():
         for p in ranks:
             p.kill()
     assert "rank 0 precision=fp32" in outs[0] and "rank 1 precision=fp32" in outs[1], outs
+
+
+def test_the_job_peak_is_the_best_window_so_a_core_shared_for_a_moment_does_not_lower_it(monkeypatch):
+    seen = []
+    windows = iter([40e9, 12e9, 41e9, 39e9, 20e9])  # a neighbour took the core in two of the five windows
+
+    def fake(dtype, rows, d, ffn, seconds, warmup):
+        seen.append((seconds, warmup))
+        return next(windows)
+
+    monkeypatch.setattr(mfu, "matmul_flops", fake)
+    assert mfu.peak_flops("fp32", 2048, 384, 1536) == 41e9
+    assert seen == [(mfu.PEAK_SECONDS / 5, 3)] + [(mfu.PEAK_SECONDS / 5, 0)] * 4
