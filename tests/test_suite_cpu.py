@@ -1,0 +1,30 @@
+"""bench/suite_cpu.py: a command's CPU by kind of process and by test, read from /proc."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+from conftest import ROOT
+
+BURN = "import time\nt = time.process_time()\nwhile time.process_time() - t < 2.5: pass\n"
+
+
+def test_it_counts_a_child_that_burns_cpu_under_its_test_and_keeps_the_exit_code(tmp_path):
+    out = tmp_path / "procs.json"
+    res = subprocess.run([sys.executable, str(ROOT / "bench" / "suite_cpu.py"), "--json", str(out), "--",
+                          sys.executable, "-c", BURN + "raise SystemExit(3)"],
+                         capture_output=True, text=True, timeout=60, check=False)
+    assert res.returncode == 3, res.stderr
+    lines = res.stdout.splitlines()
+    assert lines[0].startswith("cpu: ") and lines[1].startswith("wall ")
+    burner = [p for p in json.loads(out.read_text()) if p["argv"][-1:] == [BURN + "raise SystemExit(3)"]]
+    assert len(burner) == 1 and 1.0 <= burner[0]["cpu"] <= 3.0, burner  # seen once a second: up to 1 s lost
+    assert "tests/test_suite_cpu.py::test_it_counts" in burner[0]["test"]
+
+
+def test_it_says_how_to_call_it():
+    res = subprocess.run([sys.executable, str(ROOT / "bench" / "suite_cpu.py")], capture_output=True, text=True,
+                         timeout=60, check=False)
+    assert res.returncode == 2 and res.stderr.strip().splitlines()[-1].endswith(
+        "give the command to measure after --, e.g. -- make test")
