@@ -225,9 +225,7 @@ def uninterrupted_demo(cluster2, tmp_path_factory) -> Callable[[], dict]:
 
     from launch.run import DEMO_ARGS
 
-    base = tmp_path_factory.getbasetemp()
-    shared = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base  # workers' temp folders are siblings
-    done = shared / "uninterrupted-demo.json"
+    done = _shared_dir(tmp_path_factory) / "uninterrupted-demo.json"
 
     def get() -> dict:
         with FileLock(str(done) + ".lock"):
@@ -240,6 +238,37 @@ def uninterrupted_demo(cluster2, tmp_path_factory) -> Callable[[], dict]:
             return json.loads(done.read_text())
 
     return get
+
+
+def _shared_dir(tmp_path_factory) -> Path:
+    base = tmp_path_factory.getbasetemp()
+    return base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base  # workers' temp folders are siblings
+
+
+@pytest.fixture(scope="session")
+def small_model(tmp_path_factory) -> str:
+    """The bundled MiniLM cut to its first encoder layer (same tokenizer, embeddings and first layer's weights):
+    a training step costs ~1/7 of the 6-layer model's. For the runs whose tests are about the run's lifecycle
+    (notices, restarts, stores, supervisors), not about learning; what learns keeps the bundled model.
+    Built once per `make test`, shared by the xdist workers."""
+    from filelock import FileLock
+
+    folder = _shared_dir(tmp_path_factory) / "minilm-1-layer"
+    with FileLock(str(folder) + ".lock"):
+        if not (folder / "config.json").is_file():
+            from transformers import AutoModel, AutoTokenizer
+
+            from training.common import DEFAULT_MODEL, resolve_model
+
+            src = resolve_model(DEFAULT_MODEL)
+            model = AutoModel.from_pretrained(src)
+            model.encoder.layer = model.encoder.layer[:1]
+            model.config.num_hidden_layers = 1
+            tmp = folder.with_name(folder.name + ".partial")
+            model.save_pretrained(tmp)
+            AutoTokenizer.from_pretrained(src).save_pretrained(tmp)
+            tmp.rename(folder)
+    return str(folder)
 
 
 def processes_with_env(needle: str, prefix: bool = False) -> list[int]:

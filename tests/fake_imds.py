@@ -66,10 +66,15 @@ class FakeIMDS:
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
         threading.Thread(target=self.server.serve_forever, daemon=True).start()
 
-    # A run for notice tests: 50 steps on 2 nodes. With 0.5 s polls a notice raised at step ~10 ends it by
-    # step ~12 on this machine, and leaves a resume of ~40 steps to finish.
+    # A run for notice tests: 100 steps on 2 nodes of conftest's 1-layer cut of MiniLM (a step ~1/7 of the bundled
+    # model's). With 0.5 s polls a notice raised at step ~10 ends it within a few steps, leaving a resume of ~80.
     SHORT_ARGS = ("--num_train_epochs", "2", "--per_device_train_batch_size", "8", "--learning_rate", "1e-4",
-                  "--max_train_samples", "400", "--max_eval_samples", "64", "--seed", "42")
+                  "--max_train_samples", "800", "--max_eval_samples", "64", "--seed", "42")
+
+    @staticmethod
+    def short_args(model: str) -> tuple[str, ...]:
+        """SHORT_ARGS training `model` (the small_model fixture's folder)."""
+        return (*FakeIMDS.SHORT_ARGS, "--model_name_or_path", model)
 
     def train_env(self) -> list[str]:
         """fab train's --env flags: the ranks poll this server every 0.5 s (not AWS's 5 s), so a short run

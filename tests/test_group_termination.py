@@ -15,8 +15,6 @@ from fake_imds import FakeIMDS
 from launch import records
 from training import spot
 
-ARGS = FakeIMDS.SHORT_ARGS
-
 
 def test_a_group_termination_is_a_notice_with_its_cause():
     imds = FakeIMDS()
@@ -66,10 +64,10 @@ def test_the_node_completes_its_lifecycle_action_with_continue(tmp_path, monkeyp
         imds.close()
 
 
-def _run(cluster, imds, trigger, wait_steps: int = 8):
+def _run(cluster, imds, trigger, model, wait_steps: int = 8):
     """fab train with the fake IMDS; `trigger(imds)` once training reached wait_steps; returns (ended, out, err)."""
     with cluster.start("train", "--nodes", "2", "--save-every", "0", *imds.train_env(), "--",
-                       *ARGS) as running:
+                       *FakeIMDS.short_args(model)) as running:
         running.wait_for(lambda line: (progress_step(line) or 0) >= wait_steps, 400)
         trigger(imds)
         ended = running.finish(600)
@@ -78,11 +76,11 @@ def _run(cluster, imds, trigger, wait_steps: int = 8):
 
 @pytest.mark.cluster
 @pytest.mark.slow
-def test_a_group_termination_checkpoints_exits_75_names_its_cause_and_resumes(cluster2):
+def test_a_group_termination_checkpoints_exits_75_names_its_cause_and_resumes(cluster2, small_model):
     imds = FakeIMDS()
     before = cluster2.run_dirs()
     try:
-        proc, out, err = _run(cluster2, imds, FakeIMDS.terminate_by_group)
+        proc, out, err = _run(cluster2, imds, FakeIMDS.terminate_by_group, small_model)
     finally:
         imds.close()
     run_id = (cluster2.run_dirs() - before).pop()
@@ -103,11 +101,11 @@ def test_a_group_termination_checkpoints_exits_75_names_its_cause_and_resumes(cl
 
 @pytest.mark.cluster
 @pytest.mark.slow
-def test_a_rebalance_recommendation_checkpoints_while_the_run_goes_on(cluster2):
+def test_a_rebalance_recommendation_checkpoints_while_the_run_goes_on(cluster2, small_model):
     imds = FakeIMDS()
     before = cluster2.run_dirs()
     try:
-        proc, out, err = _run(cluster2, imds, FakeIMDS.recommend_rebalance)
+        proc, out, err = _run(cluster2, imds, FakeIMDS.recommend_rebalance, small_model)
     finally:
         imds.close()
     run_id = (cluster2.run_dirs() - before).pop()

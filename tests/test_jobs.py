@@ -320,15 +320,15 @@ def test_glue_attention_is_eager_for_short_sequences_and_sdpa_for_long_ones():
 
 
 @pytest.mark.slow  # trains the glue job in-process
-def test_glue_bf16_weights_train_with_fp32_masters_and_refuse_fp32(tmp_path):
+def test_glue_bf16_weights_train_with_fp32_masters_and_refuse_fp32(tmp_path, small_model):
     import os
     import subprocess
     import sys
 
-    # two small steps: on a CPU without bf16 instructions bf16 is emulated at ~1 GFLOP/s (3 steps of 8 took ~2 min)
+    # two small steps of the 1-layer model: on a CPU without bf16 instructions bf16 is emulated at ~1 GFLOP/s
     cmd = [sys.executable, "-m", "training.glue", "--max_steps", "2", "--max_train_samples", "16",
            "--per_device_train_batch_size", "4", "--max_eval_samples", "4", "--bf16_weights", "True",
-           "--output_dir", str(tmp_path / "out")]
+           "--model_name_or_path", small_model, "--output_dir", str(tmp_path / "out")]
     bf16 = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, check=False, timeout=600,
                           env={**os.environ, "XC_PRECISION": "bf16"})
     assert bf16.returncode == 0, bf16.stderr[-3000:]

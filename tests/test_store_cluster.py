@@ -17,11 +17,10 @@ from training import spot
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 
 BUCKET = "xc-cluster-store"
-ARGS = FakeIMDS.SHORT_ARGS
 
 
 
-def test_preempted_to_s3_resumed_from_s3_and_pulled(cluster2, aws_env, monkeypatch, tmp_path):  # noqa: F811
+def test_preempted_to_s3_resumed_from_s3_and_pulled(cluster2, aws_env, small_model, monkeypatch, tmp_path):  # noqa: F811
     monkeypatch.setenv("XC_S3_ENDPOINT_URL", aws_env)
     s3 = client("s3")
     s3.create_bucket(Bucket=BUCKET)
@@ -30,7 +29,7 @@ def test_preempted_to_s3_resumed_from_s3_and_pulled(cluster2, aws_env, monkeypat
     before = cluster2.run_dirs()
     try:
         with cluster2.start("train", "--nodes", "2", "--store", store, "--save-every", "0", *imds.train_env(), "--",
-                            *ARGS) as running:
+                            *FakeIMDS.short_args(small_model)) as running:
             running.wait_for(lambda line: (progress_step(line) or 0) >= 8, 400)
             imds.interrupt()
             ended = running.finish(300)

@@ -23,6 +23,18 @@ def test_it_counts_a_child_that_burns_cpu_under_its_test_and_keeps_the_exit_code
     assert "tests/test_suite_cpu.py::test_it_counts" in burner[0]["test"]
 
 
+def test_ranks_are_told_apart_by_job_flags_and_model():
+    sys.path.insert(0, str(ROOT / "bench"))
+    try:
+        import suite_cpu
+    finally:
+        sys.path.pop(0)
+    rank = ["python", "-u", "-m", "training.glue", "--seed", "1", "--model_name_or_path", "/t/minilm-1-layer",
+            "--max_steps", "4", "--output_dir", "o"]
+    assert suite_cpu.kind({"argv": rank, "comm": "python"}) == "rank glue --seed --max_steps --output_dir (minilm-1-layer)"
+    assert suite_cpu.kind({"argv": rank[:6], "comm": "python"}) == "rank glue --seed"
+
+
 def test_it_says_how_to_call_it():
     res = subprocess.run([sys.executable, str(ROOT / "bench" / "suite_cpu.py")], capture_output=True, text=True,
                          timeout=60, check=False)

@@ -37,11 +37,11 @@ def _steps(run_dir) -> list[int]:
 
 @pytest.mark.cluster
 @pytest.mark.slow
-def test_a_detached_run_survives_fab_kill_9_and_resumes_by_itself(tmp_path):
+def test_a_detached_run_survives_fab_kill_9_and_resumes_by_itself(tmp_path, small_model):
     lc = start_cluster(tmp_path, 2)  # own cluster: its supervisor outlives the test's fab; the cluster goes with it
     imds = FakeIMDS()
     running = lc.start("train", "--nodes", "2", "--detach", "--max-restarts", "2", "--restart-wait", "300",
-                       "--save-every", "20", *imds.train_env(), "--", *FakeIMDS.SHORT_ARGS, merge=True,
+                       "--save-every", "20", *imds.train_env(), "--", *FakeIMDS.short_args(small_model), merge=True,
                        new_session=True)
     sup_pid, sup, follow = None, None, None
     try:
