@@ -7,6 +7,7 @@ beat trivial baselines: QA F1 above the first-words baseline, CLM eval loss belo
 from __future__ import annotations
 
 import json
+import os
 import statistics
 from pathlib import Path
 
@@ -24,6 +25,12 @@ QA_ARGS = ["--max_train_samples", "480", "--max_eval_samples", "100", "--max_seq
            "--warmup_steps", "5", "--num_train_epochs", "1", "--seed", "42"]
 CLM_ARGS = ["--max_train_samples", "512", "--max_eval_samples", "64", "--num_train_epochs", "1",
             "--per_device_train_batch_size", "8", "--seed", "42"]
+
+
+def job_env(**extra: str) -> dict:
+    """The environment of a job run in a subprocess here: one thread, as each rank on a local node has; two
+    would spin against the other workers' ranks on this 2-core machine (~25% more CPU for the same run)."""
+    return {**os.environ, "OMP_NUM_THREADS": "1", **extra}
 
 
 @pytest.fixture(scope="module")
@@ -196,7 +203,7 @@ def test_prepare_only_writes_a_folder_that_later_runs_reuse(tmp_path, caplog):
 
     cmd = [sys.executable, "-m", "training.clm", "--prepare_only", "--data_cache_dir", str(tmp_path / "c"),
            "--output_dir", str(tmp_path / "o")]
-    res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, check=False)
+    res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, check=False, env=job_env())
     assert res.returncode == 0, res.stderr[-2000:]
     (folder,) = (tmp_path / "c").iterdir()
     assert f"in {folder}" in res.stdout and (folder / "train.bin").is_file()
@@ -293,7 +300,7 @@ def test_glue_predicts_a_test_file_without_labels_like_run_glue(tmp_path):
     cmd = [sys.executable, "-m", "training.glue", "--max_steps", "3", "--max_train_samples", "48",
            "--max_eval_samples", "16", "--do_predict", "--test_file", str(tmp_path / "test.csv"),
            "--max_predict_samples", "12", "--output_dir", str(out)]
-    res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, check=False, timeout=600)
+    res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, check=False, timeout=600, env=job_env())
     assert res.returncode == 0, res.stderr[-3000:]
     lines = (out / "predict_results_custom.txt").read_text().splitlines()
     assert lines[0] == "index\tprediction"
@@ -304,7 +311,7 @@ def test_glue_predicts_a_test_file_without_labels_like_run_glue(tmp_path):
 
     (tmp_path / "bad.csv").write_text("text\nhello\n")
     bad = subprocess.run([*cmd[:-2], "--test_file", str(tmp_path / "bad.csv"), "--output_dir", str(tmp_path / "o2")],
-                         cwd=ROOT, capture_output=True, text=True, check=False, timeout=600)
+                         cwd=ROOT, capture_output=True, text=True, check=False, timeout=600, env=job_env())
     assert bad.returncode == 2 and "Traceback" not in bad.stderr
     assert bad.stderr.strip().splitlines()[-1].startswith("error: --test_file has columns text but the training "
                                                           "data's text columns are sentence1, sentence2")
@@ -321,7 +328,6 @@ def test_glue_attention_is_eager_for_short_sequences_and_sdpa_for_long_ones():
 
 @pytest.mark.slow  # trains the glue job in-process
 def test_glue_bf16_weights_train_with_fp32_masters_and_refuse_fp32(tmp_path, small_model):
-    import os
     import subprocess
     import sys
 
@@ -330,13 +336,13 @@ def test_glue_bf16_weights_train_with_fp32_masters_and_refuse_fp32(tmp_path, sma
            "--per_device_train_batch_size", "4", "--max_eval_samples", "4", "--bf16_weights", "True",
            "--model_name_or_path", small_model, "--output_dir", str(tmp_path / "out")]
     bf16 = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, check=False, timeout=600,
-                          env={**os.environ, "XC_PRECISION": "bf16"})
+                          env=job_env(XC_PRECISION="bf16"))
     assert bf16.returncode == 0, bf16.stderr[-3000:]
     results = json.loads((tmp_path / "out" / "results.json").read_text())
     assert results["bf16_weights"] is True and results["precision"] == "bf16"
     assert results["train"]["train_loss"] > 0 and results["eval"]["eval_accuracy"] >= 0
     fp32 = subprocess.run([*cmd[:-1], str(tmp_path / "o2")], cwd=ROOT, capture_output=True, text=True, check=False,
-                          timeout=600, env={**os.environ, "XC_PRECISION": "fp32"})
+                          timeout=600, env=job_env(XC_PRECISION="fp32"))
     assert fp32.returncode == 2 and "Traceback" not in fp32.stderr
     assert fp32.stderr.strip().splitlines()[-1].startswith("error: --bf16_weights needs bf16 precision")
     assert not (tmp_path / "o2" / "results.json").exists()
@@ -344,7 +350,6 @@ def test_glue_bf16_weights_train_with_fp32_masters_and_refuse_fp32(tmp_path, sma
 
 @pytest.mark.slow  # trains the glue job in-process
 def test_glue_freeze_embeddings_keeps_the_word_embeddings_and_trains_the_rest(tmp_path):
-    import os
     import subprocess
     import sys
 
@@ -358,7 +363,7 @@ def test_glue_freeze_embeddings_keeps_the_word_embeddings_and_trains_the_rest(tm
         res = subprocess.run([sys.executable, "-m", "training.glue", "--max_steps", "3", "--max_train_samples", "48",
                               "--max_eval_samples", "16", "--learning_rate", "1e-3", "--freeze_embeddings", freeze,
                               "--output_dir", str(out)], cwd=ROOT, capture_output=True, text=True, check=False,
-                             timeout=600, env={**os.environ, "XC_PRECISION": "fp32"})
+                             timeout=600, env=job_env(XC_PRECISION="fp32"))
         assert res.returncode == 0, res.stderr[-3000:]
         runs[freeze] = (json.loads((out / "results.json").read_text()), load_file(str(out / "model.safetensors")))
     before = load_file(str(Path(resolve_model(DEFAULT_MODEL)) / "model.safetensors"))
@@ -380,12 +385,11 @@ def test_glue_freeze_embeddings_keeps_the_word_embeddings_and_trains_the_rest(tm
 def test_glue_resumes_a_checkpoint_that_trained_its_embeddings_and_refuses_a_mismatch(tmp_path):
     """A run checkpointed before frozen embeddings were the default resumes as it was started; forcing the
     other choice is a one-line error, not the Trainer's optimizer-group traceback."""
-    import os
     import subprocess
     import sys
 
     def glue(out, *flags, resume=None):
-        env = {**os.environ, "XC_PRECISION": "fp32", "XC_SAVE_EVERY": "2"}
+        env = job_env(XC_PRECISION="fp32", XC_SAVE_EVERY="2")
         if resume:
             env["XC_RESUME_FROM"] = str(resume)
         return subprocess.run([sys.executable, "-m", "training.glue", "--max_steps", "4", "--max_train_samples", "64",
