@@ -81,6 +81,20 @@ class FakeIMDS:
         sees a notice within a step or two of the test raising it."""
         return ["--env", f"XC_IMDS_ENDPOINT={self.url}", "--env", "XC_NOTICE_POLL_S=0.5"]
 
+    def train_until(self, cluster, args, at_step: int = 8, trigger=None, fab_args=(), timeout: float = 600):
+        """`fab train --nodes 2 --save-every 0` on `cluster` with this server's env; once a progress line reaches
+        `at_step`, `trigger(self)` (default: a spot notice). Returns the ended fab and the seconds from the
+        trigger to its end."""
+        from conftest import progress_step
+
+        with cluster.start("train", "--nodes", "2", "--save-every", "0", *fab_args, *self.train_env(), "--",
+                           *args) as running:
+            running.wait_for(lambda line: (progress_step(line) or 0) >= at_step, 400)
+            (trigger or FakeIMDS.interrupt)(self)
+            triggered = time.monotonic()
+            ended = running.finish(timeout)
+        return ended, time.monotonic() - triggered
+
     def interrupt(self) -> None:
         when = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(time.time() + 120))
         self.notice = {"action": "terminate", "time": when}

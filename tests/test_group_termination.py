@@ -9,7 +9,7 @@ import json
 import re
 
 import pytest
-from conftest import processes_with_env, progress_step
+from conftest import processes_with_env
 from fake_imds import FakeIMDS
 
 from launch import records
@@ -64,23 +64,14 @@ def test_the_node_completes_its_lifecycle_action_with_continue(tmp_path, monkeyp
         imds.close()
 
 
-def _run(cluster, imds, trigger, model, wait_steps: int = 8):
-    """fab train with the fake IMDS; `trigger(imds)` once training reached wait_steps; returns (ended, out, err)."""
-    with cluster.start("train", "--nodes", "2", "--save-every", "0", *imds.train_env(), "--",
-                       *FakeIMDS.short_args(model)) as running:
-        running.wait_for(lambda line: (progress_step(line) or 0) >= wait_steps, 400)
-        trigger(imds)
-        ended = running.finish(600)
-    return ended, ended.stdout, ended.stderr
-
-
 @pytest.mark.cluster
 @pytest.mark.slow
 def test_a_group_termination_checkpoints_exits_75_names_its_cause_and_resumes(cluster2, small_model):
     imds = FakeIMDS()
     before = cluster2.run_dirs()
     try:
-        proc, out, err = _run(cluster2, imds, FakeIMDS.terminate_by_group, small_model)
+        proc, _ = imds.train_until(cluster2, FakeIMDS.short_args(small_model), trigger=FakeIMDS.terminate_by_group)
+        out, err = proc.stdout, proc.stderr
     finally:
         imds.close()
     run_id = (cluster2.run_dirs() - before).pop()
@@ -105,7 +96,8 @@ def test_a_rebalance_recommendation_checkpoints_while_the_run_goes_on(cluster2, 
     imds = FakeIMDS()
     before = cluster2.run_dirs()
     try:
-        proc, out, err = _run(cluster2, imds, FakeIMDS.recommend_rebalance, small_model)
+        proc, _ = imds.train_until(cluster2, FakeIMDS.short_args(small_model), trigger=FakeIMDS.recommend_rebalance)
+        out, err = proc.stdout, proc.stderr
     finally:
         imds.close()
     run_id = (cluster2.run_dirs() - before).pop()

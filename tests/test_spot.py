@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import json
 import re
-import time
 from pathlib import Path
 
 import pytest
-from conftest import processes_with_env, progress_step, progress_steps
+from conftest import processes_with_env, progress_steps
 from fake_imds import FakeIMDS
 
 from launch import records
@@ -101,13 +100,7 @@ def test_notice_checkpoints_home_and_resume_finishes_like_an_uninterrupted_run(c
     imds = FakeIMDS()
     before = cluster2.run_dirs()
     try:
-        with cluster2.start("train", "--nodes", "2", "--save-every", "0", *imds.train_env(), "--",
-                            *ARGS) as running:
-            running.wait_for(lambda line: (progress_step(line) or 0) >= 10, 400)
-            imds.interrupt()
-            noticed = time.monotonic()
-            ended = running.finish(300)
-            stopped_in = time.monotonic() - noticed
+        ended, stopped_in = imds.train_until(cluster2, ARGS, at_step=10)
     finally:
         imds.close()
     out, err = ended.stdout, ended.stderr
@@ -161,11 +154,7 @@ def test_a_checkpoint_resumes_on_half_the_nodes_with_the_same_global_batch(clust
     imds = FakeIMDS()
     before = cluster2.run_dirs()
     try:
-        with cluster2.start("train", "--nodes", "2", "--save-every", "0", *imds.train_env(), "--",
-                            *FakeIMDS.short_args(small_model)) as running:
-            running.wait_for(lambda line: (progress_step(line) or 0) >= 8, 400)
-            imds.interrupt()
-            ended = running.finish(300)
+        ended, _ = imds.train_until(cluster2, FakeIMDS.short_args(small_model))
     finally:
         imds.close()
     assert ended.returncode == 75, ended.stdout[-3000:] + ended.stderr[-3000:]

@@ -8,7 +8,7 @@ import re
 import shutil
 
 import pytest
-from conftest import progress_step, progress_steps
+from conftest import progress_steps
 from fake_imds import FakeIMDS
 from moto_fixture import aws_env, client, moto_server  # noqa: F401
 
@@ -28,11 +28,7 @@ def test_preempted_to_s3_resumed_from_s3_and_pulled(cluster2, aws_env, small_mod
     imds = FakeIMDS()
     before = cluster2.run_dirs()
     try:
-        with cluster2.start("train", "--nodes", "2", "--store", store, "--save-every", "0", *imds.train_env(), "--",
-                            *FakeIMDS.short_args(small_model)) as running:
-            running.wait_for(lambda line: (progress_step(line) or 0) >= 8, 400)
-            imds.interrupt()
-            ended = running.finish(300)
+        ended, _ = imds.train_until(cluster2, FakeIMDS.short_args(small_model), fab_args=("--store", store))
     finally:
         imds.close()
     out, err = ended.stdout, ended.stderr
