@@ -26,6 +26,7 @@ class NodeFacts:
     has_ipex: bool
     python_ok: str
     bf16_speedup: float | None = None  # bf16 over fp32 matmul, measured where AVX512-BF16 and no AMX
+    bf16_remembered: bool = False  # the node's answer from an earlier run (training/mfu.py's cache)
 
     def bf16_pays(self) -> bool:
         return self.topo.amx or (self.topo.bf16 and (self.bf16_speedup or 0.0) >= 1.0)
@@ -51,21 +52,23 @@ def probe(node: Node, time_bf16: bool = True) -> NodeFacts:
         if not py.ok:
             raise ClusterError(f"{node.name}: python {node.python} does not run; set the node up with 'fab setup'")
         m = re.search(r"ccl=(\d) ipex=(\d) py=(\S+)", py.stdout)
-        speedup = bf16_speedup(conn, node) if time_bf16 and topo.bf16 and not topo.amx else None
+        speedup, remembered = bf16_speedup(conn, node) if time_bf16 and topo.bf16 and not topo.amx else (None, False)
         return NodeFacts(node=node, home=home, topo=topo, has_ccl=m.group(1) == "1",
-                         has_ipex=m.group(2) == "1", python_ok=m.group(3), bf16_speedup=speedup)
+                         has_ipex=m.group(2) == "1", python_ok=m.group(3), bf16_speedup=speedup,
+                         bf16_remembered=remembered)
 
 
-def bf16_speedup(conn, node: Node) -> float:
+def bf16_speedup(conn, node: Node) -> tuple[float, bool]:
     """Time bf16 against fp32 matmuls on the node (training/mfu.py, sent as `python -c`: the node may not
     have this project yet). AVX512-BF16 kernels can be slower than fp32 ones: on Sapphire Rapids cores with
-    oneDNN capped below AMX bf16 ran 0.58x fp32 (README, "Without AMX")."""
+    oneDNN capped below AMX bf16 ran 0.58x fp32 (README, "Without AMX"). Timed once per node: later runs read
+    the node's ~/.cache/xeon-cluster/bf16-speedup.json, (speedup, True)."""
     res = run(conn, f"{shlex.quote(node.python)} -c {shlex.quote(MFU_PY.read_text())}", timeout=120)
-    m = re.search(r"bf16_speedup=([0-9.]+)", res.stdout)
+    m = re.search(r"bf16_speedup=([0-9.]+) remembered=([01])", res.stdout)
     if not res.ok or not m:
         raise ClusterError(f"{node.name}: timing bf16 against fp32 matmuls failed: "
                            f"{(res.stderr or res.stdout).strip()[-200:]}; pass --precision bf16 or fp32 to skip it")
-    return float(m.group(1))
+    return float(m.group(1)), m.group(2) == "1"
 
 
 # The rendezvous port on node 0: the one asked for if nothing holds it (TIME_WAIT does not count, as
@@ -109,7 +112,8 @@ def resolve_backend(requested: str, facts: list[NodeFacts]) -> str:
 def resolve_precision(requested: str, facts: list[NodeFacts]) -> str:
     if requested == "auto":
         chosen = "bf16" if all(f.bf16_pays() for f in facts) else "fp32"
-        timed = [f"{f.node.name} {f.bf16_speedup:.2f}x" for f in facts if f.bf16_speedup is not None]
+        timed = [f"{f.node.name} {f.bf16_speedup:.2f}x" + (" (remembered)" if f.bf16_remembered else "")
+                 for f in facts if f.bf16_speedup is not None]
         if timed:  # say what the choice rests on: bf16 matmuls against fp32 ones, where measured
             log.info("precision auto: %s; bf16 matmuls against fp32 ones timed on %s", chosen, ", ".join(timed))
         return chosen

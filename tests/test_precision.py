@@ -141,3 +141,31 @@ def test_the_job_peak_is_the_best_window_so_a_core_shared_for_a_moment_does_not_
     monkeypatch.setattr(mfu, "matmul_flops", fake)
     assert mfu.peak_flops("fp32", 2048, 384, 1536) == 41e9
     assert seen == [(mfu.PEAK_SECONDS / 5, 3)] + [(mfu.PEAK_SECONDS / 5, 0)] * 4
+
+
+def test_a_node_times_bf16_once_and_times_again_on_another_cpu_torch_or_a_bad_file(monkeypatch, tmp_path):
+    timed = []
+    monkeypatch.setattr(mfu, "bf16_speedup", lambda: timed.append(1) or 0.75 + len(timed))
+    cache = tmp_path / "cache" / "bf16-speedup.json"
+    assert mfu.remembered_bf16_speedup(str(cache)) == (1.75, False) and len(timed) == 1
+    assert mfu.remembered_bf16_speedup(str(cache)) == (1.75, True) and len(timed) == 1  # no torch, no matmuls
+    real = mfu.cpu_identity()
+    assert real["cpu"] and real["torch"] == __import__("torch").__version__ and real["cpus"] >= 1
+    monkeypatch.setattr(mfu, "cpu_identity", lambda: dict(real, torch="0.0"))  # an upgraded torch times again
+    assert mfu.remembered_bf16_speedup(str(cache)) == (2.75, False) and len(timed) == 2
+    monkeypatch.setattr(mfu, "cpu_identity", lambda: dict(real, onednn_isa="AVX512_CORE_BF16"))
+    assert mfu.remembered_bf16_speedup(str(cache)) == (3.75, False)
+    cache.write_text('{"key": ')  # a half-written file (it cannot be: os.replace) or a user's edit
+    assert mfu.remembered_bf16_speedup(str(cache)) == (4.75, False)
+    assert mfu.remembered_bf16_speedup(str(cache)) == (4.75, True)
+    assert [p.name for p in cache.parent.iterdir()] == ["bf16-speedup.json"]  # no temporary file left
+    blocked = tmp_path / "a-file"  # a cache that cannot be written (even as root): timed, answered, not kept
+    blocked.write_text("")
+    assert mfu.remembered_bf16_speedup(str(blocked / "xeon-cluster" / "f.json")) == (5.75, False)
+    assert mfu.remembered_bf16_speedup(str(blocked / "xeon-cluster" / "f.json")) == (6.75, False)
+
+def test_the_precision_line_says_which_nodes_answered_from_their_cache(caplog):
+    remembered = dataclasses.replace(facts("n1", AVX512_BF16, 1.3), bf16_remembered=True)
+    with caplog.at_level(logging.INFO):
+        assert probe.resolve_precision("auto", [facts("n0", AVX512_BF16, 1.2), remembered]) == "bf16"
+    assert "timed on n0 1.20x, n1 1.30x (remembered)" in caplog.text
