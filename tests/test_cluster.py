@@ -54,7 +54,7 @@ def test_keys_give_node0_verified_ssh_to_every_node(cluster2):
     assert "PRIVATE KEY" not in first.stdout + first.stderr
 
 
-def test_the_probe_times_bf16_against_fp32_only_where_amx_does_not_settle_it(cluster2, monkeypatch):
+def test_the_probe_times_bf16_against_fp32_only_where_amx_does_not_settle_it(cluster2, monkeypatch, tmp_path):
     import dataclasses
 
     from cluster import local, remote
@@ -68,16 +68,22 @@ def test_the_probe_times_bf16_against_fp32_only_where_amx_does_not_settle_it(clu
 
     node = local.nodes(cluster2.state)[1]
     monkeypatch.setattr(topology, "parse", flags({"avx512_bf16"}, {"amx_bf16", "amx_tile"}))
-    # real SSH; training/mfu.py sent whole as `python -c` and run by the node's python on real matmuls
+    # its own cache file: other workers' runs on this machine share the real one (~/.cache/xeon-cluster)
+    name = f"xeon-cluster/test-{os.getpid()}-{time.monotonic_ns()}.json"
+    own = tmp_path / "mfu.py"
+    own.write_text(probe.MFU_PY.read_text().replace(f'CACHE_NAME = "{mfu.CACHE_NAME}"', f'CACHE_NAME = "{name}"'))
+    assert name in own.read_text()
+    monkeypatch.setattr(probe, "MFU_PY", own)
     with remote.connect(node) as conn:  # where the node's sessions keep it (a local node shares this machine's home)
-        cache = Path(remote.run(conn, "echo ${XDG_CACHE_HOME:-$HOME/.cache}").stdout.strip()) / mfu.CACHE_NAME
-    cache.unlink(missing_ok=True)  # an earlier run on this cluster may have timed it already
+        cache = Path(remote.run(conn, "echo ${XDG_CACHE_HOME:-$HOME/.cache}").stdout.strip()) / name
+    # real SSH; training/mfu.py sent whole as `python -c` and run by the node's python on real matmuls
     first = probe.probe(node)
     speedup = first.bf16_speedup
     assert speedup is not None and 0.01 < speedup < 100 and not first.bf16_remembered, first
     assert json.loads(cache.read_text())["bf16_speedup"] == pytest.approx(speedup, abs=1e-3)
     again = probe.probe(node)  # the node's answer is kept: the next run neither starts torch nor times matmuls
     assert again.bf16_remembered and again.bf16_speedup == speedup
+    cache.unlink()
     assert probe.probe(node, time_bf16=False).bf16_speedup is None  # --precision bf16 or fp32: nothing timed
     monkeypatch.setattr(topology, "parse", flags({"avx512_bf16", "amx_bf16", "amx_tile"}, set()))
     assert probe.probe(node).bf16_speedup is None  # AMX settles it
