@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import os
 import subprocess
@@ -158,11 +159,24 @@ def test_a_node_times_bf16_once_and_times_again_on_another_cpu_torch_or_a_bad_fi
     cache.write_text('{"key": ')  # a half-written file (it cannot be: os.replace) or a user's edit
     assert mfu.remembered_bf16_speedup(str(cache)) == (4.75, False)
     assert mfu.remembered_bf16_speedup(str(cache)) == (4.75, True)
+    monkeypatch.setattr(mfu, "cpu_identity", lambda: dict(real, python="/other/venv"))  # a second venv, kept beside
+    assert mfu.remembered_bf16_speedup(str(cache)) == (5.75, False)
+    monkeypatch.setattr(mfu, "cpu_identity", lambda: dict(real, onednn_isa="AVX512_CORE_BF16"))
+    assert mfu.remembered_bf16_speedup(str(cache)) == (4.75, True)  # not pushed out by the other one
+    monkeypatch.setattr(mfu, "cpu_identity", lambda: dict(real, python="/other/venv"))
+    assert mfu.remembered_bf16_speedup(str(cache)) == (5.75, True)
+    for i in range(mfu.KEEP):  # many keys: the file keeps the newest KEEP
+        monkeypatch.setattr(mfu, "cpu_identity", lambda i=i: dict(real, cpus=1000 + i))
+        mfu.remembered_bf16_speedup(str(cache))
+    assert len(json.loads(cache.read_text())["entries"]) == mfu.KEEP
     assert [p.name for p in cache.parent.iterdir()] == ["bf16-speedup.json"]  # no temporary file left
     blocked = tmp_path / "a-file"  # a cache that cannot be written (even as root): timed, answered, not kept
     blocked.write_text("")
-    assert mfu.remembered_bf16_speedup(str(blocked / "xeon-cluster" / "f.json")) == (5.75, False)
-    assert mfu.remembered_bf16_speedup(str(blocked / "xeon-cluster" / "f.json")) == (6.75, False)
+    before = len(timed)
+    assert mfu.remembered_bf16_speedup(str(blocked / "xeon-cluster" / "f.json"))[1] is False
+    assert mfu.remembered_bf16_speedup(str(blocked / "xeon-cluster" / "f.json"))[1] is False
+    assert len(timed) == before + 2
+
 
 def test_the_precision_line_says_which_nodes_answered_from_their_cache(caplog):
     remembered = dataclasses.replace(facts("n1", AVX512_BF16, 1.3), bf16_remembered=True)

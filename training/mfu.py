@@ -105,29 +105,35 @@ def cpu_identity() -> dict:
             elif name.strip() == "flags" and not flags:
                 flags = sorted(x for x in value.split() if x.startswith(("avx512", "amx")))
     return {"method": METHOD, "cpu": model, "flags": flags, "cpus": len(os.sched_getaffinity(0)),
-            "torch": version("torch"), "python": sys.executable, "onednn_isa": os.environ.get("ONEDNN_MAX_CPU_ISA", "")}
+            "torch": version("torch"), "python": sys.prefix, "onednn_isa": os.environ.get("ONEDNN_MAX_CPU_ISA", "")}
+
+
+KEEP = 16  # answers per file: one machine may hold several venvs, and local nodes share one home
 
 
 def remembered_bf16_speedup(path: str | None = None) -> tuple[float, bool]:
     """(speedup, remembered): timed once per node and kept in ~/.cache/xeon-cluster/bf16-speedup.json under
     cpu_identity(), so every later `fab train` on that node skips torch's start-up and a second of matmuls.
-    Another CPU, torch or ISA cap times again; so does deleting the file."""
+    Another CPU, torch, venv or ISA cap times again; so does deleting the file."""
     path = path or cache_path()
     key = cpu_identity()
     try:
         with open(path) as f:
-            saved = json.load(f)
-        if saved["key"] == key:
-            return float(saved["bf16_speedup"]), True
+            entries = [e for e in json.load(f)["entries"] if isinstance(e, dict)]
     except (OSError, ValueError, KeyError, TypeError):
-        pass
+        entries = []
+    for e in entries:
+        if e.get("key") == key and isinstance(e.get("bf16_speedup"), (int, float)):
+            return float(e["bf16_speedup"]), True
     speedup = bf16_speedup()
+    entries = [e for e in entries if e.get("key") != key][-(KEEP - 1):]
+    entries.append({"key": key, "bf16_speedup": speedup, "timed_at": time.time()})
     try:
         os.makedirs(os.path.dirname(path), exist_ok=True)
         tmp = f"{path}.{os.getpid()}"
         with open(tmp, "w") as f:
-            json.dump({"key": key, "bf16_speedup": speedup, "timed_at": time.time()}, f)
-        os.replace(tmp, path)  # a concurrent prober never reads half a file
+            json.dump({"entries": entries}, f, indent=1)
+        os.replace(tmp, path)  # a concurrent prober never reads half a file (at worst it drops one answer)
     except OSError:
         pass  # a read-only home times again next run; the answer stands
     return speedup, False
