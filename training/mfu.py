@@ -128,14 +128,17 @@ def remembered_bf16_speedup(path: str | None = None) -> tuple[float, bool]:
     speedup = bf16_speedup()
     entries = [e for e in entries if e.get("key") != key][-(KEEP - 1):]
     entries.append({"key": key, "bf16_speedup": speedup, "timed_at": time.time()})
+    tmp = f"{path}.{os.getpid()}"
     try:
         os.makedirs(os.path.dirname(path), exist_ok=True)
-        tmp = f"{path}.{os.getpid()}"
         with open(tmp, "w") as f:
             json.dump({"entries": entries}, f, indent=1)
         os.replace(tmp, path)  # a concurrent prober never reads half a file (at worst it drops one answer)
-    except OSError:
-        pass  # a read-only home times again next run; the answer stands
+    except OSError:  # a read-only or full home times again next run; the answer stands
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
     return speedup, False
 
 
