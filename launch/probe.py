@@ -61,7 +61,7 @@ def probe(node: Node, time_bf16: bool = True) -> NodeFacts:
 def bf16_speedup(conn, node: Node) -> tuple[float, bool]:
     """Time bf16 against fp32 matmuls on the node (training/mfu.py, sent as `python -c`: the node may not
     have this project yet). AVX512-BF16 kernels can be slower than fp32 ones: on Sapphire Rapids cores with
-    oneDNN capped below AMX bf16 ran 0.58x fp32 (README, "Without AMX"). Timed once per node: later runs read
+    oneDNN capped below AMX bf16 ran 0.58x fp32 (docs/benchmarks.md, "Without AMX"). Timed once per node: later runs read
     the node's ~/.cache/xeon-cluster/bf16-speedup.json, (speedup, True)."""
     res = run(conn, f"{shlex.quote(node.python)} -c {shlex.quote(MFU_PY.read_text())}", timeout=120)
     m = re.search(r"bf16_speedup=([0-9.]+) remembered=([01])", res.stdout)

@@ -1,7 +1,10 @@
 """Model FLOPs utilisation of a training run: the Trainer's count of the model's FLOPs (6 x non-embedding
 parameters x tokens, padding included, summed over ranks) per second of training, over what torch's matmul
 reaches on the same cores, at the model's FFN shape and the run's precision, measured by every rank at once
-right after training (so ranks sharing a node share it as they did while training)."""
+right after training (so ranks sharing a node share it as they did while training).
+
+Also the bf16-over-fp32 matmul timing that `--precision auto` rests on where AVX512-BF16 and no AMX, kept
+per node (remembered_bf16_speedup); run as a script, this file prints it (launch/probe.py)."""
 from __future__ import annotations
 
 import json
