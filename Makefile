@@ -4,10 +4,16 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
-# The local environment pins a CPU build of torch; a bare `torch` would pull a CUDA build.
-TORCH := torch==2.13.0
+# torch's CPU build, the one the tests and the `upstream` profile run. A bare `torch==2.13.0` from PyPI is the
+# CUDA build (several GB of NVIDIA libraries), so the pin carries the `+cpu` label: it installs from PyTorch's
+# CPU wheel index, or, where that is unreachable (a network that reaches only a mirror), from pip's configured
+# index when that serves the CPU build, and otherwise stops with one line; never a CUDA build.
+TORCH_VERSION := 2.13.0
+TORCH := torch==$(TORCH_VERSION)+cpu
+TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
+PIP = $(BIN)/pip
 
-.PHONY: help venv sshd demo test test-fast lint bench clean
+.PHONY: help venv torch-cpu sshd demo test test-fast lint bench clean
 
 help:
 	@echo "make demo   - 2-node local cluster, fine-tune MiniLM on the bundled paraphrase set, stop the cluster"
@@ -18,11 +24,23 @@ help:
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q $(TORCH)
+	$(MAKE) --no-print-directory torch-cpu
 	$(BIN)/pip install -q -e '.[infra,train,dev]'
 	touch $(STAMP)
 
 venv: $(STAMP) sshd
+
+# One line says which torch build is installed and from where (tests/test_makefile.py runs this target with a
+# stand-in pip and an unreachable or a local index).
+torch-cpu:
+	@if $(PYTHON) -c 'import sys, urllib.request; urllib.request.urlopen(sys.argv[1].rstrip("/") + "/torch/", timeout=15)' \
+	    '$(TORCH_CPU_INDEX)' 2>/dev/null; then \
+	  echo "torch: installing the CPU build $(TORCH) from PyTorch's CPU wheel index $(TORCH_CPU_INDEX)"; \
+	  $(PIP) install -q --index-url '$(TORCH_CPU_INDEX)' '$(TORCH)'; \
+	else \
+	  echo "torch: $(TORCH_CPU_INDEX) is unreachable; installing the CPU build $(TORCH) from pip's configured index instead"; \
+	  $(PIP) install -q '$(TORCH)' || { echo "error: pip's configured index has no $(TORCH) either (PyPI has only the CUDA build); make $(TORCH_CPU_INDEX) reachable, or point TORCH_CPU_INDEX at a mirror of it: make venv TORCH_CPU_INDEX=https://..." >&2; exit 1; }; \
+	fi
 
 # The local cluster needs sshd; install it when we can, say how when we can't.
 sshd:

@@ -32,6 +32,11 @@ MARKER_NAME = ".xeon-cluster-profile"
 DEFAULT_VENV = REMOTE_VENV
 WORK_ROOT_PREFIX = "$XC_HOME/"
 PYPI = "pypi"
+# The profile nodes get when nobody names one (the Pulumi stack's `profile` default, `fab setup` off the local
+# cluster): the stack `make test` runs (torch 2.13 CPU, transformers 5, gloo). `oneccl` stays for the seeds'
+# exact stack, end-of-life upstream (Intel, 2025-10-10: intel-extension-for-pytorch issue #867, torch-ccl
+# issue #80; IPEX's repository archived 2026-03-30) and only built here, never run.
+DEFAULT_PROFILE = "upstream"
 BACKENDS = ("ccl", "gloo")
 PRECISIONS = ("ipex-bf16", "autocast-bf16", "fp32")
 # Binary extensions of torch: a build for another torch major.minor fails at import or,
