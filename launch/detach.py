@@ -71,7 +71,7 @@ def start(facts, r: Run, command: str, say) -> RunResult:
     if not res.ok:
         raise ClusterError(f"could not start mpirun on {master.name}: {res.stderr.strip()[-300:]}",
                            "check the node with 'fab doctor'")
-    r.write(Status.RUNNING, -1, 0.0)
+    r.started()
     deadline = time.monotonic() + START_TIMEOUT_S
     while time.monotonic() < deadline:
         if _ended(master, r.remote_run) is not None:

@@ -15,9 +15,9 @@ from cluster.node import Node
 from cluster.remote import connect, run
 from core.constants import HOME_EXPR
 from core.errors import ClusterError, Interrupted, NodeFailure, NodeLost, Preempted
-from launch import outputs, userscript
+from launch import outputs, records, userscript
 from launch.cleanup import Sweep, runs_alive, sweep
-from launch.records import RunRecord, RunResult, Status, finish_run, now_iso, supervisor_alive
+from launch.records import RunRecord, RunResult, Status, supervisor_alive
 from launch.stream import failed_rank
 from training import spot
 
@@ -63,7 +63,10 @@ class Run:
         return f"{self.remote_run}/mpirun.log"
 
     def write(self, status: Status, exit_code: int, wall: float, results: dict | None = None, **fields) -> None:
-        finish_run(self.run_dir, self.record, status, exit_code, wall, results, **fields)
+        records.ended(self.run_dir, self.record, status, exit_code, wall, results, **fields)
+
+    def started(self) -> None:
+        records.running(self.run_dir, self.record)
 
     def sweep(self) -> Sweep:
         result = sweep(self.nodes, self.run_id)
@@ -229,12 +232,10 @@ def reap(run_dir: Path, rec: RunRecord) -> RunRecord:
     alive = runs_alive(nodes, unasked).get(rec.run_id) if nodes else None
     if alive:  # its ranks live on without it: 'fab stop' ends them
         return rec
-    rec.transition(Status.ABANDONED, abandoned={
-        "at": now_iso(), "was": str(rec.status), "supervisor": rec.supervisor,
+    records.abandoned(run_dir, rec, {
         "found": "no process of the run on " + (", ".join(n.name for n in nodes if n.name not in unasked) or
                                                 "any node that answered"),
         "unchecked": unasked})
-    rec.save(run_dir)
     log.info("run %s: its supervisor is gone and nothing of it is left on the nodes: recorded abandoned",
              rec.run_id)
     return rec

@@ -114,11 +114,11 @@ class RunRecord:
     abandoned: dict | None = None  # what the look that found it abandoned saw
     extra: dict = field(default_factory=dict)  # keys this version does not know, kept as they were
 
-    # -- the one way a status changes ----------------------------------------------------------------
+    # -- the one way a status changes (the named transitions below call it; no other module does) -------------
     def can(self, to: Status) -> bool:
         return to in TRANSITIONS[self.status]
 
-    def transition(self, to: Status, **fields) -> RunRecord:
+    def _move(self, to: Status, **fields) -> RunRecord:
         if to not in TRANSITIONS[self.status]:
             raise BadTransition(f"run {self.run_id}: {self.status} -> {to} is not a transition")
         self.status = Status(to)
@@ -154,7 +154,7 @@ class RunRecord:
             known["status"], extra["status_unknown"] = Status.FAILED, status
         return cls(run_id=str(known.pop("run_id", data.get("run_id", "?"))), extra=extra, **known)
 
-    def save(self, run_dir: Path) -> None:
+    def _save(self, run_dir: Path) -> None:
         run_dir = Path(run_dir)
         tmp = run_dir / "summary.json.part"  # readers in other processes never see half a record
         tmp.write_text(json.dumps(self.to_json(), indent=2, sort_keys=True, default=str))
@@ -181,14 +181,6 @@ def load_or_none(run_dir: Path) -> RunRecord | None:
         return load(run_dir)
     except ClusterError:
         return None
-
-
-def update(run_dir: Path, to: Status, **fields) -> RunRecord:
-    """Read, move to `to`, write: for the processes that change a record they did not create."""
-    rec = load(run_dir)
-    rec.transition(to, **fields)
-    rec.save(run_dir)
-    return rec
 
 
 # -- the process that ends a run ---------------------------------------------------------------------
@@ -277,16 +269,71 @@ def new_record(cluster, req, plan, facts, args: list[str]) -> RunRecord:
         started_at=time.time())
 
 
-def finish_run(run_dir: Path, record: RunRecord, status: Status, exit_code: int, wall: float,
-               results: dict | None, **fields) -> RunRecord:
-    """Every state a run's own process writes goes through here: transition, results, summary.json."""
-    record.transition(Status(status), exit_code=exit_code, wall_s=round(wall, 3), **fields)
-    merge_results(record, run_dir, results)
-    record.save(run_dir)
+# -- the one writer: every change of a record is one of these, saved at home AND published to the store ---
+def _commit(run_dir: Path, record: RunRecord) -> RunRecord:
+    Path(run_dir).mkdir(parents=True, exist_ok=True)
+    record._save(run_dir)
     from cluster import store  # [store] the records beside the run's checkpoints; never raises
 
     store.publish_records(run_dir, record.to_json())
     return record
+
+
+def running(run_dir: Path, record: RunRecord) -> RunRecord:
+    """The run has started ('fab runs' lists it while it goes on)."""
+    record._move(Status.RUNNING, exit_code=-1, wall_s=0.0)
+    return _commit(run_dir, record)
+
+
+def ended(run_dir: Path, record: RunRecord, status: Status, exit_code: int, wall: float,
+          results: dict | None = None, **fields) -> RunRecord:
+    """The run's own process ends it: ok, failed, preempted or interrupted, with its results."""
+    if Status(status) not in (Status.OK, Status.FAILED, Status.PREEMPTED, Status.INTERRUPTED):
+        raise BadTransition(f"run {record.run_id}: {status} is not how a run ends by itself")
+    record._move(Status(status), exit_code=exit_code, wall_s=round(wall, 3), **fields)
+    merge_results(record, run_dir, results)
+    return _commit(run_dir, record)
+
+
+def stopped(run_dir: Path, record: RunRecord, cleanup: dict) -> RunRecord:
+    """'fab stop' ended it."""
+    wall = record.wall_s or (time.time() - record.started_at if record.started_at else 0.0)
+    record._move(Status.STOPPED, stopped_at=now_iso(), cleanup=cleanup, wall_s=round(wall, 3),
+                 exit_code=record.exit_code if record.exit_code != -1 else 143)
+    return _commit(run_dir, record)
+
+
+def abandoned(run_dir: Path, record: RunRecord, seen: dict) -> RunRecord:
+    """Its supervisor is gone and nothing of it is left on the nodes."""
+    record._move(Status.ABANDONED, abandoned={"at": now_iso(), "was": str(record.status),
+                                              "supervisor": record.supervisor, **seen})
+    return _commit(run_dir, record)
+
+
+def restarting(run_dir: Path, attempt: int, of: int, why: str) -> RunRecord:
+    """A preempted or failed run whose supervisor waits for nodes to resume it."""
+    record = load(run_dir)
+    ended_as = record.status
+    record._move(Status.RESTARTING, restart={"attempt": attempt, "of": of, "ended": str(ended_as), "why": why})
+    return _commit(run_dir, record)
+
+
+def _back(record: RunRecord) -> Status:
+    return Status((record.restart or {}).get("ended", "failed"))
+
+
+def restart_given_up(run_dir: Path) -> RunRecord:
+    """No nodes came back in time: the run keeps how it ended."""
+    record = load(run_dir)
+    record._move(_back(record), restart=None)
+    return _commit(run_dir, record)
+
+
+def resumed_as(run_dir: Path, next_run: str) -> RunRecord:
+    """The run that ended names the one that goes on for it."""
+    record = load(run_dir)
+    record._move(_back(record), restarted_as=next_run, restart=None)
+    return _commit(run_dir, record)
 
 
 def result_line(result: RunResult) -> str:

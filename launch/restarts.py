@@ -18,7 +18,7 @@ from cluster.resolve import Cluster, open_cluster
 from core.errors import ClusterError, NoCheckpoint, NodeFailure, Preempted
 from launch import records
 from launch import resume as resume_lib
-from launch.records import RunResult, Status
+from launch.records import RunResult
 from launch.request import TrainRequest
 from launch.run import train
 from training import spot
@@ -128,18 +128,14 @@ def train_with_restarts(cluster: Cluster, req: TrainRequest, max_restarts: int =
                 raise
             attempt += 1
             run_dir = Path(req.runs_dir) / exc.run_id
-            rec = records.load(run_dir)
-            ended = rec.status
-            rec.transition(Status.RESTARTING, restart={"attempt": attempt, "of": max_restarts, "ended": str(ended),
-                                                        "why": why})
-            rec.save(run_dir)
+            rec = records.restarting(run_dir, attempt, max_restarts, why)
             count = req.nodes or len(rec.nodes)
             say(f"restart {attempt} of {max_restarts}: {why}; waiting up to {restart_wait:.0f}s for the cluster")
             endpoint = req.env.get("XC_IMDS_ENDPOINT") or spot.DEFAULT_IMDS
             try:
                 wait_for_nodes(cluster.spec, count, restart_wait, endpoint, say, poll_s)
             except ClusterError as wait_exc:
-                records.update(run_dir, ended, restart=None)
+                records.restart_given_up(run_dir)
                 raise type(exc)(f"{wait_exc.text}; {exc.what}", fix=exc.fix, **_same(exc)) from None
             req = dataclasses.replace(next_request(exc.run_id, req, say), restart_of=exc.run_id)
             cluster = open_cluster(cluster.spec)  # a replaced node has a new address: discover them anew

@@ -122,9 +122,7 @@ def _run(cluster: Cluster, req: TrainRequest, plan: launcher.LaunchPlan, facts: 
                            "set XC_RUNS_DIR to a writable folder") from None
     say(f"run {plan.run_id}: results in {r.run_dir}")
     if req.restart_of:  # the run that ended names the one that goes on for it
-        ended = records.load(r.run_dir.parent / req.restart_of)
-        records.update(r.run_dir.parent / req.restart_of, Status((ended.restart or {}).get("ended", "failed")),
-                       restarted_as=plan.run_id, restart=None)
+        records.resumed_as(r.run_dir.parent / req.restart_of, plan.run_id)
     if req.resume:
         record.resumed_from = {"run_id": req.resume["run_id"], "step": req.resume["step"]}
     # who ends this run: this process (fab, or the supervisor of a detached run with restarts); a plain
@@ -150,7 +148,7 @@ def _run(cluster: Cluster, req: TrainRequest, plan: launcher.LaunchPlan, facts: 
         return detach.start(facts, r, detach.wrapper_command(
             r.remote_run, str(Path(mpirun).parent), launcher.shell_join(argv), master.node.python,
             f"{master.home}/code/{digest}", bool(plan.secret_env)), say)
-    r.write(Status.RUNNING, -1, 0.0)  # 'fab runs' lists it while it goes on
+    r.started()  # 'fab runs' lists it while it goes on
     say(f"launching {plan.world_size} rank(s) with mpirun on {master.node.name}")
     started = time.monotonic()
     exit_code = 1

@@ -41,11 +41,7 @@ def stop(cluster: Cluster, run_id: str, runs_dir: Path) -> str:
         rec = records.RunRecord(run_id=run_id)
     if rec.can(Status.STOPPED) and (alive or killed or not (rec.status and rec.status.terminal)
                                     or rec.status == Status.RESTARTING):
-        wall = rec.wall_s or (time.time() - rec.started_at if rec.started_at else 0.0)
-        rec.transition(Status.STOPPED, stopped_at=records.now_iso(), cleanup=swept.to_dict(), wall_s=round(wall, 3),
-                       exit_code=rec.exit_code if rec.exit_code != -1 else 143)
-        run_dir.mkdir(parents=True, exist_ok=True)
-        rec.save(run_dir)
+        records.stopped(run_dir, rec, swept.to_dict())
     if not swept.clean:
         raise NodeFailure(f"run {run_id}: {swept.claim()}", sorted({*swept.left, *swept.unchecked}), fix="")
     sup = f"its supervisor (pid {rec.supervisor['pid']}) ended; " if killed else ""

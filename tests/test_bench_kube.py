@@ -33,7 +33,7 @@ def fake_run(root: Path, run_id: str, nodes: int, sps: float, args=None, model="
     node_list = [{"name": f"node{i}", "labels": dict(labels or {})} for i in range(nodes)]
     records.RunRecord(run_id, records.Status.OK, wall_s=100.0 / nodes + 10, nodes=node_list, cluster="local",
                       world_size=nodes, args=args if args is not None else ["--seed", "1", "--output_dir", "output"]
-                      ).save(d)
+                      )._save(d)
     (d / "results.json").write_text(json.dumps({
         "job": "glue", "model": model, "world_size": nodes, "precision": "bf16", "data_fingerprint": fingerprint,
         "train_file": f"/x/code/{run_id}/train.csv", "per_device_train_batch_size": 8,
@@ -119,7 +119,7 @@ def test_a_failed_run_is_not_compared(tmp_path):
     d = fake_run(tmp_path, "bad", 1, 10.0)
     rec = records.load(d)
     rec.status = records.Status.FAILED  # as a failed run leaves it
-    rec.save(d)
+    rec._save(d)
     with pytest.raises(ClusterError, match="did not finish"):
         bench.load_run(d)
 
@@ -239,7 +239,7 @@ def test_bench_one_and_two_nodes_writes_report_and_chart_from_the_runs(cluster2,
     shutil.copytree(runs_dir / saved["runs"][1], changed)
     rec = records.load(changed)
     rec.args = [a if a != "7" else "8" for a in rec.args]  # --seed 7 -> 8
-    rec.save(changed)
+    rec._save(changed)
     bad = cluster2.fab("bench", "--runs", f"{saved['runs'][0]},changed", env=env, timeout=120)
     assert bad.returncode != 0
     assert bad.stderr.strip().splitlines()[-1].startswith("error: runs ") and "differ in --seed (7 vs 8)" in bad.stderr

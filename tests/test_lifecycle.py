@@ -28,24 +28,57 @@ def test_status_sets_and_named_transitions():
     assert Status.OK in TERMINAL and Status.OK not in FAILURES
     assert {Status.PREEMPTED, Status.ABANDONED, Status.STOPPED} <= FAILURES
     rec = RunRecord("r1")
-    rec.transition(Status.RUNNING).transition(Status.PREEMPTED).transition(Status.RESTARTING)
-    rec.transition(Status.PREEMPTED, restarted_as="r2")
+    rec._move(Status.RUNNING)._move(Status.PREEMPTED)._move(Status.RESTARTING)
+    rec._move(Status.PREEMPTED, restarted_as="r2")
     assert rec.status == Status.PREEMPTED and rec.restarted_as == "r2"
     with pytest.raises(BadTransition):  # an ended run is never running again
-        rec.transition(Status.RUNNING)
+        rec._move(Status.RUNNING)
     with pytest.raises(BadTransition):
-        RunRecord("r", Status.OK).transition(Status.STOPPED)
+        RunRecord("r", Status.OK)._move(Status.STOPPED)
     with pytest.raises(BadTransition):  # a field the record does not have is a bug, not a new key
-        RunRecord("r", Status.RUNNING).transition(Status.OK, no_such_field=1)
+        RunRecord("r", Status.RUNNING)._move(Status.OK, no_such_field=1)
     assert RunRecord("r", Status.RESTARTING).can(Status.ABANDONED)
     assert not RunRecord("r", Status.RUNNING).can(Status.RUNNING)
+
+
+def test_every_named_transition_reaches_the_stores_copy(tmp_path):
+    """The one writer saves at home and publishes to the store: stopped, restarting, restarted_as and
+    abandoned read the same in runs/<id>/summary.json and in the store's copy (file:// store, real files)."""
+    from cluster import store as store_lib
+
+    url = f"file://{tmp_path / 'store'}"
+    runs = tmp_path / "runs"
+
+    def rec(run_id):
+        return RunRecord(run_id, env={"XC_STORE": url}, started_at=1.0)
+
+    def both(run_id):
+        return records.load(runs / run_id).to_json(), store_lib.read_summary(url, run_id)
+
+    a = records.running(runs / "a", rec("a"))
+    records.ended(runs / "a", a, Status.PREEMPTED, 75, 3.0, cause="spot interruption")
+    records.restarting(runs / "a", 1, 2, "spot interruption")
+    home, copy = both("a")
+    assert home == copy and copy["status"] == "restarting" and copy["restart"]["attempt"] == 1
+    records.resumed_as(runs / "a", "b")
+    home, copy = both("a")
+    assert home == copy and copy["status"] == "preempted" and copy["restarted_as"] == "b" and "restart" not in copy
+    b = records.running(runs / "b", rec("b"))
+    records.stopped(runs / "b", b, {"killed": {}})
+    home, copy = both("b")
+    assert home == copy and copy["status"] == "stopped" and copy["exit_code"] == 143
+    c = records.running(runs / "c", rec("c"))
+    records.abandoned(runs / "c", c, {"found": "nothing"})
+    assert both("c")[1]["status"] == "abandoned" and both("c")[1]["abandoned"]["was"] == "running"
+    with pytest.raises(BadTransition):
+        records.ended(runs / "c", records.load(runs / "c"), Status.STOPPED, 0, 0.0)
 
 
 def test_summary_json_round_trips_and_old_records_still_read(tmp_path):
     rec = RunRecord("r1", nodes=[{"name": "node0"}], job="glue", args=["--seed", "1"], world_size=2, ppn=1,
                     cause="spot interruption")
-    rec.transition(Status.RUNNING, started_at=1.5)
-    rec.save(tmp_path)
+    rec._move(Status.RUNNING, started_at=1.5)
+    rec._save(tmp_path)
     data = json.loads((tmp_path / "summary.json").read_text())
     # the fields every reader used stay, unset optional ones stay out, statuses are their plain words
     assert data["status"] == "running" and data["script"] is None and "preempted" not in data
@@ -59,7 +92,7 @@ def test_summary_json_round_trips_and_old_records_still_read(tmp_path):
     (tmp_path / "old" / "summary.json").write_text(json.dumps(old))
     rec = records.load(tmp_path / "old")
     assert rec.status == Status.OK and rec.eval == {"eval_accuracy": 0.8} and rec.supervisor is None
-    rec.save(tmp_path / "old")
+    rec._save(tmp_path / "old")
     assert json.loads((tmp_path / "old" / "summary.json").read_text())["some_future_key"] == [1]
     with pytest.raises(ClusterError) as exc:
         records.load(tmp_path / "none")
@@ -103,7 +136,7 @@ def _run(tmp_path: Path, monkeypatch, *fakes: FakeNode, job: bool = True, detach
     rec = RunRecord("r1", nodes=[n.to_dict() for n in fc.nodes], job="glue" if job else None, ppn=1,
                     world_size=len(fakes), detached=detached or None)
     (tmp_path / "r1").mkdir()
-    rec.transition(Status.RUNNING).save(tmp_path / "r1")
+    rec._move(Status.RUNNING)._save(tmp_path / "r1")
     return Run("r1", tmp_path, HOME, fc.nodes, plan, rec, remote_output=f"{HOME}/runs/r1/output", is_job=job)
 
 
@@ -195,7 +228,7 @@ def test_a_run_whose_supervisor_died_is_abandoned_once_nothing_is_left(tmp_path,
     n0, n1 = FakeNode("node0", procs={"r1": 1}), FakeNode("node1")
     r = _run(tmp_path, monkeypatch, n0, n1)
     r.record.supervisor = _dead_process()
-    r.record.save(r.run_dir)
+    r.record._save(r.run_dir)
     rec = lifecycle.reap(r.run_dir, records.load(r.run_dir))
     assert rec.status == Status.RUNNING  # its ranks still run: 'fab stop' ends them, it is not abandoned
     n0.procs.clear()
@@ -220,7 +253,7 @@ def test_stop_ends_the_supervisor_then_the_ranks(tmp_path, monkeypatch):
     try:
         r.record.supervisor = {"pid": sup.pid, "host": records.this_process()["host"],
                                "start": records._start_time(sup.pid)}
-        r.record.save(r.run_dir)
+        r.record._save(r.run_dir)
         line = stop.stop(fc, "r1", tmp_path)
         assert sup.wait(timeout=5) == -15  # SIGTERM: it starts no restart
     finally:
@@ -232,8 +265,8 @@ def test_stop_ends_the_supervisor_then_the_ranks(tmp_path, monkeypatch):
 
 
 def test_stop_follows_a_resume_chain_to_its_newest_run(tmp_path):
-    RunRecord("a", Status.PREEMPTED, restarted_as="b").save(_mk(tmp_path / "a"))
-    RunRecord("b", Status.RUNNING).save(_mk(tmp_path / "b"))
+    RunRecord("a", Status.PREEMPTED, restarted_as="b")._save(_mk(tmp_path / "a"))
+    RunRecord("b", Status.RUNNING)._save(_mk(tmp_path / "b"))
     assert stop.latest(tmp_path, "a") == "b" and stop.latest(tmp_path, "b") == "b"
 
 
@@ -247,7 +280,7 @@ def _resumable(runs: Path) -> None:
     d = _mk(runs / "old")
     request = {"job": "glue", "script": None, "args": ["--seed", "1"], "ppn": "1", "threads": "2", "backend": "gloo",
                "precision": "fp32", "env": {}, "save_every": "20", "pin": True, "timeout_s": 900, "data": {}}
-    RunRecord("old", Status.PREEMPTED, request=request, world_size=2, nodes=[{}, {}]).save(d)
+    RunRecord("old", Status.PREEMPTED, request=request, world_size=2, nodes=[{}, {}])._save(d)
     ck = _mk(d / "checkpoints" / "step-20")
     (ck / "model.safetensors").write_bytes(b"w")
     (ck / spot.COMPLETE_MARKER).write_text("{}")

@@ -53,7 +53,7 @@ def _fake_run(runs: Path, run_id: str, status: str, step: int | None, resumed_fr
                "backend": "gloo", "precision": "fp32", "env": {}, "save_every": "20", "pin": True,
                "timeout_s": 300, "data": {}}
     RunRecord(run_id, Status(status), request=request, world_size=2, nodes=[{}, {}],
-              resumed_from={"run_id": resumed_from, "step": 1} if resumed_from else None).save(d)
+              resumed_from={"run_id": resumed_from, "step": 1} if resumed_from else None)._save(d)
     if step is not None:
         ck = d / "checkpoints" / f"step-{step}"
         ck.mkdir(parents=True)

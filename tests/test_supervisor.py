@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import signal
 import time
 
@@ -13,6 +14,7 @@ import pytest
 from conftest import fab, processes_with_env, progress_steps, start_cluster
 from fake_imds import FakeIMDS
 
+from cluster import store as store_lib
 from launch import records
 from launch.records import Status
 
@@ -94,6 +96,14 @@ def test_a_detached_run_survives_fab_kill_9_and_resumes_by_itself(tmp_path, smal
     listed = fab("runs", env=lc.env, timeout=60).stdout
     assert re.search(rf"^{second}\s+glue\s+2\s+ok\s", listed, re.MULTILINE), listed
     assert re.search(rf"^{first}\s+glue\s+2\s+preempted -> {second}\s", listed, re.MULTILINE), listed
+    # the store's copy of each record is the truth when runs/ is not there: the chain reads the same from it
+    url = first_rec.env["XC_STORE"]
+    copy = store_lib.read_summary(url, first)
+    assert copy["status"] == "preempted" and copy["restarted_as"] == second, copy
+    assert store_lib.read_summary(url, second)["status"] == "ok"
+    shutil.move(lc.runs / first, tmp_path / "first-moved-away")
+    listed = fab("runs", env=lc.env, timeout=60).stdout
+    assert re.search(rf"^{first}\s+glue\s+2\s+preempted -> {second}\s.*\sstore$", listed, re.MULTILINE), listed
     assert processes_with_env(f"XC_RUN_ID={first}") == [] and processes_with_env(f"XC_RUN_ID={second}") == []
 
 
