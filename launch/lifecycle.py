@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import logging
-import re
 import shlex
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -19,7 +18,8 @@ from launch import outputs, records, userscript
 from launch.cleanup import Sweep, runs_alive, sweep
 from launch.records import RunRecord, RunResult, Status, supervisor_alive
 from launch.stream import failed_rank
-from training import spot
+from training import notice as notice_lib
+from training.notice import Notice
 
 log = logging.getLogger(__name__)
 
@@ -94,8 +94,8 @@ def end(r: Run, o: Outcome, say) -> RunResult:
         r.write(Status.INTERRUPTED, 130, o.wall_s, cleanup=swept.to_dict())
         raise Interrupted(f"run {r.run_id} interrupted after {o.wall_s:.0f}s: {swept.claim()} "
                           f"(log: {r.run_dir / 'log.txt'})")
-    notice = next((ln for ln in o.lines if spot.PREEMPTED_TAG in ln), None)
-    if o.exit_code != 0 and notice:
+    notice = Notice.parse(o.lines) if o.exit_code == notice_lib.EXIT else None
+    if notice is not None:  # exit 75 and rank 0's notice: both, or it is not a preemption
         _preempted(r, o, notice)
     extra: dict = {}
     if o.exit_code != 0:
@@ -141,16 +141,13 @@ def end(r: Run, o: Outcome, say) -> RunResult:
     return RunResult(run_id=r.run_id, run_dir=r.run_dir, exit_code=0, wall_s=o.wall_s, results=results)
 
 
-def _preempted(r: Run, o: Outcome, notice: str) -> None:
-    m = re.search(r"rank=(\d+) step=(\d+)", notice)
-    rank, step = (int(m.group(1)), int(m.group(2))) if m else (0, -1)
-    node = r.plan.rank_host(rank) if rank < r.plan.world_size else "?"
-    m = re.search(r"cause=(\S+)", notice)
-    cause = m.group(1).replace("_", " ") if m else "spot interruption"
+def _preempted(r: Run, o: Outcome, notice: Notice) -> None:
+    rank, step, cause = notice.rank, notice.step, notice.cause
+    node = r.plan.rank_host(rank) if 0 <= rank < r.plan.world_size else "?"
     swept = r.sweep()
     url = (r.record.env or {}).get("XC_STORE")
     if url:  # [store] the notice's checkpoint is in the store, or nowhere
-        _preempted_in_store(r, o, url, node, rank, step, cause, swept)
+        _preempted_in_store(r, o, url, node, notice, swept)
     try:
         got = outputs.fetch_checkpoint(r.master, r.run_dir, r.remote_output, r.fetch_model)
     except Exception as exc:
@@ -165,7 +162,7 @@ def _preempted(r: Run, o: Outcome, notice: str) -> None:
                           f"{swept.claim()}", [node], run_id=r.run_id, lost=sorted(swept.unchecked), fix="")
     if got is None or got[0] != step:
         step, ckpt = home[-1]
-    r.write(Status.PREEMPTED, spot.PREEMPTED_EXIT, o.wall_s, cause=cause,
+    r.write(Status.PREEMPTED, notice_lib.EXIT, o.wall_s, cause=cause,
             preempted={"node": node, "rank": rank, "step": step, "checkpoint": str(ckpt)}, cleanup=swept.to_dict())
     base = r.run_dir.parent.parent
     rel = ckpt.relative_to(base) if base in ckpt.parents else ckpt
@@ -183,21 +180,31 @@ def _store_steps(url: str, run_id: str) -> list[int]:
         return []
 
 
-def _preempted_in_store(r: Run, o: Outcome, url: str, node: str, rank: int, step: int, cause: str, swept) -> None:
-    """Preempted when the store holds a complete checkpoint (the notice's, or the newest); else failed. Raises."""
+def _preempted_in_store(r: Run, o: Outcome, url: str, node: str, notice: Notice, swept) -> None:
+    """Preempted when the store holds a complete checkpoint (the notice's once durable, else the newest complete
+    one before it); failed when it holds none. Raises."""
+    rank, step, cause = notice.rank, notice.step, notice.cause
     steps = _store_steps(url, r.run_id)
+    if not notice.durable:  # the ranks did not all see it confirmed in the store: never resume from it
+        log.warning("the notice's checkpoint (step %s) did not become durable in the store", step)
+        steps = [s for s in steps if s != step]
     if not steps:
         r.write(Status.FAILED, o.exit_code, o.wall_s, failed_node=node, cleanup=swept.to_dict(), cause=cause,
                 reason=f"spot notice on {node} at step {step}, but no complete checkpoint reached the store {url}")
         raise NodeFailure(f"run {r.run_id} preempted on {node} at step {step} and no checkpoint reached the store "
                           f"{url}; {swept.claim()}", [node], run_id=r.run_id, lost=sorted(swept.unchecked), fix="")
-    if step not in steps:
+    noticed, durable = step, notice.durable and step in steps
+    if not durable:
         log.warning("the notice's checkpoint (step %s) is not in the store; the newest there is step %s", step, steps[-1])
         step = steps[-1]
     where = f"{url}/runs/{r.run_id}/checkpoints/step-{step}"
-    r.write(Status.PREEMPTED, spot.PREEMPTED_EXIT, o.wall_s, cause=cause,
-            preempted={"node": node, "rank": rank, "step": step, "checkpoint": where}, cleanup=swept.to_dict())
-    raise Preempted(f"run {r.run_id} preempted on {node} at step {step}: checkpoint saved ({where})",
+    r.write(Status.PREEMPTED, notice_lib.EXIT, o.wall_s, cause=cause,
+            preempted={"node": node, "rank": rank, "step": step, "checkpoint": where, "notice_step": noticed,
+                       "durable": durable}, cleanup=swept.to_dict(),
+            reason=None if durable else f"the notice's checkpoint (step {noticed}) did not become durable in the "
+                                        f"store; resume uses the previous complete one (step {step})")
+    said = "checkpoint saved" if durable else f"the notice's checkpoint was not durable; resume takes step {step}"
+    raise Preempted(f"run {r.run_id} preempted on {node} at step {step}: {said} ({where})",
                     run_id=r.run_id, node=node, fix=f"resume with 'fab train --resume {r.run_id}'")
 
 

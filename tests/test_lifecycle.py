@@ -17,7 +17,9 @@ from core.errors import ClusterError, Interrupted, NodeFailure, NodeLost, Preemp
 from launch import cleanup, detach, lifecycle, outputs, records, stop, userscript
 from launch.lifecycle import Outcome, Run
 from launch.records import FAILURES, TERMINAL, BadTransition, RunRecord, Status
+from training import notice as notice_lib
 from training import spot
+from training.notice import GROUP, SPOT, Notice
 
 HOME = "/h"
 
@@ -135,7 +137,7 @@ def _run(tmp_path: Path, monkeypatch, *fakes: FakeNode, job: bool = True, detach
     plan = detach.LogPlan("r1", 1, tuple(f.name for f in fakes))
     rec = RunRecord("r1", nodes=[n.to_dict() for n in fc.nodes], job="glue" if job else None, ppn=1,
                     world_size=len(fakes), detached=detached or None)
-    (tmp_path / "r1").mkdir()
+    (tmp_path / "r1").mkdir(parents=True)
     rec._move(Status.RUNNING)._save(tmp_path / "r1")
     return Run("r1", tmp_path, HOME, fc.nodes, plan, rec, remote_output=f"{HOME}/runs/r1/output", is_job=job)
 
@@ -191,20 +193,44 @@ def test_preempted_brings_its_checkpoint_home(tmp_path, monkeypatch):
     ck = f"{HOME}/runs/r1/output/checkpoint-20"
     n0 = FakeNode("node0", files={f"{ck}/model.safetensors": b"w", f"{ck}/{spot.COMPLETE_MARKER}": b"{}"})
     r = _run(tmp_path, monkeypatch, n0, FakeNode("node1"))
-    notice = f"[0] {spot.PREEMPTED_TAG} rank=1 step=20 checkpoint=checkpoint-20"
+    notice = "[0] " + Notice(SPOT, rank=1, step=20, checkpoint="checkpoint-20", durable=False).format()
+    lifecycle.end(r, Outcome(0, [notice], set(), 8.0), print)  # exit 0: the notice alone is no preemption
+    assert records.load(tmp_path / "r1").status == Status.OK
+    r = _run(tmp_path / "b", monkeypatch, n0, FakeNode("node1"))
     with pytest.raises(Preempted) as exc:
-        lifecycle.end(r, Outcome(spot.PREEMPTED_EXIT, [notice], set(), 8.0), print)
+        lifecycle.end(r, Outcome(notice_lib.EXIT, [notice], set(), 8.0), print)
     assert exc.value.node == "node1" and exc.value.fix == "resume with 'fab train --resume r1'"
-    rec = records.load(tmp_path / "r1")
+    rec = records.load(tmp_path / "b" / "r1")
     assert rec.status == Status.PREEMPTED and rec.exit_code == 75 and rec.preempted["step"] == 20
     assert rec.cause == "spot interruption"
-    assert (tmp_path / "r1" / "checkpoints" / "step-20" / "model.safetensors").read_bytes() == b"w"
+    assert (tmp_path / "b" / "r1" / "checkpoints" / "step-20" / "model.safetensors").read_bytes() == b"w"
+
+
+def test_a_notice_whose_checkpoint_is_not_durable_resumes_from_the_previous_complete_one(tmp_path, monkeypatch):
+    from training import store as training_store
+
+    url = f"file://{tmp_path / 'store'}"
+    store = training_store.open_store(url)
+    for step in (10, 20):  # 20 is the notice's: its upload never finished, so it has no marker
+        store.put_bytes(f"{training_store.checkpoint_prefix('r1', step)}/model.safetensors", b"w")
+    store.put_bytes(f"{training_store.checkpoint_prefix('r1', 10)}/{spot.COMPLETE_MARKER}", b"{}")
+    r = _run(tmp_path, monkeypatch, FakeNode("node0"), FakeNode("node1"))
+    r.record.env["XC_STORE"] = url
+    notice = "[0] " + Notice(GROUP, rank=1, step=20, checkpoint="checkpoint-20", durable=False).format()
+    with pytest.raises(Preempted) as exc:
+        lifecycle.end(r, Outcome(notice_lib.EXIT, [notice], set(), 8.0), print)
+    assert "not durable" in exc.value.what and "step 10" in exc.value.what
+    rec = records.load(tmp_path / "r1")
+    assert rec.status == Status.PREEMPTED and rec.cause == GROUP
+    assert rec.preempted["step"] == 10 and rec.preempted["notice_step"] == 20 and rec.preempted["durable"] is False
+    assert "did not become durable" in rec.reason
+    assert training_store.open_store(url).get_bytes("runs/r1/summary.json")  # the store's copy says it too
 
 
 def test_preempted_without_a_checkpoint_is_a_failure(tmp_path, monkeypatch):
     r = _run(tmp_path, monkeypatch, FakeNode("node0"), FakeNode("node1"))
     with pytest.raises(NodeFailure):
-        lifecycle.end(r, Outcome(75, [f"[0] {spot.PREEMPTED_TAG} rank=0 step=5"], set(), 8.0), print)
+        lifecycle.end(r, Outcome(75, ["[0] " + Notice(SPOT, 0, 5, "checkpoint-5", False).format()], set(), 8.0), print)
     assert records.load(tmp_path / "r1").status == Status.FAILED
 
 
