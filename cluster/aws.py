@@ -1,7 +1,10 @@
-"""Inventory sources for Fabric: ``aws[:NAME]`` asks EC2 for the cluster's tagged, running
-instances (needs only AWS credentials) and records their host keys from their console output
-(cluster.hostkeys); ``pulumi[:STACK]`` reads the stack's ``nodes`` output through the Pulumi CLI.
-cluster.inventory imports this module only when a task names one of them.
+"""Inventory sources for Fabric: ``aws[:NAME]`` asks EC2 for the running instances of the cluster's Auto Scaling
+group (needs only AWS credentials) and records their host keys (cluster.hostkeys); ``pulumi[:STACK]`` reads the
+stack's outputs through the Pulumi CLI. cluster.inventory imports this module only when a task names one of them.
+
+A node is an instance of the cluster's group, as the tag ``aws:autoscaling:groupName`` says: EC2 Auto Scaling
+sets it and nobody else can (the ``aws:`` prefix is reserved), where our own tags can be set by anyone allowed
+``ec2:CreateTags``. An instance with the cluster's tags outside the group is never a node: a warning names it.
 """
 from __future__ import annotations
 
@@ -23,22 +26,30 @@ log = logging.getLogger(__name__)
 
 PROJECT_DIR = PROJECT_ROOT  # where Pulumi.yaml lives
 DEFAULT_USER = "ubuntu"
+GROUP_TAG = "aws:autoscaling:groupName"  # set by EC2 Auto Scaling on the instances it launches; reserved to AWS
+
+
+def node_group(cluster: str) -> str:
+    """The name of the cluster's Auto Scaling group (infra.nodes.group_name; a test keeps the two equal)."""
+    return f"{cluster}-nodes"
 
 
 # -- aws --------------------------------------------------------------------------------------
-def aws_nodes(cluster: str = "", region: str | None = None, client=None) -> list[Node]:
-    """Running instances of ``cluster`` (default: $XC_AWS_CLUSTER, else the only cluster running), node 0
-    first: the one holding the master role tag, then the others oldest first."""
+def aws_nodes(cluster: str = "", region: str | None = None, client=None, group: str | None = None) -> list[Node]:
+    """Running instances of ``cluster``'s Auto Scaling group ``group`` (default: NAME-nodes; the cluster default:
+    $XC_AWS_CLUSTER, else the only cluster running), node 0 first: the one holding the master role tag, then the
+    others oldest first."""
     name = cluster or os.environ.get("XC_AWS_CLUSTER", "")
     with aws_errors():
         client = client or ec2_client(region)
         if not name:
             name = _only_cluster(client)
-        instances = _running(client, [{"Name": f"tag:{TAG_CLUSTER}", "Values": [name]},
-                                      {"Name": "tag-key", "Values": [TAG_ROLE]}])
+        group = group or node_group(name)
+        instances = members(_running(client, [{"Name": f"tag:{TAG_CLUSTER}", "Values": [name]},
+                                              {"Name": "tag-key", "Values": [TAG_ROLE]}]), name, group)
         if not instances:
-            raise ClusterError(f"no running instances of cluster {name!r} in {client.meta.region_name}; "
-                               "run 'pulumi up' (or check AWS_REGION and the cluster name)")
+            raise ClusterError(f"no running instances of cluster {name!r} (Auto Scaling group {group}) in "
+                               f"{client.meta.region_name}; run 'pulumi up' (or check AWS_REGION and the cluster name)")
         ordered = order_nodes(client, instances, name)
     nodes = [_aws_node(inst, position, name) for position, inst in enumerate(ordered)]
     with aws_errors():
@@ -68,14 +79,27 @@ def order_nodes(client, instances: list[dict], cluster: str) -> list[dict]:
     return [master, *[i for i in by_age if i is not master]]
 
 
-def starting_nodes(cluster: str, region: str | None = None) -> list[dict]:
-    """Instances of the cluster that are not running yet or any more (a replacement booting, a node
+def members(instances: list[dict], cluster: str, group: str, warn: bool = True) -> list[dict]:
+    """The instances of Auto Scaling group ``group``; each other one (our tags, set by hand) is named in a warning."""
+    inside = [i for i in instances if _tags(i).get(GROUP_TAG) == group]
+    for stray in (i for i in instances if i not in inside) if warn else ():
+        elsewhere = _tags(stray).get(GROUP_TAG)
+        where = f"is in Auto Scaling group {elsewhere}" if elsewhere else "is in no Auto Scaling group"
+        log.warning("instance %s carries the tags of cluster %s but %s, not %s: not a node of the cluster; "
+                    "find out who launched or tagged it, and terminate it or remove its %s tag",
+                    stray["InstanceId"], cluster, where, group, TAG_CLUSTER)
+    return inside
+
+
+def starting_nodes(cluster: str, region: str | None = None, group: str | None = None) -> list[dict]:
+    """Instances of the cluster's group that are not running yet or any more (a replacement booting, a node
     being reclaimed): 'fab status' shows them beside the nodes."""
     with aws_errors():
         pages = ec2_client(region).get_paginator("describe_instances").paginate(Filters=[
             {"Name": f"tag:{TAG_CLUSTER}", "Values": [cluster]}, {"Name": "tag-key", "Values": [TAG_ROLE]},
             {"Name": "instance-state-name", "Values": ["pending", "shutting-down", "stopping", "stopped"]}])
-        return [inst for page in pages for res in page["Reservations"] for inst in res["Instances"]]
+        found = [inst for page in pages for res in page["Reservations"] for inst in res["Instances"]]
+    return members(found, cluster, group or node_group(cluster), warn=False)
 
 
 def _aws_node(inst: dict, position: int, cluster: str) -> Node:
@@ -98,7 +122,8 @@ def _aws_node(inst: dict, position: int, cluster: str) -> Node:
 
 
 def _only_cluster(client) -> str:
-    names = {_tags(i)[TAG_CLUSTER] for i in _running(client, [{"Name": "tag-key", "Values": [TAG_CLUSTER]}])}
+    running = _running(client, [{"Name": "tag-key", "Values": [TAG_CLUSTER]}])
+    names = {_tags(i)[TAG_CLUSTER] for i in running if _tags(i).get(GROUP_TAG) == node_group(_tags(i)[TAG_CLUSTER])}
     if len(names) == 1:
         return names.pop()
     if not names:
@@ -129,7 +154,52 @@ def pulumi_nodes(stack: str = "") -> list[Node]:
     if not outputs.get("clusterName"):
         raise ClusterError(f"{where} has no 'clusterName' output (made by an older version); run 'pulumi up' to "
                            "refresh its outputs")
-    return aws_nodes(outputs["clusterName"], region=outputs.get("region") or None)
+    return aws_nodes(outputs["clusterName"], region=outputs.get("region") or None,
+                     group=outputs.get("autoScalingGroup") or None)
+
+
+def stack_place(stack: str = "") -> tuple[str, str]:
+    """(clusterName, region) of the stack (default: the selected one): from its outputs while it has them, else
+    (after 'pulumi destroy', which keeps the config) from its config; the region defaults as in Pulumi.yaml."""
+    outputs = stack_outputs(stack)
+    if outputs.get("clusterName") and outputs.get("region"):
+        return str(outputs["clusterName"]), str(outputs["region"])
+    project = Path(os.environ.get("XC_PULUMI_DIR") or PROJECT_DIR)
+    try:
+        config = json.loads(_stack_config(str(project), stack, shutil.which("pulumi")))
+    except json.JSONDecodeError:
+        config = {}
+    meta = _project_file(project)
+    entry = (meta.get("config") or {}).get("region")
+    default_region = str(entry.get("default") or "") if isinstance(entry, dict) else ""
+
+    def value(key: str) -> str:
+        got = config.get(f"{meta.get('name') or 'xeon-cluster'}:{key}")
+        return str((got.get("value") if isinstance(got, dict) else got) or "")
+
+    return (str(outputs.get("clusterName") or value("clusterName")),
+            str(outputs.get("region") or value("region") or default_region))
+
+
+def _project_file(project: Path) -> dict:
+    """Pulumi.yaml as a dict ({} where there is none)."""
+    import yaml
+
+    path = project / "Pulumi.yaml"
+    loaded = yaml.safe_load(path.read_text()) if path.is_file() else None
+    return loaded if isinstance(loaded, dict) else {}
+
+
+@functools.lru_cache(maxsize=8)
+def _stack_config(project: str, stack: str, cli: str | None) -> str:
+    """'pulumi config --json': {"<project>:<key>": {"value": ...}}; "{}" where it fails (the outputs' call said why)."""
+    argv = [cli or "pulumi", "config", "--json", "--cwd", project] + (["--stack", stack] if stack else [])
+    try:
+        proc = subprocess.run(argv, check=False, capture_output=True, text=True, timeout=120)
+    except OSError:
+        return "{}"
+    text = proc.stdout.strip() if proc.returncode == 0 else ""
+    return text if text.startswith("{") else "{}"
 
 
 def selected_stack_cluster() -> str:

@@ -1,6 +1,8 @@
 """Verified host keys for AWS nodes, read through the authenticated AWS API (no trust on first use).
 
-Two channels, both tied by DescribeInstances to the instance that holds the node's addresses:
+Two channels, both tied by DescribeInstances to the instance that holds the node's addresses; where the console
+shows keys, the tags must agree with it (channels_agree): only the instance writes its console, while anyone
+allowed ec2:CreateTags on it can write its tags:
 - the instance's own tags ``xeon-cluster:host-key:<type>``, which the node writes at first boot with its
   instance profile, allowed to tag only itself (node_setup/publish_host_keys.py, infra.nodes.node_policy);
   DescribeInstances returns them with the instance, so they cost no call. They work on bare metal.
@@ -114,6 +116,25 @@ def console_host_keys(client, instance_id: str) -> list[tuple[str, str]]:
     return []
 
 
+def channels_agree(node: Node, instance: str, tagged: list[tuple[str, str]],
+                   shown: list[tuple[str, str]]) -> tuple[list[tuple[str, str]], str]:
+    """The keys to trust and the channel they came from. Where the console shows keys, they are the ones, and
+    every key in the instance's tags must be among them: the tags are also writable by anyone allowed
+    ec2:CreateTags on the instance, the console output only by the instance itself. Without console keys (bare
+    metal's buffered output lags), the tags alone."""
+    if not shown:
+        return tagged, "its instance tags show"
+    for keytype, key in tagged:
+        if (keytype, key) not in shown:
+            seen = "a different one" if keytype in dict(shown) else "none of that type"
+            raise ClusterError(
+                f"node {node.name} ({instance}): its instance tags show a {keytype} host key and its console output "
+                f"{seen}",
+                fix=f"do not connect; find out who tagged {instance} (CloudTrail CreateTags: anyone allowed "
+                    "ec2:CreateTags on it can), or terminate it and let its Auto Scaling group replace it")
+    return shown, "its console output shows"
+
+
 def known_hosts_path(cluster: str) -> Path:
     """<state folder>/aws-<cluster>/known_hosts, next to the local cluster's state."""
     from cluster import local
@@ -158,10 +179,8 @@ def record_host_keys(nodes: list[Node], client, path: Path) -> None:
         addrs = _addresses(node)
         if all(any(rec in ("", instance) for *_, rec in known.get(a, [])) for a in addrs):
             continue  # recorded before, for this instance
-        keys = tag_host_keys(node.labels.get("host_key_tags") or {})
-        channel = "its instance tags show"
-        if not keys:
-            keys, channel = console_host_keys(client, instance), "its console output shows"
+        keys, channel = channels_agree(node, instance, tag_host_keys(node.labels.get("host_key_tags") or {}),
+                                       console_host_keys(client, instance))
         if not keys:
             pending.append(node.name)
             continue

@@ -32,8 +32,12 @@ def ec2():
     return ec2_client(REGION)  # honours XC_AWS_ENDPOINT_URL: the moto server
 
 
-def launch(cluster: str, role: str | None = "worker", *, user: str | None = None) -> str:
+def launch(cluster: str, role: str | None = "worker", *, user: str | None = None, group: str | None = "") -> str:
+    """An instance of the cluster's group, launched one at a time so that launch order is known: moto lets us
+    set the aws:autoscaling:groupName tag that AWS reserves to EC2 Auto Scaling (group=None: launched by hand)."""
     tags = {"Name": f"{cluster}-node", TAG_CLUSTER: cluster}
+    if group is not None:
+        tags[discovery.GROUP_TAG] = group or discovery.node_group(cluster)
     if role is not None:
         tags[TAG_ROLE] = role
     if user:
@@ -125,6 +129,50 @@ def test_an_auto_scaling_group_node_lost_is_replaced_and_the_order_holds(aws_env
     assert role_tags(ids)[ids[0]] == "master"
 
 
+def test_an_instance_with_the_cluster_tags_outside_its_group_is_not_a_node(aws_env, caplog):
+    """Issue 41: an instance launched by hand with xeon-cluster:cluster=barh and role=master, next to the cluster's
+    Auto Scaling group, became barh-0 (the node that gets every run's secrets). The group below is the one
+    infra/nodes.py declares, run by moto, which tags its instances with aws:autoscaling:groupName as AWS does."""
+    from infra.nodes import group_name, node_tags
+    from infra.settings import ClusterSettings
+
+    settings = ClusterSettings(admin_cidr="203.0.113.7/32", cluster_name="barh", ssh_public_key=(
+        "ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIOp9fX1kZXZlbG9wZXIta2V5LWZvci10ZXN0cw op@laptop"), image="base")
+    assert group_name(settings) == discovery.node_group("barh")  # the one name, on both sides
+    template = ec2().create_launch_template(LaunchTemplateName="barh-lt", LaunchTemplateData={
+        "ImageId": AMI, "InstanceType": "c6i.16xlarge"})["LaunchTemplate"]["LaunchTemplateId"]
+    moto_fixture.client("autoscaling").create_auto_scaling_group(
+        AutoScalingGroupName=group_name(settings), MinSize=2, MaxSize=2, DesiredCapacity=2,
+        VPCZoneIdentifier=ec2().describe_subnets()["Subnets"][0]["SubnetId"],
+        LaunchTemplate={"LaunchTemplateId": template, "Version": "$Latest"},
+        Tags=[{"Key": k, "Value": v, "PropagateAtLaunch": True} for k, v in node_tags(settings).items()])
+    time.sleep(1.1)
+    forged = launch("barh", "master", group=None)  # our tags, set by anyone allowed ec2:CreateTags
+    elsewhere = launch("barh", "master", group="someone-elses-group")
+    with caplog.at_level("WARNING", logger="cluster.aws"):
+        nodes = load_nodes("aws:barh")
+    ids = [n.labels["instance_id"] for n in nodes]
+    assert len(ids) == 2 and forged not in ids and elsewhere not in ids
+    group_ids = {i["InstanceId"] for g in moto_fixture.client("autoscaling").describe_auto_scaling_groups()[
+        "AutoScalingGroups"] for i in g["Instances"]}
+    assert set(ids) == group_ids and nodes[0].name == "barh-0"
+    assert role_tags(ids)[ids[0]] == "master" and role_tags([forged])[forged] == "master"
+    assert (f"instance {forged} carries the tags of cluster barh but is in no Auto Scaling group, not barh-nodes: "
+            "not a node of the cluster") in caplog.text
+    assert f"instance {elsewhere} carries the tags of cluster barh but is in Auto Scaling group someone-elses-group" \
+        in caplog.text
+    assert [i["InstanceId"] for i in discovery.starting_nodes("barh")] == []  # fab status: not among its nodes
+    ec2().stop_instances(InstanceIds=[forged])
+    assert [i["InstanceId"] for i in discovery.starting_nodes("barh")] == []
+    # a forged instance alone is no cluster at all
+    launch("ernie", "master", group=None)
+    assert [n.name for n in load_nodes("aws:barh")] == ["barh-0", "barh-1"]
+    with pytest.raises(ClusterError, match=r"no running instances of cluster 'ernie' \(Auto Scaling group "
+                                           r"ernie-nodes\) in us-east-1; run 'pulumi up'"):
+        load_nodes("aws:ernie")
+    assert [n.name for n in load_nodes("aws")] == ["barh-0", "barh-1"]  # the only cluster: ernie's is no cluster
+
+
 def test_cluster_name_comes_from_env_or_from_the_only_running_cluster(aws_env, monkeypatch):
     launch("solo", "master", user="ec2-user")
     assert [n.user for n in load_nodes("aws")] == ["ec2-user"]  # the only cluster; user from its tag
@@ -137,7 +185,8 @@ def test_cluster_name_comes_from_env_or_from_the_only_running_cluster(aws_env, m
 
 
 def test_no_running_nodes_is_a_clear_error(aws_env):
-    with pytest.raises(ClusterError, match=r"no running instances of cluster 'bert' in us-east-1; run 'pulumi up'"):
+    with pytest.raises(ClusterError, match=r"no running instances of cluster 'bert' \(Auto Scaling group bert-nodes\) "
+                                           r"in us-east-1; run 'pulumi up'"):
         load_nodes("aws:bert")
     with pytest.raises(ClusterError, match=r"no running xeon-cluster instances in us-east-1"):
         load_nodes("aws")

@@ -233,7 +233,9 @@ def test_latest_output_unsupported_falls_back_to_the_buffered_output(tmp_path):
 
 # -- the aws source against the real moto server ----------------------------------------------
 def launch(index: int) -> str:
-    tags = {"Name": "bert-node", TAG_CLUSTER: "bert", TAG_ROLE: "master" if index == 0 else "worker"}
+    # moto lets a test set the group tag that AWS reserves to EC2 Auto Scaling: an instance of bert's group
+    tags = {"Name": "bert-node", TAG_CLUSTER: "bert", TAG_ROLE: "master" if index == 0 else "worker",
+            discovery.GROUP_TAG: discovery.node_group("bert")}
     reply = ec2_client(moto_fixture.REGION).run_instances(
         ImageId="ami-0123456789abcdef0", MinCount=1, MaxCount=1, InstanceType="c6i.16xlarge",
         TagSpecifications=[{"ResourceType": "instance", "Tags": [{"Key": k, "Value": v} for k, v in tags.items()]}])
@@ -380,7 +382,8 @@ def test_a_node_publishes_its_keys_as_tags_and_fab_verifies_a_metal_node_by_them
     metal = Metal(client, "")
     (node,) = discovery.aws_nodes("bert", client=metal)
     path = tmp_path / "state" / "aws-bert" / "known_hosts"
-    assert metal.calls == []  # DescribeInstances brought the tags: no console call at all
+    # the console is asked (both modes) and has no keys yet: DescribeInstances brought the tags, which count alone
+    assert metal.calls == [{"InstanceId": instance, "Latest": True}, {"InstanceId": instance}]
     assert path.read_text().splitlines() == [f"{node.host},{node.private_host} {t} {k} {instance} bert-0"
                                              for t, k in (ECDSA, ED25519)]
     # a tag that disagrees with the key recorded for the instance is refused, as a console that does
@@ -401,6 +404,30 @@ def test_a_malformed_host_key_tag_is_ignored_and_the_console_still_counts(tmp_pa
     assert "ignoring the instance tag xeon-cluster:host-key:ssh-dss" in caplog.text
     assert (tmp_path / "kh").read_text().split()[1:3] == list(ED25519) and len(ec2.calls) == 1
 
+
+
+def test_where_the_console_shows_keys_the_tags_must_agree_with_it(tmp_path):
+    """Issue 41: anyone allowed ec2:CreateTags on an instance can write its host-key tags; only the instance writes
+    its console. A tag the console contradicts is refused, naming the node and the instance; nothing is recorded."""
+    path = tmp_path / "known_hosts"
+    forged = ("ssh-ed25519", ed25519_key().get_base64())
+    node = aws_node(0, "198.51.100.11", "10.42.0.11", "i-0a")
+    node.labels["host_key_tags"] = {TAG_HOST_KEY + forged[0]: forged[1]}
+    with pytest.raises(ClusterError, match=r"^node bert-0 \(i-0a\): its instance tags show a ssh-ed25519 host key "
+                                           r"and its console output a different one; do not connect; find out who "
+                                           r"tagged i-0a \(CloudTrail CreateTags"):
+        hostkeys.record_host_keys([node], FakeEC2({"i-0a": console()}), path)
+    assert not path.exists()
+    # a type the console does not show at all (an attacker's nistp384 beside cloud-init's keys) is refused too
+    node.labels["host_key_tags"] = {TAG_HOST_KEY + ED25519[0]: ED25519[1], TAG_HOST_KEY + ECDSA[0]: ECDSA[1]}
+    with pytest.raises(ClusterError, match=r"its instance tags show a ecdsa-sha2-nistp256 host key and its console "
+                                           r"output none of that type"):
+        hostkeys.record_host_keys([node], FakeEC2({"i-0a": console([ED25519, RSA])}), path)
+    # agreeing channels: the console's keys are recorded (RSA too, which no tag can hold)
+    ec2 = FakeEC2({"i-0a": console()})
+    hostkeys.record_host_keys([node], ec2, path)
+    assert [line.split()[1:3] for line in path.read_text().splitlines()] == [list(k) for k in KEYS]
+    assert ec2.calls == [{"InstanceId": "i-0a", "Latest": True}]
 
 
 # -- a real SSH handshake against the recorded keys -------------------------------------------
