@@ -111,53 +111,17 @@ def keys(c, cluster=None):
           f"node 0 reaches every node with verified host keys ({res.ssh_dir}/config)")
 
 
-@task(
-    iterable=["env"],
-    help={
-        "nodes": "use the first N nodes (default: all)",
-        "job": "bundled job: glue (default) | qa | clm",
-        "script": "run your own training script instead (its flags after --); with --workdir, a path inside it",
-        "workdir": "ship your project folder (honouring .gitignore, content-addressed); runs in a copy of it",
-        "module": "run `python -m NAME` from --workdir instead of a script",
-        "launcher": "python (default) | accelerate: `accelerate launch` per rank, for --script/--module",
-        "ppn": "processes per node (default auto: one per socket)",
-        "threads": "OpenMP threads per process (default auto: the process's cores)",
-        "backend": "auto | ccl | gloo",
-        "precision": "auto (bf16 on AMX; with AVX512-BF16 alone, bf16 if its matmuls time faster than fp32's on "
-                     "every node) | bf16 | fp32",
-        "comm-hook": "gradients on the wire between nodes: auto (default: bf16 between hosts, fp32 on one) | none "
-                     "(fp32) | bf16 | fp16 (half the bytes)",
-        "env": "extra or overriding variable for every rank, KEY=VALUE (repeatable)",
-        "cluster": "local | hosts:PATH | aws[:NAME] | pulumi[:STACK]",
-        "master-port": "rendezvous port on node 0 (default: a free port there, picked per run)",
-        "no-pin": "do not pin ranks to cores",
-        "timeout": "seconds a collective may wait before the job fails (default 300)",
-        "save-every": "checkpoint every DURATION of training (10m, 600s) or N steps (default 10m; 0: only on a "
-                      "spot notice)",
-        "no-fetch-model": "bring home metrics, logs and trainer state but not model or checkpoint weights",
-        "resume": "continue RUN_ID from its latest checkpoint at home: same job, flags and data",
-        "max-restarts": "after a preemption or a lost node, resume by itself up to K times (default 0)",
-        "restart-wait": "seconds to wait for the cluster to have its nodes again before a restart (default 600)",
-        "concurrent": "run even while another run holds the cluster (by default one run at a time)",
-        "detach": "return once every rank runs, printing the run id; follow with 'fab logs RUN -f'",
-        "store": "where checkpoints, outputs and records go: s3://BUCKET/PREFIX or file:///FOLDER (default: "
-                 "XC_STORE, fabric.yaml xc.store, the stack's bucket, else ./store)",
-    },
-)
+@task(**flags_lib.task_options())  # every flag and its help line: launch/train_flags.py's TrainFlags
 @cli
-def train(c, nodes=None, job=None, script=None, workdir=None, module=None, launcher=None, ppn=None, threads=None,
-          backend=None, precision=None, comm_hook=None, env=None, cluster=None, master_port=None, no_pin=False,
-          timeout=None, save_every=None, no_fetch_model=False, resume=None, max_restarts=None, restart_wait=None,
-          concurrent=False, detach=False, store=None):
+@flags_lib.takes_flags
+def train(c, flags: flags_lib.TrainFlags):
     """Run a training job across the cluster with mpirun; results land in runs/<run-id>/."""
-    chosen_store = store_lib.choose(store, c.config, _cluster(c, cluster))  # one resolver for every task
-    r = flags_lib.resolve(flags_lib.TrainFlags(
-        nodes, job, script, workdir, module, launcher, ppn, threads, backend, precision, comm_hook, list(env or []),
-        master_port, bool(no_pin), timeout, save_every, bool(no_fetch_model), resume, max_restarts, restart_wait,
-        bool(concurrent), bool(detach), job_args()), request_lib.RUNS, store=chosen_store.url)
-    store_run.apply(r.req, chosen_store, _cluster(c, cluster))  # XC_STORE and credentials (as secrets)
+    cluster = _cluster(c, flags.cluster)
+    chosen_store = store_lib.choose(flags.store, c.config, cluster)  # one resolver for every task
+    r = flags_lib.resolve(flags, request_lib.RUNS, store=chosen_store.url)
+    store_run.apply(r.req, chosen_store, cluster)  # XC_STORE and credentials (as secrets)
     request_lib.validate(r.req)  # every flag and data file before the cluster is asked anything
-    chosen = open_cluster(_cluster(c, cluster))
+    chosen = open_cluster(cluster)
     store_lib.check(chosen_store, chosen.spec)  # reachable and writable, before launch
     print(status_lib.cluster_line(chosen), flush=True)
     print(chosen_store.line(), flush=True)  # every run's first lines name its store

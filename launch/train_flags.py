@@ -4,42 +4,92 @@ auto` on a resume reset a recorded value, which comparing values to their defaul
 from __future__ import annotations
 
 import dataclasses
+import functools
+import inspect
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from core.cli import as_int, env_pairs, valueless_keys
+from core.cli import as_int, env_pairs, job_args, valueless_keys
 from core.errors import ClusterError
 from launch import resume as resume_lib
 from launch.request import TrainRequest
 
 
+def _flag(help_text: str, default=None):
+    """A flag: its default and its `fab --help train` line, in one place."""
+    return field(default=default, metadata={"help": help_text})
+
+
 @dataclass(frozen=True)
 class TrainFlags:
-    """What was typed after `fab train`, as text; None where a flag was not given."""
+    """What was typed after `fab train`, as text; None where a flag was not given. Each field is one flag of the
+    task (underscores become dashes); adding a flag is a field here plus its use in `resolve`."""
 
-    nodes: str | None = None
-    job: str | None = None
-    script: str | None = None
-    workdir: str | None = None
-    module: str | None = None
-    launcher: str | None = None
-    ppn: str | None = None
-    threads: str | None = None
-    backend: str | None = None
-    precision: str | None = None
-    comm_hook: str | None = None
-    env: list[str] = field(default_factory=list)
-    master_port: str | None = None
-    no_pin: bool = False
-    timeout: str | None = None
-    save_every: str | None = None
-    no_fetch_model: bool = False
-    resume: str | None = None
-    max_restarts: str | None = None
-    restart_wait: str | None = None
-    concurrent: bool = False
-    detach: bool = False
-    job_args: list[str] = field(default_factory=list)
+    nodes: str | None = _flag("use the first N nodes (default: all)")
+    job: str | None = _flag("bundled job: glue (default) | qa | clm")
+    script: str | None = _flag("run your own training script instead (its flags after --); with --workdir, a path "
+                               "inside it")
+    workdir: str | None = _flag("ship your project folder (honouring .gitignore, content-addressed) and run in a "
+                                "copy of it; goes with --script or --module")
+    module: str | None = _flag("run `python -m NAME` from --workdir instead of a script")
+    launcher: str | None = _flag("python (default) | accelerate: `accelerate launch` per rank, for --script/--module")
+    ppn: str | None = _flag("processes per node (default auto: one per socket)")
+    threads: str | None = _flag("OpenMP threads per process (default auto: the process's cores)")
+    backend: str | None = _flag("auto | ccl | gloo")
+    precision: str | None = _flag("auto (bf16 on AMX; with AVX512-BF16 alone, bf16 if its matmuls time faster than "
+                                  "fp32's on every node) | bf16 | fp32")
+    comm_hook: str | None = _flag("gradients on the wire between nodes: auto (default: bf16 between hosts, fp32 on "
+                                  "one) | none (fp32) | bf16 | fp16 (half the bytes)")
+    env: list[str] = field(default_factory=list, metadata={"iterable": True, "help": (
+        "a variable for every rank: KEY=VALUE, or a bare KEY to pass this shell's value as a secret (never written "
+        "to a record or a node's disk in clear); repeatable")})
+    master_port: str | None = _flag("rendezvous port on node 0 (default: a free port there, picked per run)")
+    no_pin: bool = _flag("do not pin ranks to cores", False)
+    timeout: str | None = _flag("seconds a collective may wait before the job fails (default 300)")
+    save_every: str | None = _flag("checkpoint every DURATION of training (10m, 600s) or N steps (default 10m; 0: "
+                                   "only on a spot notice)")
+    no_fetch_model: bool = _flag("bring home metrics, logs and trainer state but not model or checkpoint weights",
+                                 False)
+    resume: str | None = _flag("continue RUN_ID from its latest complete checkpoint in the cluster's store: same "
+                               "job or script, flags and data")
+    max_restarts: str | None = _flag("after a preemption or a lost node, resume by itself up to K times (default 0)")
+    restart_wait: str | None = _flag("seconds to wait for the cluster to have its nodes again before a restart "
+                                     "(default 600)")
+    concurrent: bool = _flag("run even while another run holds the cluster (by default one run at a time)", False)
+    detach: bool = _flag("return once every rank runs, printing the run id; follow with 'fab logs RUN -f'", False)
+    cluster: str | None = _flag("local | hosts:PATH | aws[:NAME] | pulumi[:STACK]")
+    store: str | None = _flag("where checkpoints, outputs and records go: s3://BUCKET/PREFIX or file:///FOLDER "
+                              "(default: XC_STORE, fabric.yaml xc.store, the stack's bucket, else ./store)")
+    job_args: list[str] = field(default_factory=list)  # after --, not a flag
+
+
+def _flags() -> list[dataclasses.Field]:
+    return [f for f in dataclasses.fields(TrainFlags) if "help" in f.metadata]
+
+
+def task_options() -> dict:
+    """@task's keyword arguments for `fab train`: each flag's help and which flags repeat."""
+    return {"help": {f.name.replace("_", "-"): f.metadata["help"] for f in _flags()},
+            "iterable": [f.name for f in _flags() if f.metadata.get("iterable")]}
+
+
+def takes_flags(fn):
+    """fn(c, flags: TrainFlags) as a task whose options are TrainFlags' fields (invoke reads the signature)."""
+    kind = inspect.Parameter.KEYWORD_ONLY
+
+    @functools.wraps(fn)
+    def task_body(c, **given):
+        values = {k: (list(v or []) if isinstance(v, list) or k == "env" else v) for k, v in given.items()}
+        for f in _flags():
+            if isinstance(f.default, bool):
+                values[f.name] = bool(values.get(f.name))
+        return fn(c, TrainFlags(**values, job_args=job_args()))
+
+    params = [inspect.Parameter("c", inspect.Parameter.POSITIONAL_OR_KEYWORD)]
+    params += [inspect.Parameter(f.name, kind, default=f.default if isinstance(f.default, bool) else None)
+               for f in _flags()]
+    task_body.__signature__ = inspect.Signature(params)
+    return task_body
 
 
 @dataclass(frozen=True)
