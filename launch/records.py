@@ -265,6 +265,7 @@ def new_record(cluster, req, plan, facts, args: list[str]) -> RunRecord:
                  "backend": req.backend, "precision": req.precision, "comm_hook": req.comm_hook,
                  "env": secrets.masked(req.env, req.valueless), "save_every": req.save_every, "pin": req.pin,
                  "timeout_s": req.timeout_s,
+                 "script_digest": file_digest(req.script) if req.script and not req.workdir else None,
                  "data": {str(Path(p).expanduser().resolve()): file_digest(p) for _, p in local_files(req.args)}},
         started_at=time.time())
 

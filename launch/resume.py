@@ -45,10 +45,11 @@ def resume_request(run_id: str, runs_dir: Path, nodes: int | None = None, fetch_
     if summary.get("status") == "ok":
         raise ClusterError(f"--resume {run_id}: that run finished; its results are in {run_dir} (nothing to resume)")
     request = summary.get("request")
-    if not request or request.get("script"):
-        what = "was a --script run" if request else "was recorded before runs could be resumed"
-        raise ClusterError(f"--resume {run_id}: it {what}; start it anew with 'fab train' (your script can "
-                           "resume from XC_RESUME_FROM or --resume_from_checkpoint)")
+    if not request:
+        raise ClusterError(f"--resume {run_id}: it was recorded before runs could be resumed",
+                           fix="start it anew with 'fab train'")
+    if request.get("script") or request.get("module") or request.get("workdir"):
+        same_code(run_id, request, summary.get("workdir"))
     in_store = store_checkpoint(run_id, summary, store)
     if in_store:
         step, url = in_store
@@ -78,13 +79,37 @@ def resume_request(run_id: str, runs_dir: Path, nodes: int | None = None, fetch_
     old_world = int(summary["world_size"])
     old_nodes = len(summary["nodes"])
     return TrainRequest(
-        nodes=nodes or old_nodes, job=request["job"], args=args, ppn=request["ppn"], threads=request["threads"],
+        nodes=nodes or old_nodes, job=request["job"], script=request.get("script"), workdir=request.get("workdir"),
+        module=request.get("module"), launcher=request.get("launcher") or "python", args=args, ppn=request["ppn"], threads=request["threads"],
         backend=request["backend"], precision=request["precision"], env=env, valueless=hidden,
         comm_hook=request.get("comm_hook", "none"),  # records before --comm-hook sent fp32
         save_every=request["save_every"], pin=request["pin"], timeout_s=request["timeout_s"], runs_dir=runs_dir,
         fetch_model=fetch_model,
         resume={"run_id": run_id, "step": step, "checkpoint": str(checkpoint) if checkpoint else None, "url": url,
                 "world_size": old_world})
+
+
+def same_code(run_id: str, request: dict, shipped: dict | None) -> None:
+    """A resumed --script/--workdir run runs the code the run shipped: the folder's content hash (or the lone
+    script's) must be what the record keeps."""
+    from launch import workdir as workdir_lib
+
+    if request.get("workdir"):
+        path = request["workdir"]
+        if not Path(path).is_dir():
+            raise ClusterError(f"--resume {run_id}: its --workdir {path} is gone",
+                               fix="restore the folder as it was, or start the run anew")
+        if shipped and shipped.get("digest") and workdir_lib.scan(path).digest != shipped["digest"]:
+            raise ClusterError(f"--resume {run_id}: --workdir {path} changed since the run shipped it (content "
+                               f"{workdir_lib.scan(path).digest[:12]}, the run's {shipped['digest'][:12]})",
+                               fix="restore it as it was (git stash / checkout), or start the run anew")
+        return
+    script, digest = request["script"], request.get("script_digest")
+    if not Path(script).is_file():
+        raise ClusterError(f"--resume {run_id}: its script {script} is gone", fix="restore it, or start the run anew")
+    if digest and file_digest(script) != digest:
+        raise ClusterError(f"--resume {run_id}: its script {script} changed since the run",
+                           fix="restore it as it was, or start the run anew")
 
 
 def resumed_from(runs_dir: Path, run_id: str) -> str | None:

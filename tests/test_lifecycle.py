@@ -332,6 +332,42 @@ def test_resume_keeps_recorded_values_only_for_flags_not_given(tmp_path):
     assert exc.value.fix == "drop --job/--script/--workdir/--module/--launcher and the flags after --"
 
 
+def test_a_script_run_resumes_with_its_own_code_and_refuses_changed_code(tmp_path):
+    """--resume (and so --max-restarts) takes --script/--workdir runs: the same script, folder and flags; a folder
+    or script that changed since the run shipped it is refused with the fix."""
+    from launch import workdir as workdir_lib
+    from launch.request import file_digest
+    from launch.train_flags import TrainFlags, resolve
+
+    proj = _mk(tmp_path / "proj")
+    (proj / "train.py").write_text("print('hi')\n")
+    lone = tmp_path / "lone.py"
+    lone.write_text("print('lone')\n")
+    for run_id, script, wd in (("wd", "train.py", str(proj)), ("lone", str(lone), None)):
+        d = _mk(tmp_path / "runs" / run_id)
+        request = {"job": "glue", "script": script, "workdir": wd, "module": None, "launcher": "python",
+                   "args": ["--output_dir", "out"], "ppn": "1", "threads": "2", "backend": "gloo", "precision": "fp32",
+                   "env": {}, "save_every": "20", "pin": True, "timeout_s": 900, "data": {},
+                   "script_digest": None if wd else file_digest(script)}
+        RunRecord(run_id, Status.PREEMPTED, request=request, world_size=2, nodes=[{}, {}],
+                  workdir=workdir_lib.scan(wd).record() if wd else None)._save(d)
+        ck = _mk(d / "checkpoints" / "step-20")
+        (ck / "model.safetensors").write_bytes(b"w")
+        (ck / spot.COMPLETE_MARKER).write_text("{}")
+    req = resolve(TrainFlags(resume="wd"), tmp_path / "runs").req
+    assert (req.script, req.workdir, req.launcher, req.args) == ("train.py", str(proj), "python", ["--output_dir", "out"])
+    assert req.resume["step"] == 20
+    assert resolve(TrainFlags(resume="lone"), tmp_path / "runs").req.script == str(lone)
+    (proj / "train.py").write_text("print('changed')\n")
+    with pytest.raises(ClusterError) as exc:
+        resolve(TrainFlags(resume="wd"), tmp_path / "runs")
+    assert "changed since the run shipped it" in exc.value.what and "start the run anew" in exc.value.fix
+    lone.write_text("print('changed')\n")
+    with pytest.raises(ClusterError) as exc:
+        resolve(TrainFlags(resume="lone"), tmp_path / "runs")
+    assert "changed since the run" in exc.value.what
+
+
 def test_one_parser_reads_job_flags():
     from launch import jobflags
 
