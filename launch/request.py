@@ -167,15 +167,15 @@ def rewrite_files(args: list[str], base: str = "data") -> tuple[list[str], dict[
     path. A relative path is the operator's: resolved against fab's current directory."""
     ship: dict[str, Path] = {}
     out = list(args)
-    for i, a in enumerate(out):
-        flag, eq, value = a.partition("=")
-        if flag not in FILE_FLAGS:
+    for f in jobflags.parse(args):
+        if f.name not in FILE_FLAGS:
             continue
-        idx, path = (i, value) if eq else (i + 1, out[i + 1])
-        local = Path(path).expanduser().resolve()
+        if not f.value:
+            raise ClusterError(f"{f.name} needs a file path", fix="pass the data file after it")
+        local = Path(f.value).expanduser().resolve()
         name = f"{len(ship)}-{local.name}"
         ship[name] = local
-        out[idx] = f"{flag}={base}/{name}" if eq else f"{base}/{name}"
+        out[f.value_at] = f"{f.name}={base}/{name}" if f.joined else f"{base}/{name}"
     return out, ship
 
 

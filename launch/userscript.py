@@ -18,17 +18,14 @@ from pathlib import Path
 
 from cluster.node import Node
 from cluster.remote import connect, fan_out, run
+from launch import jobflags
 
 log = logging.getLogger(__name__)
 
 
 def output_flag(args: list[str]) -> str | None:
-    for i, a in enumerate(args):
-        if a == "--output_dir" and i + 1 < len(args):
-            return args[i + 1]
-        if a.startswith("--output_dir="):
-            return a.split("=", 1)[1]
-    return None
+    """The script's --output_dir as argparse takes it: the last one given."""
+    return jobflags.get(args, "--output_dir")
 
 
 def remote_output_dir(run_home: str, args: list[str], workdir: bool) -> str:

@@ -368,6 +368,16 @@ def test_a_script_run_resumes_with_its_own_code_and_refuses_changed_code(tmp_pat
     assert "changed since the run" in exc.value.what
 
 
+def test_the_last_output_dir_wins_and_a_file_flag_without_a_value_is_one_line():
+    from launch import request, userscript
+
+    assert userscript.output_flag(["--output_dir", "a", "--seed", "1", "--output_dir=b"]) == "b"  # argparse's rule
+    assert userscript.output_flag(["--seed", "1"]) is None
+    with pytest.raises(ClusterError) as exc:
+        request.rewrite_files(["--seed", "1", "--train_file"])
+    assert exc.value.what == "--train_file needs a file path" and exc.value.fix == "pass the data file after it"
+
+
 def test_one_parser_reads_job_flags():
     from launch import jobflags
 
