@@ -177,12 +177,14 @@ def stop(c, run, cluster=None):
     print(stop_lib.stop(open_cluster(_cluster(c, cluster)), run, request_lib.RUNS))
 
 
-@task(help={"cluster": "aws[:NAME] | pulumi[:STACK] (default: aws, the only cluster with tagged resources in the "
-                       "region)", "yes": "delete everything listed, in dependency order"})
+@task(help={"cluster": "aws[:NAME] | pulumi[:STACK] (default: the selected stack's cluster and region, else aws: "
+                       "the only cluster with tagged resources in the region)",
+            "yes": "delete everything listed, in dependency order, but the store",
+            "include-store": "with --yes, empty and delete the store too (refused while the cluster's group exists)"})
 @cli
-def sweep(c, cluster=None, yes=False):
+def sweep(c, cluster=None, yes=False, include_store=False):
     """List what a cluster left in its region after 'pulumi destroy' and its cost (exit 1 if any); --yes deletes it."""
-    code = sweep_lib.sweep(_cluster(c, cluster), yes=yes)
+    code = sweep_lib.sweep(_cluster(c, cluster), yes=yes, include_store=include_store)
     if code:
         sys.exit(code)
 

@@ -5,6 +5,9 @@ A resource belongs to cluster NAME only when it carries the tag xeon-cluster:clu
 of the stack does, through the provider's default tags) or xeon-cluster:image-build=NAME (Image Builder's
 build instance), the store bucket included. The one exception is Image Builder's own build log group, /aws/imagebuilder/<recipe>,
 whose recipe infra.image names NAME-<digest>. Nothing else is listed, so nothing else is ever deleted.
+
+The store (the cluster's S3 bucket: trained models, checkpoints, run records) is listed but kept by --yes; only
+--include-store empties it, and never while the cluster's Auto Scaling group still exists (its nodes may be writing).
 """
 from __future__ import annotations
 
@@ -12,10 +15,11 @@ import logging
 import os
 import re
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from pathlib import Path
 
 from cluster.sweep_delete import ORDER, delete_all
-from cluster.sweep_list import SOURCES, Orphan
+from cluster.sweep_list import FATAL_CODES, SOURCES, Orphan
 from core import catalog
 from core.constants import TAG_CLUSTER
 from core.ec2 import aws_client, aws_errors
@@ -23,9 +27,6 @@ from core.errors import ClusterError
 
 log = logging.getLogger(__name__)
 
-# Credentials that do not work fail every call alike: an error, not a warning per kind.
-FATAL_CODES = {"AuthFailure", "UnrecognizedClientException", "InvalidClientTokenId", "ExpiredToken",
-               "ExpiredTokenException", "SignatureDoesNotMatch", "RequestExpired"}
 
 
 @dataclass
@@ -46,6 +47,7 @@ class Clients(dict):
     def __init__(self, region: str | None = None, **given):
         super().__init__(given)
         self.region = region
+        self.unchecked: list[str] = []  # single resources a lister could not read (warned)
 
     def __missing__(self, service: str):
         self[service] = aws_client(service, self.region)
@@ -53,13 +55,17 @@ class Clients(dict):
 
 
 # -- the command ----------------------------------------------------------------------------------
-def sweep(spec: str | None, yes: bool = False, out=None, clients: Clients | None = None) -> int:
-    """List what cluster ``spec`` (aws[:NAME] or pulumi[:STACK]) left; delete it with ``yes``. Returns the exit code."""
+def sweep(spec: str | None, yes: bool = False, out=None, clients: Clients | None = None,
+          include_store: bool = False) -> int:
+    """List what cluster ``spec`` (aws[:NAME] or pulumi[:STACK]) left; delete it with ``yes`` (the store too with
+    ``include_store``, refused while the cluster's group exists). Returns the exit code."""
     out = out or sys.stdout
     name, region = target(spec)
     with aws_errors():
         c = clients if clients is not None else Clients(region)
         first = look(c, name)
+        if yes and include_store and first.cluster:
+            refuse_while_group_exists(c, first)
     if first.orphans:
         print(render(first), file=out)
     else:
@@ -68,41 +74,92 @@ def sweep(spec: str | None, yes: bool = False, out=None, clients: Clients | None
     if not yes:
         print(left_line(first), file=out)
         return 1
-    failures = delete_all(c, first.orphans, out)
+    kept = [] if include_store else [o for o in first.orphans if o.kind == "s3 bucket"]
+    for o in kept:
+        runs = o.ref.get("runs", [])
+        print(f"keeping s3 bucket {o.id} ({o.name}" + (f"; runs {', '.join(runs)}" if runs else "") + "): the "
+              f"cluster's store; delete it with 'fab sweep --cluster aws:{first.cluster} --yes --include-store'",
+              file=out)
+    failures = delete_all(c, [o for o in first.orphans if o not in kept], out)
     with aws_errors():
         again = look(c, first.cluster)
-    if again.orphans:
-        print(render(again), file=out)
-        print(left_line(again), file=out)
+    left = [o for o in again.orphans if o.id not in {k.id for k in kept}]
+    if left:
+        print(render(replace(again, orphans=left)), file=out)
+        print(left_line(replace(again, orphans=left)), file=out)
         return 1
     if failures:
         print(f"{len(failures)} deletion(s) of cluster {first.cluster} failed (above), although nothing tagged is "
               "left now; run 'fab sweep' again to check", file=out)
         return 1
-    print(nothing_left(again), file=out)
+    print(nothing_left(again, kept), file=out)
     return 0
 
 
 def target(spec: str | None) -> tuple[str, str | None]:
-    """(cluster name or "" for the only one in the region, region or None for AWS_REGION)."""
+    """(cluster name or "" for the only one in the region, region or None for AWS_REGION). No spec at all: the
+    selected Pulumi stack's cluster and region where there is one (its config still names them after 'pulumi
+    destroy'), else aws."""
+    if spec is None and not os.environ.get("XC_AWS_CLUSTER"):
+        place = _selected_stack()
+        if place:
+            log.info("fab sweep: cluster %s in %s, from the selected Pulumi stack", place[0] or "(any)", place[1])
+            return place
     spec = spec or "aws"
     kind, _, arg = spec.partition(":")
     if kind == "aws":
         return arg or os.environ.get("XC_AWS_CLUSTER", ""), None
     if kind == "pulumi":
-        from cluster.aws import stack_outputs
+        from cluster.aws import stack_place
 
-        outputs = stack_outputs(arg)
-        if not outputs.get("clusterName"):
-            raise ClusterError(f"stack {arg or '(selected)'} has no 'clusterName' output (destroyed already?); pass "
-                               "--cluster aws:NAME with the stack's clusterName")
-        return outputs["clusterName"], outputs.get("region") or None
+        name, region = stack_place(arg)
+        if not name:
+            raise ClusterError(f"stack {arg or '(selected)'} names no cluster in its outputs or its config "
+                               "(clusterName); pass --cluster aws:NAME with the stack's clusterName")
+        return name, region or None
     raise ClusterError(f"fab sweep is for AWS clusters, not {spec!r}; pass --cluster aws[:NAME] or pulumi[:STACK]")
+
+
+def _selected_stack() -> tuple[str, str] | None:
+    """(clusterName or "", region) of the stack selected in the project; None without a Pulumi CLI, project or stack."""
+    import shutil
+
+    from cluster import aws
+
+    project = Path(os.environ.get("XC_PULUMI_DIR") or aws.PROJECT_DIR)
+    if not shutil.which("pulumi") or not (project / "Pulumi.yaml").is_file():
+        return None
+    try:
+        name, region = aws.stack_place()
+    except ClusterError as exc:
+        log.debug("no selected stack for fab sweep: %s", exc)
+        return None
+    return (name, region) if region else None
+
+
+def refuse_while_group_exists(c: Clients, found: Look) -> None:
+    """--include-store empties the store: not while the cluster's Auto Scaling group (nodes writing) is there."""
+    from cluster.aws import node_group
+
+    groups = [o.id for o in found.orphans if o.kind == "auto scaling group"]
+    if "Auto Scaling groups" in found.unchecked:
+        groups.append("(Auto Scaling groups could not be listed)")
+    by_name = c["autoscaling"].describe_auto_scaling_groups(AutoScalingGroupNames=[node_group(found.cluster)])
+    groups += [g["AutoScalingGroupName"] for g in by_name.get("AutoScalingGroups", [])
+               if g["AutoScalingGroupName"] not in groups]
+    if groups:
+        raise ClusterError(
+            f"--include-store would empty the store of cluster {found.cluster} while its Auto Scaling group "
+            f"{', '.join(groups)} still exists (its nodes may be writing to it); nothing was deleted",
+            fix=f"run 'pulumi destroy' (or 'fab sweep --cluster aws:{found.cluster} --yes', which keeps the store) "
+                "first, then --include-store")
 
 
 def look(c: Clients, name: str) -> Look:
     """Everything of cluster ``name`` (or of the only cluster with tagged resources in the region)."""
     found, unchecked = [], []
+    if hasattr(c, "unchecked"):
+        c.unchecked = []
     for label, lister, optional in SOURCES:
         try:
             found += lister(c)
@@ -126,7 +183,7 @@ def look(c: Clients, name: str) -> Look:
             o.ref["untagged_snapshots"] = sorted(untagged)
             o.usd_month = round(sum(untagged.values()) * catalog.SNAPSHOT_USD_PER_GIB_MONTH, 2)
     mine.sort(key=lambda o: (ORDER.index(o.kind), o.name, o.id))
-    return Look(name, region, mine, unchecked)
+    return Look(name, region, mine, unchecked + list(getattr(c, "unchecked", [])))
 
 
 def belongs(o: Orphan, name: str) -> bool:
@@ -177,14 +234,22 @@ def render(found: Look) -> str:
     return "\n".join(lines)
 
 
-def nothing_left(found: Look) -> str:
+def nothing_left(found: Look, kept: list[Orphan] = ()) -> str:
     unchecked = f" (not checked: {', '.join(found.unchecked)})" if found.unchecked else ""
     if not found.cluster:
         return f"nothing tagged {TAG_CLUSTER} left in {found.region}{unchecked}"
-    return f"nothing left of cluster {found.cluster} in {found.region}{unchecked}"
+    store = f" but its store {', '.join(o.id for o in kept)} (kept)" if kept else ""
+    return f"nothing left of cluster {found.cluster} in {found.region}{store}{unchecked}"
 
 
 def left_line(found: Look) -> str:
     n = len(found.orphans)
+    stores = [o.id for o in found.orphans if o.kind == "s3 bucket"]
+    command = f"fab sweep --cluster aws:{found.cluster} --yes"
+    if stores and len(stores) == n:  # only the store is left: it goes only when asked by name
+        fix = f"empty and delete it with '{command} --include-store' once its models are safe elsewhere"
+    else:
+        keeps = f", which keeps the store {', '.join(stores)} (add --include-store to empty it)" if stores else ""
+        fix = f"delete them with '{command}'{keeps}"
     return (f"{n} resource{'s' if n != 1 else ''} of cluster {found.cluster} left in {found.region} "
-            f"(~${found.usd_month:.2f}/month); delete them with 'fab sweep --cluster aws:{found.cluster} --yes'")
+            f"(~${found.usd_month:.2f}/month); {fix}")

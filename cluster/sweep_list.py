@@ -4,12 +4,19 @@ cluster; cluster.sweep picks one), with what deleting it needs and its cost per 
 from __future__ import annotations
 
 import concurrent.futures
+import logging
 from dataclasses import dataclass, field
 
 from core import catalog
 from core.constants import TAG_CLUSTER, TAG_IMAGE_BUILD
 
+log = logging.getLogger(__name__)
+
 KEYS = (TAG_CLUSTER, TAG_IMAGE_BUILD)
+STORE_BUCKET_PREFIX = "xc-"  # infra.store names every store bucket xc-<cluster>-<suffix>
+# Credentials that do not work fail every call alike: an error, not a warning per kind (or per bucket).
+FATAL_CODES = {"AuthFailure", "UnrecognizedClientException", "InvalidClientTokenId", "ExpiredToken",
+               "ExpiredTokenException", "SignatureDoesNotMatch", "RequestExpired", "InvalidAccessKeyId"}
 # One server-side filter per key (moto ANDs a filter's values where AWS ORs them); each match is checked again here.
 ONLY_CLUSTER = (TAG_CLUSTER,)
 LIVE_INSTANCES = ["pending", "running", "stopping", "stopped", "shutting-down"]
@@ -276,17 +283,34 @@ def bucket_contents(s3, name: str) -> dict:
 
 
 def _buckets(c) -> list[Orphan]:
-    """The cluster's store (infra.store): kept by 'pulumi destroy' because it may hold trained models."""
+    """The cluster's store (infra.store): kept by 'pulumi destroy' because it may hold trained models. Only
+    buckets named as stores are asked anything (docs/iam-policy.json allows the bucket calls on xc-* only), and
+    one that still refuses is a warning naming it, not the end of the S3 listing."""
+    from botocore.exceptions import ClientError
+
     s3, region = c["s3"], c["ec2"].meta.region_name
-    listed = [b for b in _pages(s3, "list_buckets", "Buckets") if _bucket_region(s3, b) == region]
-    out = []
-    for bucket, tags in zip(listed, _each(lambda b: _bucket_tags(s3, b["Name"]), listed)):
-        if _cluster(tags):
-            held = bucket_contents(s3, bucket["Name"])
-            gib = held["bytes"] / 2**30
-            out.append(Orphan("s3 bucket", bucket["Name"], f"{held['objects']} objects, {gib:.2f} GiB",
-                              round(gib * catalog.S3_USD_PER_GIB_MONTH, 2), _cluster(tags), held))
-    return out
+
+    def store(bucket: dict) -> Orphan | None:
+        name = bucket["Name"]
+        try:
+            tags = _bucket_tags(s3, name) if _bucket_region(s3, bucket) == region else {}
+            if not _cluster(tags):
+                return None
+            held = bucket_contents(s3, name)
+        except ClientError as exc:
+            error = exc.response.get("Error", {})
+            if error.get("Code") in FATAL_CODES:
+                raise
+            log.warning("could not read s3 bucket %s (%s: %s); it is not listed", name, error.get("Code"),
+                        error.get("Message", ""))
+            getattr(c, "unchecked", []).append(f"s3 bucket {name}")
+            return None
+        gib = held["bytes"] / 2**30
+        return Orphan("s3 bucket", name, f"{held['objects']} objects, {gib:.2f} GiB",
+                      round(gib * catalog.S3_USD_PER_GIB_MONTH, 2), _cluster(tags), held)
+
+    named = [b for b in _pages(s3, "list_buckets", "Buckets") if b["Name"].startswith(STORE_BUCKET_PREFIX)]
+    return [o for o in _each(store, named) if o is not None]
 
 
 SOURCES = (  # what it lists (for the warning), the lister, and whether a failure there is only a warning

@@ -133,6 +133,7 @@ def plant_survivors() -> dict[str, str]:
         client("logs").create_log_group(logGroupName=log)
     ids["bucket"] = plant_bucket("xc-bert-untagged", None, ["bert/runs/r9/summary.json"])
     ids["ernie-bucket"] = plant_bucket("xc-ernie-store", "ernie", ["ernie/runs/r1/summary.json"])
+    ids["other-bucket"] = plant_bucket("team-datasets", None, ["raw/part-0.parquet"])  # not a store: never asked
     return ids
 
 
@@ -144,7 +145,8 @@ def still_there(ids: dict[str, str]) -> dict[str, bool]:
     roles = {r["RoleName"] for r in client("iam").list_roles()["Roles"]}
     logs = {g["logGroupName"] for g in client("logs").describe_log_groups()["logGroups"]}
     buckets = {b["Name"] for b in client("s3").list_buckets()["Buckets"]}
-    return {"bucket": ids["bucket"] in buckets, "ernie-bucket": ids["ernie-bucket"] in buckets,"volume": ids["volume"] in volumes, "ernie-volume": ids["ernie-volume"] in volumes,
+    return {"bucket": ids["bucket"] in buckets, "ernie-bucket": ids["ernie-bucket"] in buckets,
+            "other-bucket": ids["other-bucket"] in buckets, "volume": ids["volume"] in volumes, "ernie-volume": ids["ernie-volume"] in volumes,
             "sg": ids["sg"] in groups, "key": ids["key"] in keys, "role": ids["role"] in roles,
             "logs": {"/aws/imagebuilder/bert-2-0123456789", "/aws/imagebuilder/other-0123456789",
                      "bert-app-untagged"} <= logs}
@@ -163,7 +165,8 @@ def test_sweep_finds_every_orphan_deletes_them_and_spares_the_rest(aws_env):
     assert "could not list Image Builder resources: " in listed.stderr  # moto has no Image Builder: a warning
     lines = listed.stdout.strip().splitlines()
     verdict = re.fullmatch(r"(\d+) resources of cluster bert left in us-east-1 \(~\$([\d.]+)/month\); delete them "
-                           r"with 'fab sweep --cluster aws:bert --yes'", lines[-1])
+                           r"with 'fab sweep --cluster aws:bert --yes', which keeps the store xc-bert-store \(add "
+                           r"--include-store to empty it\)", lines[-1])
     assert verdict, lines[-1]
     assert lines[0].split() == ["kind", "id", "name", "USD/month"] and len(lines) == int(verdict[1]) + 3
     assert lines[-2] == f"total: {verdict[1]} resource(s), ${verdict[2]}/month; instances at the on-demand price, " \
@@ -179,23 +182,40 @@ def test_sweep_finds_every_orphan_deletes_them_and_spares_the_rest(aws_env):
     assert row(orphans["instance"]).startswith("instance ")
     assert re.fullmatch(r"s3 bucket +xc-bert-store +3 objects, 0\.00 GiB +0\.00", row(orphans["bucket"]))
 
+    # the store goes only by name, and never while the cluster's group is there (its nodes may be writing)
+    with pytest.raises(ClusterError, match=r"^--include-store would empty the store of cluster bert while its Auto "
+                                           r"Scaling group bert-nodes still exists .*; nothing was deleted; run "
+                                           r"'pulumi destroy'"):
+        sweep.sweep("aws:bert", yes=True, include_store=True, out=io.StringIO())
+    assert len(sweep.look(sweep.Clients(REGION), "bert").orphans) == int(verdict[1])
+
     swept = fab("sweep", "--cluster", "aws:bert", "--yes", timeout=300)
     assert swept.returncode == 0, swept.stdout + swept.stderr
     assert f"terminated instance {orphans['instance']}" in swept.stdout
     assert f"deleted auto scaling group {orphans['asg']}" in swept.stdout
     assert f"deleted vpc {orphans['vpc']}" in swept.stdout
     assert "revoked the ingress rules of security group" in swept.stdout
-    # the store is named with what it holds before it goes
+    # --yes keeps the store (trained models), saying what it holds and how it would go
+    assert "keeping s3 bucket xc-bert-store (3 objects, 0.00 GiB; runs r1, r2): the cluster's store; delete it " \
+           "with 'fab sweep --cluster aws:bert --yes --include-store'" in swept.stdout
+    assert "emptying s3 bucket" not in swept.stdout and "deleted s3 bucket" not in swept.stdout
+    assert swept.stdout.strip().splitlines()[-1].startswith("nothing left of cluster bert in us-east-1 but its store "
+                                                            "xc-bert-store (kept) (not checked: ")
+    assert orphans["bucket"] in {b["Name"] for b in client("s3").list_buckets()["Buckets"]}
+    kept = sweep.look(sweep.Clients(REGION), "bert")
+    assert [(o.kind, o.id) for o in kept.orphans] == [("s3 bucket", "xc-bert-store")]
+    assert sweep.left_line(kept).endswith("; empty and delete it with 'fab sweep --cluster aws:bert --yes "
+                                          "--include-store' once its models are safe elsewhere")
+
+    # the group is gone now: --include-store empties and deletes the store, named with what it holds first
+    emptied = fab("sweep", "--cluster", "aws:bert", "--yes", "--include-store", timeout=300)
+    assert emptied.returncode == 0, emptied.stdout + emptied.stderr
     emptying = "emptying s3 bucket xc-bert-store (3 objects, 0.00 GiB; runs r1, r2): its checkpoints, outputs and " \
                "run records go with it"
-    assert emptying in swept.stdout
-    assert swept.stdout.index(emptying) < swept.stdout.index("deleted s3 bucket xc-bert-store")
-    assert swept.stdout.strip().splitlines()[-1].startswith("nothing left of cluster bert in us-east-1")
-
-    again = fab("sweep", "--cluster", "aws:bert", timeout=300)
-    assert again.returncode == 0, again.stdout + again.stderr
-    assert again.stdout.strip().splitlines() == [again.stdout.strip()]  # the one line, no table
-    assert again.stdout.startswith("nothing left of cluster bert in us-east-1")
+    assert emptying in emptied.stdout
+    assert emptied.stdout.index(emptying) < emptied.stdout.index("deleted s3 bucket xc-bert-store")
+    assert emptied.stdout.strip().splitlines()[-1].startswith("nothing left of cluster bert in us-east-1 (not checked")
+    assert sweep.look(sweep.Clients(REGION), "bert").orphans == []
     left = still_there(survivors)
     assert all(left.values()), left
     ec2 = client("ec2")

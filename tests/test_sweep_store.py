@@ -1,0 +1,131 @@
+"""fab sweep and the cluster's store (issue 41 item 5), against the real moto server process on 127.0.0.1:
+under the documented policy (docs/iam-policy.json's S3 statements, enforced by moto's IAM emulation), the store is
+found beside buckets the policy does not let fab read; --include-store is refused while the cluster's group exists;
+a bare 'fab sweep' looks in the selected stack's region.
+"""
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import logging
+import urllib.request
+from pathlib import Path
+
+import moto_fixture
+import pytest
+from test_discovery_aws import fake_pulumi
+from test_sweep import client, plant_bucket, spec
+
+from cluster import sweep
+from core.errors import ClusterError
+
+REGION = moto_fixture.REGION
+ROOT = Path(__file__).resolve().parent.parent
+moto_server, aws_env = moto_fixture.moto_server, moto_fixture.aws_env
+
+
+def buckets() -> set[str]:
+    return {b["Name"] for b in client("s3").list_buckets()["Buckets"]}
+
+
+@contextlib.contextmanager
+def documented_policy(url: str, monkeypatch):
+    """fab's credentials become an IAM user's with docs/iam-policy.json's S3 statements (everything but S3 allowed),
+    and the moto server checks every request against them until the block ends."""
+    document = json.loads((ROOT / "docs" / "iam-policy.json").read_text())
+    s3_only = [st for st in document["Statement"]
+               if all(a.startswith("s3:") for a in ([st["Action"]] if isinstance(st["Action"], str) else st["Action"]))]
+    assert {st["Sid"] for st in s3_only} >= {"FabStoreBuckets", "FabFindStoreBuckets"}
+    policy = {"Version": "2012-10-17", "Statement": [
+        {"Effect": "Allow", "NotAction": "s3:*", "Resource": "*"}, *s3_only,
+        # one store bucket whose tags even fab may not read: one warning, not the end of the S3 listing
+        {"Effect": "Deny", "Action": "s3:GetBucketTagging", "Resource": "arn:aws:s3:::xc-locked-*"}]}
+    iam = client("iam")
+    iam.create_user(UserName="operator")
+    iam.put_user_policy(UserName="operator", PolicyName="fab", PolicyDocument=json.dumps(policy))
+    key = iam.create_access_key(UserName="operator")["AccessKey"]
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", key["AccessKeyId"])
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", key["SecretAccessKey"])
+
+    def auth(count: str) -> None:
+        request = urllib.request.Request(f"{url}/moto-api/reset-auth", data=count.encode(), method="POST",
+                                         headers={"Content-Type": "text/plain"})  # not a form: moto reads the body
+        urllib.request.urlopen(request, timeout=10).close()
+
+    auth("0")  # from now on moto authenticates and authorizes every request
+    try:
+        yield
+    finally:
+        auth("inf")  # the server is shared with the other tests of this worker
+
+
+def test_the_store_is_found_beside_buckets_the_documented_policy_hides(aws_env, monkeypatch, caplog):
+    store = plant_bucket("xc-bert-store", "bert", ["bert/runs/r1/summary.json"])
+    plant_bucket("team-datasets", None, ["raw/part-0.parquet"])  # not a store: fab may not read its tags
+    plant_bucket("xc-locked-data", "bert", [])
+    client("ec2").create_volume(AvailabilityZone=f"{REGION}a", Size=10, VolumeType="gp2",
+                                TagSpecifications=spec("volume", "bert"))
+    with documented_policy(aws_env, monkeypatch):
+        from botocore.exceptions import ClientError
+
+        with pytest.raises(ClientError, match="AccessDenied"):  # moto enforces the policy: asking every bucket fails
+            client("s3").get_bucket_tagging(Bucket="team-datasets")
+        with caplog.at_level(logging.WARNING):
+            found = sweep.look(sweep.Clients(REGION), "bert")
+    assert [(o.kind, o.id) for o in found.orphans if o.kind == "s3 bucket"] == [("s3 bucket", store)]
+    assert "volume" in {o.kind for o in found.orphans}
+    assert "S3 buckets" not in found.unchecked and "s3 bucket xc-locked-data" in found.unchecked
+    assert "could not read s3 bucket xc-locked-data (AccessDenied" in caplog.text
+    assert "team-datasets" not in caplog.text
+    assert sweep.nothing_left(found).endswith("(not checked: placement groups, Image Builder resources, s3 bucket "
+                                              "xc-locked-data)")
+
+
+def test_include_store_is_refused_while_the_group_exists_even_untagged(aws_env):
+    ec2 = client("ec2")
+    template = ec2.create_launch_template(LaunchTemplateName="ernie-lt", LaunchTemplateData={
+        "ImageId": "ami-0123456789abcdef0", "InstanceType": "c6i.2xlarge"})["LaunchTemplate"]["LaunchTemplateId"]
+    scaling = client("autoscaling")
+    scaling.create_auto_scaling_group(  # named as infra.nodes names it, without the cluster's tag
+        AutoScalingGroupName="ernie-nodes", MinSize=0, MaxSize=0, DesiredCapacity=0,
+        VPCZoneIdentifier=ec2.describe_subnets()["Subnets"][0]["SubnetId"],
+        LaunchTemplate={"LaunchTemplateId": template, "Version": "$Latest"})
+    store = plant_bucket("xc-ernie-store", "ernie", ["ernie/runs/r1/output/model.safetensors"])
+    with pytest.raises(ClusterError, match=r"--include-store would empty the store of cluster ernie while its Auto "
+                                           r"Scaling group ernie-nodes still exists"):
+        sweep.sweep("aws:ernie", yes=True, include_store=True, out=io.StringIO())
+    assert store in buckets()
+    out = io.StringIO()
+    assert sweep.sweep("aws:ernie", yes=True, out=out) == 0  # --yes alone keeps it, group or not
+    assert store in buckets() and "keeping s3 bucket xc-ernie-store (1 objects" in out.getvalue()
+    scaling.delete_auto_scaling_group(AutoScalingGroupName="ernie-nodes", ForceDelete=True)
+    out = io.StringIO()
+    assert sweep.sweep("aws:ernie", yes=True, include_store=True, out=out) == 0
+    assert store not in buckets() and "deleted s3 bucket xc-ernie-store" in out.getvalue()
+
+
+def test_a_bare_sweep_looks_in_the_selected_stacks_region(aws_env, tmp_path, monkeypatch):
+    """After 'pulumi destroy' the stack has no outputs but keeps its config: its region (eu-west-1) beats
+    AWS_REGION (us-east-1) when no --cluster is given."""
+    fake_pulumi(tmp_path, monkeypatch, (
+        "args = sys.argv[1:]\n"
+        "if args[:2] == ['stack', 'output']: print('{}')\n"
+        "elif args[:1] == ['config']: print(json.dumps({'xeon-cluster:region': {'value': 'eu-west-1', 'secret': False},"
+        " 'xeon-cluster:clusterName': {'value': 'bert', 'secret': False}}))\n"
+        "else: sys.exit(2)\n"))
+    import boto3
+
+    far = boto3.client("ec2", region_name="eu-west-1", endpoint_url=aws_env)
+    volume = far.create_volume(AvailabilityZone="eu-west-1a", Size=10, VolumeType="gp2",
+                               TagSpecifications=spec("volume", "bert"))["VolumeId"]
+    client("ec2").create_volume(AvailabilityZone=f"{REGION}a", Size=10, VolumeType="gp2",
+                                TagSpecifications=spec("volume", "ernie"))
+    assert sweep.target(None) == ("bert", "eu-west-1")
+    out = io.StringIO()
+    assert sweep.sweep(None, out=out) == 1
+    assert volume in out.getvalue() and "ernie" not in out.getvalue()
+    assert "of cluster bert left in eu-west-1" in out.getvalue().strip().splitlines()[-1]
+    monkeypatch.setenv("XC_AWS_CLUSTER", "ernie")  # named by the environment: AWS_REGION, as before
+    assert sweep.target(None) == ("ernie", None)
+    assert sweep.target("pulumi") == ("bert", "eu-west-1")  # the stack named: its config, once destroyed
