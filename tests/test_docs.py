@@ -85,3 +85,198 @@ def test_ops_names_every_profile_a_stack_can_take():
     row = next(line for line in (ROOT / "docs" / "ops.md").read_text().splitlines() if line.startswith("| `profile` |"))
     missing = [name for name in profiles if name != "test" and f"`{name}`" not in row]
     assert not missing, f"docs/ops.md's profile row leaves out {missing}"
+
+
+# ---- every `fab` command a doc shows exists, with every flag it shows ---------------------------------------
+
+CORE_OPTIONS = {"-l", "--list", "-h", "--help", "-V", "--version"}
+INLINE = re.compile(r"`([^`\n]+)`")
+# `fab` where a command starts: a line or code span, after a prompt, a quote, `&&`, `;`, `(` or VAR=value
+FAB = re.compile(r"(?:^\s*|\$\s+|['\"(]|&&\s*|;\s*|(?:^|\s)[A-Z_][A-Z0-9_]*=\S*\s+)fab((?:\s+\S+)+)")
+COMMENT = re.compile(r"\s#\s.*$")
+_ENDS = {"&&", ";", "||", "--", ">", "2>&1"}
+
+
+def _code_segments(path: Path) -> list[str]:
+    """Inline code spans of the prose, and every line of indented or fenced code blocks (without comments)."""
+    out, fenced = [], False
+    for line in path.read_text().splitlines():
+        if FENCE.match(line.strip()):
+            fenced = not fenced
+            continue
+        if fenced or line.startswith("    ") and not line.lstrip().startswith(("-", "|", "*")):
+            out.append(COMMENT.sub("", line))
+        else:
+            out.extend(INLINE.findall(line.replace("\\|", "|")))
+    return out
+
+
+def fab_commands(path: Path) -> list[tuple[str, list[str], str]]:
+    """(task or "", flags, the text shown) for each `fab ...` a doc shows; job flags after a bare `--` and
+    whatever follows another shell command, or the quote that ends a command inside a message, are not fab's."""
+    found = []
+    for segment in _code_segments(path):
+        for m in FAB.finditer(segment):
+            task, flags = "", []
+            for raw in m.group(1).split():
+                if raw in _ENDS:
+                    break
+                tok = raw.strip("[]()`,.:'\"")
+                if not task and tok.startswith("-"):
+                    if tok not in CORE_OPTIONS:
+                        flags.append(tok.split("=", 1)[0])
+                elif not task:
+                    if not re.fullmatch(r"[a-z][a-z-]*", tok):
+                        break  # a placeholder such as TASK
+                    task = tok
+                elif re.fullmatch(r"--?[a-z][a-z-]*(=\S*)?", tok):
+                    flags.append(tok.split("=", 1)[0])
+                end = raw.rstrip(",.;:")
+                if end.endswith(("'", '"')) or (end.endswith(")") and end.count(")") > end.count("(")):
+                    break  # the end of a command quoted in a message
+            if task or flags:
+                found.append((task, flags, segment.strip()))
+    return found
+
+
+@pytest.fixture(scope="module")
+def fab_flags() -> dict[str, set[str]]:
+    """Every task of the fabfile and every flag its parser accepts (long and short), as `fab --help TASK` shows."""
+    import sys
+
+    from invoke import Collection
+    from invoke.parser import ParserContext
+
+    sys.path.insert(0, str(ROOT))
+    import fabfile
+
+    tasks = Collection.from_module(fabfile)
+    return {name: set(ParserContext(name=name, args=tasks[name].get_arguments()).flag_names())
+            for name in tasks.task_names}
+
+
+def test_fab_commands_are_read_as_a_reader_would(tmp_path):
+    doc = tmp_path / "x.md"
+    doc.write_text("Run `fab train --nodes 2 --detach -- --lr 3` or `fab --help keys`.\n\n"
+                   "    $ fab logs RUN -f   # follows --it\n"
+                   "    AWS_REGION=x fab sweep --cluster aws:dev && pulumi stack rm --yes\n\n"
+                   "    error: ...; end it with 'fab stop R', or pass --concurrent\n"
+                   "the fab tasks, `fab`'s own, `fab --bogus`\n")
+    assert fab_commands(doc) == [
+        ("train", ["--nodes", "--detach"], "fab train --nodes 2 --detach -- --lr 3"),
+        ("keys", [], "fab --help keys"),
+        ("logs", ["-f"], "$ fab logs RUN -f"),
+        ("sweep", ["--cluster"], "AWS_REGION=x fab sweep --cluster aws:dev && pulumi stack rm --yes"),
+        ("stop", [], "error: ...; end it with 'fab stop R', or pass --concurrent"),
+        ("", ["--bogus"], "fab --bogus"),
+    ]
+
+
+def test_docs_show_fab_commands():
+    shown = [c for doc in DOCS for c in fab_commands(doc)]
+    assert len(shown) >= 50 and any(task == "train" and "--detach" in flags for task, flags, _ in shown)
+    assert fab_commands.__doc__  # the extractor is what the next test trusts
+
+
+def test_every_fab_command_and_flag_a_doc_shows_exists(fab_flags):
+    wrong = []
+    for doc in DOCS:
+        for task, flags, text in fab_commands(doc):
+            where = f"{doc.relative_to(ROOT)}: `{text}`"
+            if not task:
+                wrong.append(f"{where}: {' '.join(flags)} without a task")
+            elif task not in fab_flags:
+                wrong.append(f"{where}: no task {task!r} (fab -l)")
+            else:
+                wrong += [f"{where}: fab {task} has no {flag}" for flag in flags
+                          if flag not in fab_flags[task] and flag not in CORE_OPTIONS]
+    assert not wrong, "\n".join(wrong)
+
+
+# ---- no reference to a file the project does not have -------------------------------------------------------
+
+TOP = {p.name for p in ROOT.iterdir() if p.is_dir() and not p.name.startswith(".")} - {"runs", "store"}
+PATHLIKE = re.compile(r"^[A-Za-z0-9_./-]+$")
+
+
+def file_references(path: Path) -> list[str]:
+    """Paths in the project's own folders that a doc names in code (`training/glue.py`, `docs/x.md`), and bare
+    `NAME.md` files; paths with placeholders (<id>, *), on nodes or under runs/ are not the project's files."""
+    refs = []
+    for segment in _code_segments(path):
+        for word in re.split(r"[\s,;()\[\]'\"`=]+", segment):
+            word = word.rstrip(".:").split("#", 1)[0]
+            word = re.sub(r":\d+(-\d+)?$", "", word)  # file.py:12
+            if not word or not PATHLIKE.match(word) or "//" in word:
+                continue
+            first = word.split("/", 1)[0]
+            if ("/" in word and first in TOP and "." in word.rsplit("/", 1)[-1]) or re.fullmatch(r"[A-Z][A-Za-z_-]*\.md", word):
+                refs.append(word)
+    return refs
+
+
+def _ignored(ref: str) -> bool:
+    """A path git ignores is something a command writes (bench/results/...), not a file the project ships."""
+    import subprocess
+
+    return subprocess.run(["git", "-C", str(ROOT), "check-ignore", "-q", "--no-index", ref], check=False).returncode == 0
+
+
+def test_docs_reference_only_files_that_exist():
+    missing = []
+    for doc in DOCS:
+        for ref in file_references(doc):
+            if not ((ROOT / ref).exists() or (doc.parent / ref).exists() or (ROOT / "docs" / ref).exists()
+                    or _ignored(ref)):
+                missing.append(f"{doc.relative_to(ROOT)}: {ref}")
+    assert not missing, "these files do not exist:\n" + "\n".join(missing)
+    assert any("training/" in r for doc in DOCS for r in file_references(doc))  # the scan finds something
+
+
+# Pages that still name DESIGN.md, each to lose the reference in its owner's next change (then leave this list).
+DESIGN_MD_PENDING = {"docs/benchmarks.md"}
+
+
+def test_no_doc_refers_to_design_notes_the_project_does_not_ship():
+    """DESIGN.md is the team's working notes, outside the repository: a user cannot follow a reference to it."""
+    assert not (ROOT / "DESIGN.md").exists()
+    named = {str(doc.relative_to(ROOT)) for doc in DOCS if "DESIGN.md" in doc.read_text()}
+    assert named <= DESIGN_MD_PENDING, f"{sorted(named - DESIGN_MD_PENDING)} refer to DESIGN.md, which the project does not ship"
+    fixed = DESIGN_MD_PENDING - named
+    assert not fixed, f"{sorted(fixed)} no longer name DESIGN.md: take them out of DESIGN_MD_PENDING"
+
+
+# ---- the docs a newcomer needs, and facts that must not drift -----------------------------------------------
+
+def test_readme_links_the_newcomer_docs():
+    readme = (ROOT / "README.md").read_text()
+    for doc in ("docs/aws-quickstart.md", "docs/troubleshooting.md", "docs/scripts.md"):
+        assert f"]({doc}" in readme, f"README.md does not link {doc}"
+
+
+def test_ops_config_defaults_are_pulumi_yamls():
+    """docs/ops.md's config table shows the default Pulumi.yaml declares for every key (the profile row once
+    said oneccl while the tested stack was another)."""
+    import yaml
+
+    config = yaml.safe_load((ROOT / "Pulumi.yaml").read_text())["config"]
+    rows = {m.group(1): m.group(2) for m in re.finditer(r"^\| `(\w+)` \| ([^|]+) \|", (ROOT / "docs" / "ops.md").read_text(), re.MULTILINE)}
+    assert set(config) <= set(rows), f"docs/ops.md has no row for {sorted(set(config) - set(rows))}"
+    wrong = []
+    for key, entry in config.items():
+        shown, default = rows[key].strip(), entry.get("default")
+        if default in ("", None):
+            ok = shown == '`""`' or not re.fullmatch(r"`[^`<]+`", shown)  # "(required)", "stack name", `<region>a`
+        else:
+            ok = shown == f"`{str(default).lower() if isinstance(default, bool) else default}`"
+        if not ok:
+            wrong.append(f"{key}: docs/ops.md shows {shown}, Pulumi.yaml's default is {default!r}")
+    assert not wrong, "\n".join(wrong)
+
+
+def test_teardown_is_described_as_keeping_the_store():
+    """pulumi destroy keeps the store bucket on purpose: no doc may promise that nothing is left."""
+    for doc in DOCS:
+        text = doc.read_text().lower()
+        assert "nothing left behind" not in text and "no pulumi cli needed" not in text, doc.relative_to(ROOT)
+        assert "every 15 s" not in text, f"{doc.relative_to(ROOT)}: checkpoints are in the store, not copied home"

@@ -6,6 +6,7 @@ see of https://download.pytorch.org) and against a local index that answers (wha
 """
 from __future__ import annotations
 
+import functools
 import http.server
 import re
 import socket
@@ -20,7 +21,7 @@ MAKEFILE = ROOT / "Makefile"
 
 
 def _var(name: str) -> str:
-    m = re.search(rf"^{name}\s*\??:?=\s*(.+)$", MAKEFILE.read_text(), re.M)
+    m = re.search(rf"^{name}\s*\??:?=\s*(.+)$", MAKEFILE.read_text(), re.MULTILINE)
     assert m, f"the Makefile has no {name}"
     return m.group(1).strip()
 
@@ -38,7 +39,7 @@ def _fake_pip(tmp_path: Path, rc: int = 0) -> tuple[Path, Path]:
 
 def _make_torch(pip: Path, index: str) -> subprocess.CompletedProcess:
     return subprocess.run(["make", "-s", "--no-print-directory", "-C", str(ROOT), "torch-cpu", f"PIP={pip}",
-                           f"TORCH_CPU_INDEX={index}"], capture_output=True, text=True, timeout=60)
+                           f"TORCH_CPU_INDEX={index}"], check=False, capture_output=True, text=True, timeout=60)
 
 
 def _closed_port() -> int:
@@ -53,7 +54,7 @@ def local_index(tmp_path):
     root = tmp_path / "index"
     (root / "whl" / "cpu" / "torch").mkdir(parents=True)
     (root / "whl" / "cpu" / "torch" / "index.html").write_text("<html></html>")
-    handler = lambda *a, **kw: http.server.SimpleHTTPRequestHandler(*a, directory=str(root), **kw)  # noqa: E731
+    handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=str(root))
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     yield f"http://127.0.0.1:{server.server_address[1]}/whl/cpu"
@@ -86,8 +87,8 @@ def test_unreachable_cpu_index_falls_back_to_the_configured_index_in_one_line(tm
     done = _make_torch(pip, index)
     assert done.returncode == 0, done.stderr
     lines = done.stdout.splitlines()
-    assert lines == [f"torch: {index} is unreachable; installing the CPU build {TORCH} from pip's configured "
-                     "index instead"], done.stdout
+    assert lines == [(f"torch: {index} is unreachable; installing the CPU build {TORCH} from pip's configured "
+                      "index instead")], done.stdout
     assert calls.read_text().split() == ["install", "-q", TORCH]  # no --index-url: pip's own configuration
 
 
@@ -95,8 +96,8 @@ def test_reachable_cpu_index_is_used(tmp_path, local_index):
     pip, calls = _fake_pip(tmp_path)
     done = _make_torch(pip, local_index)
     assert done.returncode == 0, done.stderr
-    assert done.stdout.splitlines() == [f"torch: installing the CPU build {TORCH} from PyTorch's CPU wheel index "
-                                        f"{local_index}"], done.stdout
+    assert done.stdout.splitlines() == [(f"torch: installing the CPU build {TORCH} from PyTorch's CPU wheel index "
+                                         f"{local_index}")], done.stdout
     assert calls.read_text().split() == ["install", "-q", "--index-url", local_index, TORCH]
 
 
