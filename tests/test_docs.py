@@ -280,3 +280,24 @@ def test_teardown_is_described_as_keeping_the_store():
         text = doc.read_text().lower()
         assert "nothing left behind" not in text and "no pulumi cli needed" not in text, doc.relative_to(ROOT)
         assert "every 15 s" not in text, f"{doc.relative_to(ROOT)}: checkpoints are in the store, not copied home"
+
+
+def test_pulumi_policy_covers_every_service_the_program_uses():
+    """docs/iam-policy-pulumi.json (what `pulumi up`/`destroy` need) names, for every kind of AWS resource the
+    program creates, that service's create actions: a new kind (e.g. an SSM parameter) must be added there."""
+    import json
+
+    resources = set()
+    for path in [ROOT / "__main__.py", *sorted((ROOT / "infra").glob("*.py"))]:
+        resources |= set(re.findall(r"\baws\.([a-z0-9_]+)\.([A-Z][A-Za-z]+)\(", path.read_text()))
+    assert ("autoscaling", "Group") in resources  # the scan sees the program
+    policy = json.loads((ROOT / "docs" / "iam-policy-pulumi.json").read_text())
+    actions = {a for st in policy["Statement"] for a in ([st["Action"]] if isinstance(st["Action"], str) else st["Action"])}
+    service = {("cloudwatch", "LogGroup"): "logs"}
+    missing = []
+    for module, kind in sorted(resources):
+        prefix = service.get((module, kind), module)
+        if not any(a.startswith(f"{prefix}:") and re.match(r"(Create|Put|Import|Run)", a.split(":", 1)[1])
+                   for a in actions):
+            missing.append(f"aws.{module}.{kind} ({prefix}:Create*/Put*)")
+    assert not missing, f"docs/iam-policy-pulumi.json lacks what these resources need: {missing}"
