@@ -18,7 +18,9 @@ from pathlib import Path
 
 from core.constants import PROJECT_ROOT
 from core.errors import ClusterError
+from training import paths
 from training import store as shared
+from training.paths import RunPaths
 from training.store import StoreError, explain, open_store
 
 log = logging.getLogger(__name__)
@@ -184,7 +186,7 @@ def checkpoints(url: str, run_id: str) -> list[int]:
 
 
 def read_summary(url: str, run_id: str) -> dict | None:
-    data = _guard(url, _store(url).get_bytes, f"runs/{run_id}/summary.json")
+    data = _guard(url, _store(url).get_bytes, RunPaths(run_id).store_record("summary.json"))
     try:
         return json.loads(data) if data else None
     except ValueError:
@@ -200,7 +202,7 @@ def store_runs(url: str) -> dict[str, dict]:
     """run id -> summary of every run recorded in the store."""
     store = _store(url)
     out = {}
-    for run_id in _guard(url, store.children, "runs"):
+    for run_id in _guard(url, store.children, paths.RUNS):
         summary = read_summary(url, run_id)
         if summary is not None:
             out[run_id] = summary
@@ -218,7 +220,7 @@ def publish_records(run_dir: Path, summary: dict) -> None:
         for name in RECORDS:
             path = Path(run_dir) / name
             if path.is_file():
-                store.put_bytes(f"runs/{Path(run_dir).name}/{name}", path.read_bytes())
+                store.put_bytes(RunPaths(Path(run_dir).name).store_record(name), path.read_bytes())
     except Exception as exc:  # noqa: BLE001
         log.warning("the run's records did not reach the store: %s", explain(exc, url))
 
@@ -227,16 +229,15 @@ def pull(url: str, run_id: str, dest: Path, with_checkpoints: bool = False, with
          say: Callable[[str], None] | None = None) -> tuple[int, int]:
     """A run's records and outputs (and, if asked, its complete checkpoints) from the store into dest, with
     progress; returns (files, bytes). Raises ClusterError when the store has no such run."""
-    store = _store(url)
-    entries = _guard(url, store.list, f"runs/{run_id}")
+    store, where = _store(url), RunPaths(run_id)
+    entries = _guard(url, store.list, where.store)
     if not entries:
         raise ClusterError(f"no run {run_id} in the store {url}; pass an id from 'fab runs' (or --store with the "
                            "store the run used)")
-    complete = {f"runs/{run_id}/checkpoints/step-{s}/" for s in _guard(url, shared.complete_checkpoints, store,
-                                                                       run_id)}
+    complete = {where.store_checkpoint(s) + "/" for s in _guard(url, shared.complete_checkpoints, store, run_id)}
     wanted = []
     for e in entries:
-        rel = e.key[len(f"runs/{run_id}/"):]
+        rel = e.key[len(where.store) + 1:]
         if rel.startswith("checkpoints/"):
             # only complete checkpoints, and their marker last (a copy cut short never counts at home either)
             if not with_checkpoints or not any(e.key.startswith(c) for c in complete):

@@ -12,6 +12,7 @@ from cluster.node import Node
 from cluster.remote import connect, run
 from core.constants import HOME_EXPR
 from core.errors import ClusterError
+from training.paths import RunPaths
 
 log = logging.getLogger(__name__)
 
@@ -25,7 +26,7 @@ def sweep_script(run_id: str) -> str:
     return (scan + "; "
             "for p in $(scan); do kill -9 \"$p\" 2>/dev/null && echo \"killed $p\"; done; "
             # the run's secret --env values go with its processes
-            "rm -f " + HOME_EXPR + "/runs/" + shlex.quote(run_id) + "/secrets.env 2>/dev/null; "
+            "rm -f " + RunPaths(shlex.quote(run_id), HOME_EXPR).secrets_file + " 2>/dev/null; "
             # a second look after the kernel has reaped them: what is still there survived
             "sleep 0.5; for p in $(scan); do "
             "echo \"left $p $(tr '\\0' ' ' < /proc/$p/cmdline 2>/dev/null | cut -c1-100)\"; done; true")

@@ -25,6 +25,7 @@ from launch.cleanup import runs_alive, sweep
 from launch.lifecycle import Outcome, Run, end
 from launch.records import RunRecord, RunResult, Status
 from launch.stream import OutputRouter
+from training.paths import RunPaths, node_run_of
 
 log = logging.getLogger(__name__)
 
@@ -79,7 +80,7 @@ def start(facts, r: Run, command: str, say) -> RunResult:
         alive = runs_alive(r.nodes).get(plan.run_id, {})
         if all(alive.get(n.name, 0) >= plan.ppn for n in r.nodes):
             if plan.secret_env:  # every rank has read it, and the log filter did at its start
-                secrets.forget([(f.node, f"{f.home}/runs/{plan.run_id}") for f in facts])
+                secrets.forget([(f.node, RunPaths(plan.run_id, f.home).node) for f in facts])
             say(f"run {plan.run_id} detached: {plan.world_size} rank(s) running on {len(r.nodes)} node(s); follow it "
                 f"with 'fab logs {plan.run_id} -f', list runs with 'fab runs', end it with 'fab stop {plan.run_id}'")
             return RunResult(run_id=plan.run_id, run_dir=r.run_dir, exit_code=0, wall_s=0.0, results=None,
@@ -144,9 +145,9 @@ def conclude(run_dir: Path, master: Node, out: TextIO | None) -> RunRecord:
         router = OutputRouter(plan, out or io.StringIO(), log_file)
         router.write(text.getvalue().decode(errors="replace"))
         router.flush_rest()
-    home = rec.remote_run.rsplit("/runs/", 1)[0]
+    home, _ = node_run_of(rec.remote_run)
     r = Run(rec.run_id, run_dir.parent, home, nodes, plan, rec,
-            remote_output=rec.remote_output or f"{rec.remote_run}/output", is_job=bool(rec.job))
+            remote_output=rec.remote_output or RunPaths(rec.run_id, home).node_output, is_job=bool(rec.job))
     if r.is_job:
         _bring_home(master, r.remote_output, run_dir)
     try:

@@ -12,6 +12,7 @@ import shlex
 from dataclasses import dataclass, field
 
 from core.constants import HOME_EXPR
+from training.paths import RunPaths
 
 JOBS = {
     "glue": ("-m", "training.glue"),
@@ -104,7 +105,7 @@ def mpirun_argv(plan: LaunchPlan, ssh_config: str, mpirun: str = "mpirun") -> li
             "-bootstrap", "ssh", "-bootstrap-exec-args", f"-F {ssh_config}", "-genvnone"]
     for key, value in global_env(plan).items():
         argv += ["-genv", key, value]
-    rank_sh = f'exec {HOME_EXPR}/runs/{plan.run_id}/rank.sh "$@"'
+    rank_sh = f'exec {RunPaths(plan.run_id, HOME_EXPR).rank_script} "$@"'
     argv += ["bash", "-c", rank_sh, "rank.sh", *plan.args]
     return argv
 

@@ -20,6 +20,7 @@ from launch.records import RunRecord, RunResult, Status, supervisor_alive
 from launch.stream import failed_rank
 from training import notice as notice_lib
 from training.notice import Notice
+from training.paths import RunPaths
 
 log = logging.getLogger(__name__)
 
@@ -43,24 +44,16 @@ class Run:
         return self.nodes[0]
 
     @property
+    def paths(self) -> RunPaths:
+        return RunPaths(self.run_id, self.home, Path(self.runs_dir))
+
+    @property
     def run_dir(self) -> Path:
-        return Path(self.runs_dir) / self.run_id
+        return self.paths.home
 
     @property
     def remote_run(self) -> str:
-        return f"{self.home}/runs/{self.run_id}"
-
-    @property
-    def rank_script(self) -> str:
-        return f"{self.remote_run}/rank.sh"
-
-    @property
-    def secrets_file(self) -> str:
-        return f"{self.remote_run}/secrets.env"
-
-    @property
-    def mpirun_log(self) -> str:
-        return f"{self.remote_run}/mpirun.log"
+        return self.paths.node
 
     def write(self, status: Status, exit_code: int, wall: float, results: dict | None = None, **fields) -> None:
         records.ended(self.run_dir, self.record, status, exit_code, wall, results, **fields)
@@ -154,7 +147,7 @@ def _preempted(r: Run, o: Outcome, notice: Notice) -> None:
         log.warning("the notice's checkpoint did not come home: %s", exc, exc_info=log.isEnabledFor(logging.DEBUG))
         got = None
     home = outputs.home_checkpoints(r.run_dir)
-    ckpt = r.run_dir / "checkpoints" / f"step-{step}"
+    ckpt = r.paths.home_checkpoint(step)
     if not home:
         r.write(Status.FAILED, o.exit_code, o.wall_s, failed_node=node, cleanup=swept.to_dict(), cause=cause,
                 reason=f"spot notice on {node} at step {step}, but no checkpoint reached {r.run_dir}/checkpoints")
@@ -197,7 +190,7 @@ def _preempted_in_store(r: Run, o: Outcome, url: str, node: str, notice: Notice,
     if not durable:
         log.warning("the notice's checkpoint (step %s) is not in the store; the newest there is step %s", step, steps[-1])
         step = steps[-1]
-    where = f"{url}/runs/{r.run_id}/checkpoints/step-{step}"
+    where = r.paths.store_url(url, step)
     r.write(Status.PREEMPTED, notice_lib.EXIT, o.wall_s, cause=cause,
             preempted={"node": node, "rank": rank, "step": step, "checkpoint": where, "notice_step": noticed,
                        "durable": durable}, cleanup=swept.to_dict(),

@@ -16,6 +16,7 @@ from cluster.remote import connect, run
 from core.constants import HOME_EXPR
 from core.errors import ClusterError
 from launch.cleanup import runs_alive
+from training.paths import RunPaths
 
 log = logging.getLogger(__name__)
 
@@ -48,7 +49,7 @@ def take(nodes: list[Node], run_id: str, say, runs_dir: Path | None = None) -> N
         other = held.get("run_id", "?")
         alive = runs_alive(nodes).get(other)
         since = float(held.get("since") or 0)
-        ended = runs_dir is not None and _ended(runs_dir / other / "summary.json")
+        ended = runs_dir is not None and _ended(RunPaths(other, runs_dir=runs_dir).home / "summary.json")
         if alive or (time.time() - since < STALE_S and not ended):
             where = ", ".join(f"{n} ({c} process(es))" for n, c in (alive or {}).items()) or "starting"
             raise ClusterError(f"run {other} holds this cluster ({where}, since "

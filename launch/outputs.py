@@ -14,12 +14,11 @@ from pathlib import Path
 from cluster.node import Node
 from cluster.remote import connect, run
 from core.errors import ClusterError
-from training.spot import COMPLETE_MARKER
+from training.paths import COMPLETE_MARKER, KEEP_CHECKPOINTS, RunPaths, checkpoint_step
 
 log = logging.getLogger(__name__)
 
 MODEL_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt")
-KEEP_CHECKPOINTS = 2
 PROGRESS_BYTES = 32 << 20  # files above this show transfer progress
 
 
@@ -78,10 +77,11 @@ def latest_remote_checkpoint(conn, remote_dir: str) -> tuple[int, str] | None:
 def home_checkpoints(run_dir: Path) -> list[tuple[int, Path]]:
     """Complete checkpoints at home, oldest first (a transfer cut short is never counted)."""
     found = []
-    for d in (run_dir / "checkpoints").glob("step-*"):
-        step = d.name.removeprefix("step-")
-        if step.isdigit() and (d / COMPLETE_MARKER).is_file():
-            found.append((int(step), d))
+    folder = RunPaths(run_dir.name, runs_dir=run_dir.parent).home_checkpoints
+    for d in folder.glob("*") if folder.is_dir() else []:
+        step = checkpoint_step(d.name)
+        if step is not None and (d / COMPLETE_MARKER).is_file():
+            found.append((step, d))
     return sorted(found)
 
 
@@ -93,7 +93,7 @@ def fetch_checkpoint(node: Node, run_dir: Path, remote_dir: str, with_model: boo
         if latest is None:
             return None
         step, folder = latest
-        dest = run_dir / "checkpoints" / f"step-{step}"
+        dest = RunPaths(run_dir.name, runs_dir=run_dir.parent).home_checkpoint(step)
         if not (dest / COMPLETE_MARKER).is_file():
             # The Trainer deletes all but its newest checkpoints; with frequent saves one can go while it
             # is being copied. A tree of hard links beside the output folder keeps its files for the copy.
@@ -114,7 +114,7 @@ def fetch_checkpoint(node: Node, run_dir: Path, remote_dir: str, with_model: boo
                 partial.rename(dest)
             finally:
                 run(conn, f"rm -rf {q(snap)}", timeout=60)
-    for stale in (run_dir / "checkpoints").glob("step-*.partial"):  # copies cut short by an earlier round
+    for stale in dest.parent.glob("*.partial"):  # copies cut short by an earlier round
         shutil.rmtree(stale, ignore_errors=True)
     for _, old in home_checkpoints(run_dir)[:-KEEP_CHECKPOINTS]:
         shutil.rmtree(old, ignore_errors=True)

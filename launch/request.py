@@ -20,6 +20,7 @@ from launch import jobdata, jobflags, launcher, secrets, topology, workdir
 from launch.probe import NodeFacts, master_port, probe, resolve_backend, resolve_precision
 from training import spot
 from training.dist import COMM_HOOKS
+from training.paths import checkpoint_name
 
 log = logging.getLogger(__name__)
 
@@ -246,7 +247,7 @@ def run_env(req: TrainRequest, hosts: list[str]) -> dict[str, str]:
     """The ranks' spot contract (training.spot) and wire precision, under the user's --env."""
     env = {"XC_SAVE_EVERY": req.save_every, "XC_COMM_HOOK": resolve_comm_hook(req.comm_hook, hosts)}
     if req.resume:
-        env["XC_RESUME_FROM"] = f"resume/step-{req.resume['step']}"
+        env["XC_RESUME_FROM"] = f"resume/{checkpoint_name(req.resume['step'])}"
         if req.resume.get("url"):  # [store] each node takes the checkpoint from the store (training.store)
             env["XC_RESUME_URL"] = req.resume["url"]
     return {**env, **req.env}

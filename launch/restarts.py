@@ -22,6 +22,7 @@ from launch.records import RunResult
 from launch.request import TrainRequest
 from launch.run import train
 from training import spot
+from training.paths import RunPaths
 
 POLL_S = 5.0
 # The node asks its own metadata service with the ranks' watcher code (stdlib only, sent as text).
@@ -127,7 +128,7 @@ def train_with_restarts(cluster: Cluster, req: TrainRequest, max_restarts: int =
             if why is None or attempt >= max_restarts:
                 raise
             attempt += 1
-            run_dir = Path(req.runs_dir) / exc.run_id
+            run_dir = RunPaths(exc.run_id, runs_dir=req.runs_dir).home
             rec = records.restarting(run_dir, attempt, max_restarts, why)
             count = req.nodes or len(rec.nodes)
             say(f"restart {attempt} of {max_restarts}: {why}; waiting up to {restart_wait:.0f}s for the cluster")

@@ -11,6 +11,7 @@ from cluster import store as store_lib
 from core.errors import ClusterError, NoCheckpoint, NoRecord
 from launch import outputs, records, secrets
 from launch.request import TrainRequest, file_digest
+from training.paths import RunPaths
 
 
 def _summary(run_id: str, run_dir: Path, runs_dir: Path, store: str | None) -> dict:
@@ -33,14 +34,14 @@ def store_checkpoint(run_id: str, summary: dict, store: str | None) -> tuple[int
     for url in dict.fromkeys(u for u in (recorded, store) if u):
         steps = store_lib.checkpoints(url, run_id)
         if steps:
-            return steps[-1], f"{url}/runs/{run_id}/checkpoints/step-{steps[-1]}"
+            return steps[-1], RunPaths(run_id).store_url(url, steps[-1])
     return None
 
 
 def resume_request(run_id: str, runs_dir: Path, nodes: int | None = None, fetch_model: bool = True,
                    store: str | None = None) -> TrainRequest:
     """The request that continues RUN; refuses a finished run, changed data, a missing checkpoint."""
-    run_dir = Path(runs_dir) / run_id
+    run_dir = RunPaths(run_id, runs_dir=runs_dir).home
     summary = _summary(run_id, run_dir, Path(runs_dir), store)
     if summary.get("status") == "ok":
         raise ClusterError(f"--resume {run_id}: that run finished; its results are in {run_dir} (nothing to resume)")
@@ -58,12 +59,12 @@ def resume_request(run_id: str, runs_dir: Path, nodes: int | None = None, fetch_
         home = outputs.home_checkpoints(run_dir)
         if not home:
             where = (summary.get("env") or {}).get("XC_STORE") or store
-            in_where = f"{where}/runs/{run_id}/checkpoints nor in " if where else ""
+            in_where = f"{where}/{RunPaths(run_id).store_checkpoints} nor in " if where else ""
             raise NoCheckpoint(f"--resume {run_id}: no complete checkpoint in {in_where}{run_dir}/checkpoints; start "
                                "the run anew")
         (step, checkpoint), url = home[-1], None
         if not fetch_model_ok(checkpoint):
-            raise ClusterError(f"--resume {run_id}: checkpoint step-{step} has no model weights (the run used "
+            raise ClusterError(f"--resume {run_id}: checkpoint {checkpoint.name} has no model weights (the run used "
                                "--no-fetch-model); start the run anew")
     for path, digest in request.get("data", {}).items():
         if not Path(path).is_file():
@@ -115,7 +116,7 @@ def same_code(run_id: str, request: dict, shipped: dict | None) -> None:
 def resumed_from(runs_dir: Path, run_id: str) -> str | None:
     """The run that run_id resumed, if any."""
     try:
-        summary = json.loads((Path(runs_dir) / run_id / "summary.json").read_text())
+        summary = json.loads((RunPaths(run_id, runs_dir=runs_dir).home / "summary.json").read_text())
     except (OSError, ValueError):
         return None
     return (summary.get("resumed_from") or {}).get("run_id")

@@ -18,6 +18,7 @@ from cluster import keys, shipping
 from cluster.node import Node
 from cluster.remote import connect, fan_out, run
 from cluster.resolve import Cluster
+from core.constants import HOME_EXPR
 from core.errors import ClusterError
 from core.render import render
 from launch import detach, launcher, lock, outputs, records, secrets, store_run, userscript, workdir
@@ -29,6 +30,7 @@ from launch.records import RunResult, Status, new_record, result_line, this_proc
 from launch.request import TrainRequest, describe, plan_run, validate
 from launch.stream import OutputRouter
 from launch.watchdog import Watchdog
+from training.paths import RunPaths
 
 log = logging.getLogger(__name__)
 
@@ -49,7 +51,7 @@ def _stage(fact: NodeFacts, plan: launcher.LaunchPlan, node_plan: launcher.NodeP
     """Code, run folder, scripts and data on one node; returns (code folder, whether --workdir was sent now)."""
     with connect(fact.node) as conn:
         code_dir = shipping.ensure_code(conn, fact.home, digest, tarball)
-        run_dir = f"{fact.home}/runs/{plan.run_id}"
+        run_dir = RunPaths(plan.run_id, fact.home).node
         res = run(conn, f"mkdir -p {shlex.quote(run_dir)}/data {shlex.quote(run_dir)}/script")
         if not res.ok:
             raise ClusterError(f"{fact.node.name}: cannot create {run_dir}: {res.stderr.strip()}")
@@ -57,7 +59,8 @@ def _stage(fact: NodeFacts, plan: launcher.LaunchPlan, node_plan: launcher.NodeP
                         code_dir=code_dir, rank_cpus=launcher.rank_cpus(node_plan),
                         env=sorted(launcher.node_env(plan, node_plan).items()),
                         workdir=f"{run_dir}/work" if plan.workdir is not None else None)
-        rank_sh = render("rank.sh.j2", run_id=plan.run_id, pin="yes" if plan.pin else "no",
+        rank_sh = render("rank.sh.j2", run_id=plan.run_id, run_dir=RunPaths(plan.run_id, HOME_EXPR).node,
+                         pin="yes" if plan.pin else "no",
                          entry=launcher.shell_join(list(plan.entry)), launch=launcher.launch_words(plan))
         conn.put(io.StringIO(env_sh), f"{run_dir}/node_env.sh")
         if plan.secret_env:  # created empty with mode 0600 first: the values never sit in a readable file
@@ -122,7 +125,7 @@ def _run(cluster: Cluster, req: TrainRequest, plan: launcher.LaunchPlan, facts: 
                            "set XC_RUNS_DIR to a writable folder") from None
     say(f"run {plan.run_id}: results in {r.run_dir}")
     if req.restart_of:  # the run that ended names the one that goes on for it
-        records.resumed_as(r.run_dir.parent / req.restart_of, plan.run_id)
+        records.resumed_as(RunPaths(req.restart_of, runs_dir=req.runs_dir).home, plan.run_id)
     if req.resume:
         record.resumed_from = {"run_id": req.resume["run_id"], "step": req.resume["step"]}
     # who ends this run: this process (fab, or the supervisor of a detached run with restarts); a plain
@@ -181,7 +184,7 @@ def _run(cluster: Cluster, req: TrainRequest, plan: launcher.LaunchPlan, facts: 
         finally:
             router.flush_rest()
             if plan.secret_env:
-                secrets.forget([(f.node, f"{f.home}/runs/{plan.run_id}") for f in facts])
+                secrets.forget([(f.node, RunPaths(plan.run_id, f.home).node) for f in facts])
             if mirror:
                 mirror.stop()
             # every ending brings the output home; after Ctrl-C without the weights (the user asked to stop)
@@ -245,7 +248,7 @@ class CtrlC:
 
 
 def _remote_output_dir(master: NodeFacts, plan: launcher.LaunchPlan, args: list[str]) -> str:
-    return userscript.remote_output_dir(f"{master.home}/runs/{plan.run_id}", args, plan.workdir is not None)
+    return userscript.remote_output_dir(RunPaths(plan.run_id, master.home).node, args, plan.workdir is not None)
 
 
 def _bring_home(master: NodeFacts, run_dir: Path, remote_out: str, req: TrainRequest, say) -> None:

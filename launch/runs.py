@@ -17,6 +17,7 @@ from launch import detach, lifecycle, records
 from launch.records import RunRecord, RunResult, Status, result_line
 from launch.stop import check_run_id
 from launch.stream import OutputRouter
+from training.paths import RunPaths
 
 log = logging.getLogger(__name__)
 
@@ -111,7 +112,7 @@ def show_log(runs_dir: Path, run_id: str, follow: bool, out: TextIO, poll_s: flo
     run is followed through its restarts). Returns a closing line when following, else None. A run not at
     home is read from the store."""
     check_run_id(run_id, runs_dir)
-    run_dir = Path(runs_dir) / run_id
+    run_dir = RunPaths(run_id, runs_dir=runs_dir).home
     if not run_dir.is_dir() and store and _log_from_store(store, run_id, out):
         return None
     if not run_dir.is_dir():
@@ -160,7 +161,7 @@ def _follow_supervised(runs_dir: Path, rec: RunRecord, out: TextIO, poll_s: floa
     """Tail runs/<id>/log.txt as the run's supervisor writes it; on to the run it restarted as; until the
     supervisor has ended the last run of the chain (or is gone: then the record says abandoned)."""
     while True:
-        run_dir = runs_dir / rec.run_id
+        run_dir = RunPaths(rec.run_id, runs_dir=runs_dir).home
         router = OutputRouter(detach.log_plan(rec), out, io.StringIO())
         offset = 0
         while True:
@@ -175,7 +176,7 @@ def _follow_supervised(runs_dir: Path, rec: RunRecord, out: TextIO, poll_s: floa
         if not rec.restarted_as:
             return closing(rec, run_dir)
         out.write(f"run {rec.run_id} {rec.status}; resumed as run {rec.restarted_as}\n")
-        nxt = runs_dir / rec.restarted_as
+        nxt = RunPaths(rec.restarted_as, runs_dir=runs_dir).home
         while not (nxt / "summary.json").is_file():
             time.sleep(poll_s)
         rec = records.load(nxt)

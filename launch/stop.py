@@ -13,6 +13,7 @@ from core.errors import ClusterError, NodeFailure
 from launch import lock, records
 from launch.cleanup import runs_alive, sweep
 from launch.records import Status
+from training.paths import RunPaths
 
 RUN_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
 
@@ -28,7 +29,7 @@ def stop(cluster: Cluster, run_id: str, runs_dir: Path) -> str:
     check_run_id(run_id, runs_dir)
     run_id = latest(Path(runs_dir), run_id)  # a supervised run goes on under the id it was resumed as
     nodes = list(cluster.nodes)
-    run_dir = Path(runs_dir) / run_id
+    run_dir = RunPaths(run_id, runs_dir=runs_dir).home
     rec = records.load_or_none(run_dir)
     killed = _end_supervisor(rec)
     alive = runs_alive(nodes).get(run_id)
@@ -55,7 +56,7 @@ def latest(runs_dir: Path, run_id: str) -> str:
     """The last run of a resume chain that run_id starts (run_id itself when it was not resumed)."""
     seen = {run_id}
     while True:
-        rec = records.load_or_none(runs_dir / run_id)
+        rec = records.load_or_none(RunPaths(run_id, runs_dir=runs_dir).home)
         if rec is None or not rec.restarted_as or rec.restarted_as in seen:
             return run_id
         run_id = rec.restarted_as

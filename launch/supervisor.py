@@ -26,6 +26,7 @@ from core.errors import ClusterError
 from launch import records
 from launch.cleanup import runs_alive
 from launch.records import Status
+from training.paths import RunPaths
 
 log = logging.getLogger(__name__)
 
@@ -57,7 +58,7 @@ def start(spec: str, req, max_restarts: int, restart_wait: float, out: TextIO) -
                 m = re.match(r"run (\S+): results in ", line)
                 run_id = m.group(1) if m else None
         out.flush()
-        if run_id and _ranks_running(Path(req.runs_dir) / run_id):
+        if run_id and _ranks_running(RunPaths(run_id, runs_dir=req.runs_dir).home):
             out.write(f"run {run_id} detached under its supervisor (pid {proc.pid}, up to {max_restarts} restart(s)): "
                       f"follow it with 'fab logs {run_id} -f', list runs with 'fab runs', end it with "
                       f"'fab stop {run_id}'\n")

@@ -19,6 +19,7 @@ from pathlib import Path
 from cluster.node import Node
 from cluster.remote import connect, fan_out, run
 from launch import jobflags
+from training.paths import RunPaths
 
 log = logging.getLogger(__name__)
 
@@ -78,7 +79,7 @@ def one_job_problem(nodes: list[Node], run_id: str, world_size: int, home_expr: 
     else what went wrong, in words."""
     if world_size < 2:
         return None
-    run_home = f"{home_expr}/runs/{shlex.quote(run_id)}"
+    run_home = RunPaths(shlex.quote(run_id), home_expr).node
     reports = [r for got in fan_out(nodes, lambda n: _reports(n, run_home), "reading the ranks' reports")
                for r in got]
     if not reports:

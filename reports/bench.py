@@ -21,6 +21,7 @@ from launch import jobflags, records, secrets
 from launch.request import TrainRequest, new_run_id, validate
 from launch.run import train
 from reports import predict
+from training.paths import RunPaths
 
 log = logging.getLogger(__name__)
 
@@ -345,10 +346,10 @@ def report_from_runs(run_ids: str, runs_dir: Path, command: str | None = None) -
     if len(ids) < 2:
         raise ClusterError(f"--runs {run_ids!r} names fewer than two runs; give at least two run ids, "
                            "comma-separated")
-    missing = [x for x in ids if not (Path(runs_dir) / x).is_dir()]
+    missing = [x for x in ids if not RunPaths(x, runs_dir=runs_dir).home.is_dir()]
     if missing:
         raise ClusterError(f"--runs: no run {', '.join(missing)} in {runs_dir}; see the folder names there")
-    runs = [load_run(Path(runs_dir) / x) for x in ids]
+    runs = [load_run(RunPaths(x, runs_dir=runs_dir).home) for x in ids]
     bench_id = f"bench-{new_run_id('report')}"
     bench_dir = Path(runs_dir) / bench_id
     rows = write_report(runs, bench_dir, bench_id, command or f"fab bench --runs {','.join(ids)}")

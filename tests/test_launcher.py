@@ -4,8 +4,10 @@ from pathlib import Path
 
 import pytest
 
+from core.constants import HOME_EXPR
 from core.render import render
 from launch import launcher, topology
+from training.paths import RunPaths
 
 DATA = Path(__file__).parent / "data"
 
@@ -86,7 +88,8 @@ def test_rendered_node_env_and_rank_script_are_valid_bash(tmp_path):
                     env=sorted(launcher.node_env(p, p.nodes[0]).items()))
     assert "export XC_CPUS_0=" + ",".join(map(str, range(32))) in env_sh
     assert "export CCL_WORKER_AFFINITY=30,31,62,63" in env_sh
-    rank_sh = render("rank.sh.j2", run_id="r1", pin="yes", entry=launcher.shell_join(list(p.entry)))
+    rank_sh = render("rank.sh.j2", run_id="r1", run_dir=RunPaths("r1", HOME_EXPR).node, pin="yes",
+                     entry=launcher.shell_join(list(p.entry)))
     assert "{{" not in env_sh + rank_sh
     for name, text in (("env.sh", env_sh), ("rank.sh", rank_sh)):
         f = tmp_path / name
@@ -133,7 +136,8 @@ def _run_rank_sh(tmp_path, env: dict) -> dict:
     (run_dir / "node_env.sh").write_text(render("node_env.sh.j2", run_id="r1", node="node0", python=_sys.executable,
                                                 code_dir=str(tmp_path), rank_cpus=[], env=[]))
     entry = launcher.shell_join(["-c", "import json, os; print(json.dumps(dict(os.environ)))"])
-    (run_dir / "rank.sh").write_text(render("rank.sh.j2", run_id="r1", pin="no", entry=entry))
+    (run_dir / "rank.sh").write_text(render("rank.sh.j2", run_id="r1", run_dir=RunPaths("r1", HOME_EXPR).node,
+                                                      pin="no", entry=entry))
     out = subprocess.run(["bash", str(run_dir / "rank.sh")], capture_output=True, text=True, check=True,
                          env={"PATH": "/usr/bin:/bin", "XC_HOME": str(tmp_path / "home"), **env}).stdout
     return _json.loads(out)

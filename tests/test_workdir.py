@@ -14,9 +14,11 @@ from types import SimpleNamespace
 
 import pytest
 
+from core.constants import HOME_EXPR
 from core.errors import ClusterError
 from core.render import render
 from launch import launcher, records, workdir
+from training.paths import RunPaths
 
 MiB = 1 << 20
 
@@ -106,7 +108,8 @@ def _rank_sh(tmp_path, plan, entry: list[str], work: Path | None) -> subprocess.
     (run_dir / "node_env.sh").write_text(render(
         "node_env.sh.j2", run_id="r1", node="node0", python=sys.executable, code_dir=str(tmp_path / "code"),
         rank_cpus=[], env=[], workdir=str(work) if work else None))
-    (run_dir / "rank.sh").write_text(render("rank.sh.j2", run_id="r1", pin="no", entry=launcher.shell_join(entry),
+    (run_dir / "rank.sh").write_text(render("rank.sh.j2", run_id="r1", run_dir=RunPaths("r1", HOME_EXPR).node,
+                                                      pin="no", entry=launcher.shell_join(entry),
                                             launch=launcher.launch_words(plan)))
     subprocess.run(["bash", "-n", str(run_dir / "rank.sh")], check=True)
     return subprocess.run(["bash", str(run_dir / "rank.sh")], capture_output=True, text=True, timeout=120, check=False,

@@ -25,10 +25,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import unquote, urlparse
 
+from training.paths import COMPLETE_MARKER, KEEP_CHECKPOINTS, RunPaths, checkpoint_step, parse_checkpoint_url
+
 log = logging.getLogger("training.store")
 
-COMPLETE_MARKER = "xc-complete"  # the same name as training.spot's: a checkpoint counts once it is there
-KEEP_CHECKPOINTS = 2  # complete checkpoints kept per run in the store; older ones go once a newer one counts
 CHUNK = 32 << 20  # multipart part size: a bert-base optimizer.pt (880 MB) goes up as ~28 parallel parts
 CHECKPOINT_TAG = "xeon-cluster-kind=checkpoint"  # infra/store.py expires objects with this tag
 CONCURRENCY = 16
@@ -44,12 +44,8 @@ class Entry:
     size: int
 
 
-def run_prefix(run_id: str) -> str:
-    return f"runs/{run_id}"
-
-
 def checkpoint_prefix(run_id: str, step: int) -> str:
-    return f"runs/{run_id}/checkpoints/step-{step}"
+    return RunPaths(run_id).store_checkpoint(step)
 
 
 class FileStore:
@@ -301,11 +297,13 @@ def download_tree(store, prefix: str, dest: Path, skip=lambda rel: False, progre
 
 def complete_checkpoints(store, run_id: str) -> list[int]:
     """Steps of the run's checkpoints whose marker is in the store, oldest first."""
+    where = RunPaths(run_id).store_checkpoints
     steps = []
-    for e in store.list(f"runs/{run_id}/checkpoints"):
-        m = re.fullmatch(rf"runs/{re.escape(run_id)}/checkpoints/step-(\d+)/{COMPLETE_MARKER}", e.key)
-        if m:
-            steps.append(int(m.group(1)))
+    for e in store.list(where):
+        folder, _, marker = e.key[len(where) + 1:].partition("/")
+        step = checkpoint_step(folder) if marker == COMPLETE_MARKER else None
+        if step is not None:
+            steps.append(step)
     return sorted(steps)
 
 
@@ -340,8 +338,11 @@ def fetch_resume(dest: str | os.PathLike | None = None) -> str | None:
     source = os.environ.pop("XC_RESUME_URL", None)  # once per process: later readers find XC_RESUME_FROM
     if not source:
         return None
-    base, _, key = source.partition("/runs/")
-    key = "runs/" + key
+    try:
+        base, run_id, step = parse_checkpoint_url(source)
+    except ValueError as exc:
+        raise StoreError(f"XC_RESUME_URL: {exc}; resume with 'fab train --resume RUN'") from None
+    key = RunPaths(run_id).store_checkpoint(step)
     store = open_store(base)
     if isinstance(store, FileStore):
         os.environ["XC_RESUME_FROM"] = str(store.path(key))
@@ -378,7 +379,7 @@ def publish_output(output_dir: str | os.PathLike, url: str | None = None, run_id
     if not url or not run_id or not Path(output_dir).is_dir():
         return None
     try:
-        return upload_tree(open_store(url), Path(output_dir), f"runs/{run_id}/output",
+        return upload_tree(open_store(url), Path(output_dir), RunPaths(run_id).store_output,
                            skip=lambda rel: rel.split("/", 1)[0].startswith(("checkpoint-", ".xc-")))
     except Exception as exc:  # noqa: BLE001
         raise StoreError(explain(exc, url)) from None
