@@ -1,4 +1,4 @@
-"""The Pulumi program: stack config -> ClusterSettings -> network, image, nodes -> stack outputs.
+"""The Pulumi program: stack config -> ClusterSettings -> network, image, store, nodes, head -> stack outputs.
 
 This is the only place that reads pulumi.Config; the components get validated settings.
 """
@@ -9,9 +9,11 @@ import pulumi_aws as aws
 
 from core.errors import ClusterError
 from infra import checks, cost
+from infra.head import HEAD_USER, Head
 from infra.image import Image
 from infra.network import Network
 from infra.nodes import MIN_HEALTHY_PERCENT, ROLLING_KEYS, Nodes
+from infra.policies import secrets_path
 from infra.settings import CONFIG_KEYS, ClusterSettings
 from infra.store import Store
 
@@ -29,10 +31,12 @@ def main() -> dict:
         provider = aws.Provider("aws", region=settings.region, default_tags={"tags": settings.tags})
         opts = pulumi.ResourceOptions(providers=[provider])
         checks.check_zone(settings, provider)
+        ctx = checks.aws_context(provider, settings.region)  # partition, DNS suffix, account: ARNs built here
         network = Network(settings.cluster_name, settings, opts)
-        image = Image(settings.cluster_name, settings, network, checks.partition(provider), opts)
+        image = Image(settings.cluster_name, settings, network, ctx.partition, opts, ec2_principal=ctx.ec2_principal)
         store = Store(settings.cluster_name, settings, opts)
-        nodes = Nodes(settings.cluster_name, settings, network, image.ami_id, opts, store=store)
+        nodes = Nodes(settings.cluster_name, settings, network, image.ami_id, opts, store=store, ctx=ctx)
+        head = Head(settings.cluster_name, settings, network, store, nodes.key.key_name, ctx, opts)
     except ClusterError as exc:
         raise pulumi.RunError(str(exc)) from None  # one line, no traceback
     pulumi.log.info(checks.quota_line(settings))
@@ -41,7 +45,7 @@ def main() -> dict:
     estimate = cost.estimate(
         settings.instance_type, settings.node_count, availability_zone=settings.availability_zone,
         spot=settings.spot, root_volume_gib=settings.root_volume_gib, max_spot_price=settings.max_spot_price_usd,
-        region=settings.region)
+        region=settings.region, head_instance_type=settings.head_instance_type)
     pulumi.log.info(f"estimated cost: {estimate.summary()}")
 
     outputs = {
@@ -58,6 +62,11 @@ def main() -> dict:
         "amiId": nodes.launch_template.image_id,  # the pinned one for image=base
         # the cluster's store: checkpoints, outputs and records next to the nodes (fab reads it as the default)
         "storeUrl": store.url,
+        # the head (detached runs' supervisors): its group of one, its type and login, the run secrets' SSM path
+        "headAutoScalingGroup": head.group.name,
+        "headInstanceType": settings.head_instance_type,
+        "headSshUser": HEAD_USER,
+        "secretsPath": secrets_path(settings.cluster_name),
         "hourlyCostUsd": estimate.total_usd_h,
         "costEstimate": estimate.summary(),
     }

@@ -4,6 +4,8 @@ not 20 minutes into 'pulumi up'.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import pulumi
 import pulumi_aws as aws
 
@@ -41,9 +43,40 @@ def check_zone(settings: ClusterSettings, provider: pulumi.ProviderResource) -> 
         raise ClusterError(f"{kind} is not offered in {settings.availability_zone} (offered in: {where}); {fix}")
 
 
-def partition(provider: pulumi.ProviderResource) -> str:
-    """aws, aws-cn or aws-us-gov: managed policy ARNs differ between them."""
-    return aws.get_partition(opts=pulumi.InvokeOptions(provider=provider)).partition or "aws"
+@dataclass(frozen=True)
+class AwsContext:
+    """Where the stack runs, for the ARNs and endpoints the program writes itself: aws, aws-cn or aws-us-gov
+    (managed policy, S3 and Auto Scaling ARNs differ between them), the partition's DNS suffix (amazonaws.com,
+    amazonaws.com.cn), the account and EC2's service principal there."""
+    partition: str = "aws"
+    dns_suffix: str = "amazonaws.com"
+    account: str = "*"  # unknown (a preview without credentials): any account, still this partition and group
+    region: str = "us-east-1"
+    ec2_principal: str = "ec2.amazonaws.com"
+
+    def group_arn(self, group: str) -> str:
+        """An Auto Scaling group's ARN from its name: known before the group exists, so a policy naming it
+        can be in place before the group launches its first instance."""
+        return (f"arn:{self.partition}:autoscaling:{self.region}:{self.account}:autoScalingGroup:*:"
+                f"autoScalingGroupName/{group}")
+
+    def ssm_path_arns(self, path: str) -> list[str]:
+        """The parameters under ``path`` (/xeon-cluster/<cluster>) and the path itself (GetParametersByPath)."""
+        base = f"arn:{self.partition}:ssm:{self.region}:{self.account}:parameter{path}"
+        return [base, f"{base}/*"]
+
+
+def aws_context(provider: pulumi.ProviderResource, region: str) -> AwsContext:
+    opts = pulumi.InvokeOptions(provider=provider)
+    part = aws.get_partition(opts=opts)
+    account = aws.get_caller_identity(opts=opts).account_id
+    principal = aws.get_service_principal(service_name="ec2", region=region, opts=opts).name
+    partition = part.partition or "aws"
+    return AwsContext(partition=partition, dns_suffix=part.dns_suffix or _DNS_SUFFIX.get(partition, "amazonaws.com"),
+                      account=account or "*", region=region, ec2_principal=principal or "ec2.amazonaws.com")
+
+
+_DNS_SUFFIX = {"aws-cn": "amazonaws.com.cn"}
 
 
 def quota_line(settings: ClusterSettings) -> str:
@@ -56,4 +89,5 @@ def quota_line(settings: ClusterSettings) -> str:
 def rolling_line(keys: tuple[str, ...], node_count: int, min_healthy: int) -> str:
     at_once = max(1, node_count - node_count * min_healthy // 100)
     return (f"changing any of {', '.join(keys)} rolls the nodes (instance refresh: {at_once} of {node_count} "
-            f"at a time, never more than {node_count} running); a run in progress on them fails")
+            f"at a time, never more than {node_count} running); a run in progress on them checkpoints at the "
+            "termination hook and ends preempted: 'fab train --resume RUN_ID' (or --max-restarts) continues it")

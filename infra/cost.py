@@ -11,6 +11,12 @@ from core.ec2 import ec2_client
 
 log = logging.getLogger(__name__)
 
+# The head's types (small Intel on-demand instances) and their Linux on-demand price in us-east-1, a hint as the
+# catalog's. The head is never spot: it must outlive the nodes' reclaims to recover them.
+HEAD_USD_H = {"t3.small": 0.0208, "t3.medium": 0.0416, "t3.large": 0.0832, "t3.xlarge": 0.1664,
+              "c6i.large": 0.085, "m6i.large": 0.096, "m7i.large": 0.1008, "r6i.xlarge": 0.252}
+HEAD_ROOT_GIB = 20  # the head's encrypted gp3 root volume: Ubuntu, a venv, the supervisors' logs
+
 
 @dataclass(frozen=True)
 class CostEstimate:
@@ -20,14 +26,17 @@ class CostEstimate:
     node_usd_h: float
     source: str  # where node_usd_h comes from
     extras_usd_h: float  # root volumes and public IPv4 addresses of all nodes
+    head_instance_type: str = ""  # "" = no head in this estimate
+    head_usd_h: float = 0.0  # the on-demand head with its volume and IPv4 address
 
     @property
     def total_usd_h(self) -> float:
-        return round(self.node_count * self.node_usd_h + self.extras_usd_h, 4)
+        return round(self.node_count * self.node_usd_h + self.extras_usd_h + self.head_usd_h, 4)
 
     def summary(self) -> str:
+        head = f" + head {self.head_instance_type} on-demand ${self.head_usd_h:.4f}/h" if self.head_instance_type else ""
         return (f"{self.node_count} x {self.instance_type} {self.market} at ${self.node_usd_h:.4f}/h ({self.source})"
-                f" + volumes and IPv4 ${self.extras_usd_h:.4f}/h = ${self.total_usd_h:.2f}/h")
+                f" + volumes and IPv4 ${self.extras_usd_h:.4f}/h{head} = ${self.total_usd_h:.2f}/h")
 
     def to_dict(self) -> dict:
         return {**asdict(self), "total_usd_h": self.total_usd_h}
@@ -47,8 +56,9 @@ def spot_price(instance_type: str, availability_zone: str, region: str | None = 
 
 def estimate(instance_type: str, node_count: int, *, availability_zone: str, spot: bool = True,
              root_volume_gib: int = 100, max_spot_price: float | None = None, region: str | None = None,
-             client=None) -> CostEstimate:
-    """Hourly cost of ``node_count`` nodes; never fails: without AWS the catalog hint stands in."""
+             client=None, head_instance_type: str | None = None) -> CostEstimate:
+    """Hourly cost of ``node_count`` nodes (and the head, when named); never fails: without AWS the catalog hint
+    stands in."""
     from botocore.exceptions import BotoCoreError, ClientError
 
     hint = catalog.lookup(instance_type).on_demand_usd_h
@@ -70,4 +80,10 @@ def estimate(instance_type: str, node_count: int, *, availability_zone: str, spo
             # A spot node never costs more than its max price (above it, AWS reclaims the node).
             price, source = max_spot_price, "maxSpotPrice cap"
     extras = node_count * (root_volume_gib * GP3_USD_PER_GIB_MONTH / HOURS_PER_MONTH + PUBLIC_IPV4_USD_H)
-    return CostEstimate(instance_type, node_count, "spot" if spot else "on-demand", price, source, round(extras, 4))
+    return CostEstimate(instance_type, node_count, "spot" if spot else "on-demand", price, source, round(extras, 4),
+                        head_instance_type or "", round(head_usd_h(head_instance_type), 4) if head_instance_type else 0.0)
+
+
+def head_usd_h(head_instance_type: str) -> float:
+    """The head's hourly cost: its on-demand price, its root volume and its public IPv4 address."""
+    return HEAD_USD_H[head_instance_type] + HEAD_ROOT_GIB * GP3_USD_PER_GIB_MONTH / HOURS_PER_MONTH + PUBLIC_IPV4_USD_H

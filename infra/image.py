@@ -17,6 +17,7 @@ from core.constants import TAG_PREFIX
 from core.errors import ClusterError
 from core.render import render
 from infra.amis import AmiCleanup
+from infra.policies import ec2_trust_policy
 from infra.settings import MIN_ROOT_GIB, ClusterSettings
 from node_setup import profiles
 
@@ -47,9 +48,9 @@ class Image(pulumi.ComponentResource):
     ami_id: pulumi.Output[str]
 
     def __init__(self, name: str, settings: ClusterSettings, network, partition: str = "aws",
-                 opts: pulumi.ResourceOptions | None = None):
+                 opts: pulumi.ResourceOptions | None = None, ec2_principal: str = "ec2.amazonaws.com"):
         super().__init__("xeon-cluster:infra:Image", name, None, opts)
-        self.partition = partition
+        self.partition, self.ec2_principal = partition, ec2_principal
         if settings.image == "bake":
             self.ami_id = self._bake(name, settings, network)
             AmiCleanup(f"{name}-ami", self.ami_id, settings.region, opts=pulumi.ResourceOptions(parent=self))
@@ -83,10 +84,8 @@ class Image(pulumi.ComponentResource):
 
         # The build instance may use SSM (how Image Builder drives it) and Image Builder's own
         # artefacts; nothing else.
-        role = aws.iam.Role(f"{name}-build", tags=tags, opts=child, assume_role_policy=json.dumps({
-            "Version": "2012-10-17",
-            "Statement": [{"Effect": "Allow", "Principal": {"Service": "ec2.amazonaws.com"},
-                           "Action": "sts:AssumeRole"}]}))
+        role = aws.iam.Role(f"{name}-build", tags=tags, opts=child,
+                            assume_role_policy=ec2_trust_policy(self.ec2_principal))
         attachments = [aws.iam.RolePolicyAttachment(f"{name}-build-{policy}", role=role.name, opts=child,
                                                     policy_arn=f"arn:{self.partition}:iam::aws:policy/{policy}")
                        for policy in BUILD_POLICIES]

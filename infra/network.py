@@ -9,17 +9,17 @@ import ipaddress
 import pulumi
 import pulumi_aws as aws
 
-from infra.settings import ClusterSettings
+from infra.settings import ZONE_SLICE_BITS, ClusterSettings
 
 ALL = {"protocol": "-1", "from_port": 0, "to_port": 0}
 
 
 def subnet_cidr(vpc_cidr: str, zone: str) -> str:
-    """One half of the VPC, chosen by the zone letter: a changed availabilityZone replaces the subnet
-    (create before delete), and the new one, in the other half, cannot overlap the old one. Two zones
-    with letters of the same parity (a and c) share a half: such a move goes through a neighbour (b)."""
-    halves = list(ipaddress.ip_network(vpc_cidr).subnets(prefixlen_diff=1))
-    return str(halves[(ord(zone[-1]) - ord("a")) % 2])
+    """The VPC's slice of the zone letter (a..h: eight slices, ClusterSettings checks one holds the nodes): a
+    changed availabilityZone replaces the subnet (create before delete), and the new one, in its own letter's
+    slice, never overlaps the old one, whichever two zones (a->c and b->d as well as a->b)."""
+    slices = list(ipaddress.ip_network(vpc_cidr).subnets(prefixlen_diff=ZONE_SLICE_BITS))
+    return str(slices[(ord(zone[-1]) - ord("a")) % len(slices)])
 
 
 class Network(pulumi.ComponentResource):
@@ -31,7 +31,7 @@ class Network(pulumi.ComponentResource):
         vpc = aws.ec2.Vpc(f"{name}-vpc", cidr_block=settings.vpc_cidr, enable_dns_support=True,
                           enable_dns_hostnames=True, tags={**tags, "Name": settings.cluster_name}, opts=child)
         gateway = aws.ec2.InternetGateway(f"{name}-igw", vpc_id=vpc.id, tags=tags, opts=child)
-        # One subnet = one zone for every node (and the image build instance, which needs a public IP).
+        # One subnet = one zone for every node, the head and the image build instance (which needs a public IP).
         self.subnet = aws.ec2.Subnet(
             f"{name}-subnet", vpc_id=vpc.id, cidr_block=subnet_cidr(settings.vpc_cidr, settings.availability_zone),
             availability_zone=settings.availability_zone, map_public_ip_on_launch=True,

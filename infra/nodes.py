@@ -10,13 +10,14 @@ group's business: cluster.aws makes the node holding the master role tag node 0.
 from __future__ import annotations
 
 import base64
-import json
 
 import pulumi
 import pulumi_aws as aws
 
-from core.constants import PROJECT_ROOT, TAG_CLUSTER, TAG_HOST_KEY, TAG_PROFILE, TAG_ROLE, TAG_SSH_USER
+from core.constants import PROJECT_ROOT, TAG_PROFILE, TAG_ROLE, TAG_SSH_USER
 from core.render import render
+from infra.checks import AwsContext
+from infra.policies import ec2_trust_policy, node_policy
 from infra.settings import ClusterSettings
 
 # Stack config keys whose change makes a new launch template version, which the group rolls out.
@@ -37,27 +38,20 @@ def group_name(settings: ClusterSettings) -> str:
 
 
 def user_data(settings: ClusterSettings) -> str:
-    return render("cloud-init.yaml.j2", cluster=settings.cluster_name, stack=settings.stack,
-                  profile=settings.profile, image_mode=settings.image, region=settings.region,
-                  group=group_name(settings), hook=TERMINATION_HOOK,
+    return render("cloud-init.yaml.j2", role="node", cluster=settings.cluster_name, env=node_env(settings),
                   publisher=(PROJECT_ROOT / "node_setup" / "publish_host_keys.py").read_text())
 
 
-def node_policy(group_arn: str, cluster: str, store_statements: list[dict] | None = None) -> str:
-    """What a node may do with the cluster's AWS identity: complete the termination lifecycle action of its
-    own group, tag itself (and nothing else) with its host keys, and use the cluster's prefix of its store
-    (no wildcard action, no '*' resource)."""
-    partition = group_arn.split(":")[1] if group_arn.startswith("arn:") else "aws"
-    return json.dumps({"Version": "2012-10-17", "Statement": [{
-        "Sid": "CompleteOwnGroupsLifecycleAction", "Effect": "Allow",
-        "Action": ["autoscaling:CompleteLifecycleAction"], "Resource": [group_arn]}, {
-        # the calling instance (ec2:SourceInstanceARN) must be the tagged one (${ec2:InstanceID})
-        "Sid": "PublishOwnHostKeys", "Effect": "Allow", "Action": ["ec2:CreateTags"],
-        "Resource": [f"arn:{partition}:ec2:*:*:instance/*"],
-        "Condition": {"ArnEquals": {"ec2:SourceInstanceARN": f"arn:{partition}:ec2:*:*:instance/${{ec2:InstanceID}}"},
-                      "StringEquals": {f"aws:ResourceTag/{TAG_CLUSTER}": cluster},
-                      "ForAllValues:StringLike": {"aws:TagKeys": [f"{TAG_HOST_KEY}*"]}}},
-        *(store_statements or [])]})
+def node_env(settings: ClusterSettings) -> dict[str, str]:
+    """/etc/xeon-cluster/cluster.env of a node (training/spot.py reads the group and hook names there)."""
+    return {"XC_CLUSTER": settings.cluster_name, "XC_STACK": settings.stack, "XC_PROFILE": settings.profile,
+            "XC_IMAGE_MODE": settings.image, "XC_REGION": settings.region, "XC_ASG_NAME": group_name(settings),
+            "XC_LIFECYCLE_HOOK": TERMINATION_HOOK}
+
+
+def termination_hook() -> dict:
+    return {"name": TERMINATION_HOOK, "lifecycle_transition": "autoscaling:EC2_INSTANCE_TERMINATING",
+            "heartbeat_timeout": TERMINATION_HEARTBEAT_S, "default_result": "CONTINUE"}
 
 
 def node_tags(settings: ClusterSettings) -> dict[str, str]:
@@ -83,18 +77,31 @@ def instances_distribution(settings: ClusterSettings) -> dict:
     return spot
 
 
+# A change of these moves every node (another zone's subnet and placement group): the group is replaced, the old
+# one first (its nodes drain through the termination hook, which lives in the group itself and so holds them to
+# the end), then the new one launches; the old subnet and placement group go last, once nothing is in them. One
+# 'pulumi up', never more than nodeCount nodes.
+REPLACING_CHANGES = ["vpcZoneIdentifiers", "placementGroup", "initialLifecycleHooks"]
+
+
 class Nodes(pulumi.ComponentResource):
     def __init__(self, name: str, settings: ClusterSettings, network, ami_id: pulumi.Input[str],
-                 opts: pulumi.ResourceOptions | None = None, store=None):
+                 opts: pulumi.ResourceOptions | None = None, store=None, ctx: AwsContext | None = None):
         super().__init__("xeon-cluster:infra:Nodes", name, None, opts)
+        ctx = ctx or AwsContext(region=settings.region)
         child = pulumi.ResourceOptions(parent=self)
         tags = settings.tags
 
-        key = aws.ec2.KeyPair(f"{name}-key", public_key=settings.ssh_public_key.strip(), tags=tags, opts=child)
-        # The nodes' own identity (IMDSv2, hop limit 1): its policy is added once the group's ARN is known.
-        self.role = aws.iam.Role(f"{name}-node", tags=tags, opts=child, assume_role_policy=json.dumps({
-            "Version": "2012-10-17", "Statement": [{"Effect": "Allow", "Action": "sts:AssumeRole",
-                                                    "Principal": {"Service": "ec2.amazonaws.com"}}]}))
+        self.key = aws.ec2.KeyPair(f"{name}-key", public_key=settings.ssh_public_key.strip(), tags=tags, opts=child)
+        # The nodes' own identity (IMDSv2, hop limit 1). Its policy names the group by the ARN its name gives, so
+        # the policy is in place before the group launches anything: a node's first boot finds its rights.
+        self.role = aws.iam.Role(f"{name}-node", tags=tags, opts=child,
+                                 assume_role_policy=ec2_trust_policy(ctx.ec2_principal))
+        bucket_arn = store.bucket.arn if store is not None else None
+        prefix = store.prefix if store is not None else None
+        policy = pulumi.Output.from_input(bucket_arn).apply(
+            lambda arn: node_policy(ctx, settings.cluster_name, group_name(settings), arn, prefix))
+        self.node_policy = aws.iam.RolePolicy(f"{name}-node", role=self.role.id, policy=policy, opts=child)
         self.instance_profile = aws.iam.InstanceProfile(f"{name}-node", role=self.role.name, tags=tags, opts=child)
         # The root device name belongs to the AMI (/dev/sda1 on Ubuntu, /dev/xvda elsewhere); a wrong
         # name would add a second volume instead of sizing and encrypting the root one.
@@ -103,7 +110,7 @@ class Nodes(pulumi.ComponentResource):
         ).root_device_name
 
         self.launch_template = aws.ec2.LaunchTemplate(
-            f"{name}-lt", image_id=ami_id, instance_type=settings.instance_type, key_name=key.key_name,
+            f"{name}-lt", image_id=ami_id, instance_type=settings.instance_type, key_name=self.key.key_name,
             user_data=base64.b64encode(user_data(settings).encode()).decode(),
             iam_instance_profile={"arn": self.instance_profile.arn},
             # hop limit 1: containers on a node cannot borrow its credentials
@@ -139,17 +146,10 @@ class Nodes(pulumi.ComponentResource):
                 "min_healthy_percentage": MIN_HEALTHY_PERCENT, "max_healthy_percentage": 100,
                 "skip_matching": True}},
             wait_for_capacity_timeout="20m",
+            # in the group from its creation: the first nodes are held too, and the hook leaves with the group
+            # (after draining it), not before it
+            initial_lifecycle_hooks=[termination_hook()],
             tags=[{"key": k, "value": v, "propagate_at_launch": True} for k, v in node_tags(settings).items()],
-            opts=child)
-        self.termination_hook = aws.autoscaling.LifecycleHook(
-            f"{name}-termination", name=TERMINATION_HOOK, autoscaling_group_name=self.group.name,
-            lifecycle_transition="autoscaling:EC2_INSTANCE_TERMINATING", heartbeat_timeout=TERMINATION_HEARTBEAT_S,
-            default_result="CONTINUE", opts=child)
-        from infra.store import node_statements
-
-        bucket_arn = store.bucket.arn if store is not None else None
-        policy = pulumi.Output.all(self.group.arn, bucket_arn).apply(
-            lambda a: node_policy(a[0], settings.cluster_name,
-                                  node_statements(a[1], store.prefix) if a[1] else None))
-        self.node_policy = aws.iam.RolePolicy(f"{name}-node", role=self.role.id, policy=policy, opts=child)
+            opts=pulumi.ResourceOptions(parent=self, depends_on=[self.node_policy], delete_before_replace=True,
+                                        replace_on_changes=REPLACING_CHANGES))
         self.register_outputs({"group": self.group.name, "launch_template_id": self.launch_template.id})

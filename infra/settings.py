@@ -19,6 +19,8 @@ IMAGE_MODES = ("bake", "base")
 UBUNTU_PYTHON = {"22.04": (3, 10), "24.04": (3, 12)}  # the release's python3
 UBUNTU_VERSIONS = tuple(UBUNTU_PYTHON)
 MIN_ROOT_GIB = 40  # the software stack needs ~20 GiB; the baked AMI's snapshot has this size
+ZONE_SLICE_BITS = 3  # the VPC is cut into 8 slices, one per zone letter a..h (infra/network.py subnet_cidr)
+AWS_RESERVED_ADDRESSES = 5  # AWS keeps the first four and the last address of every subnet
 _PUBKEY_EXAMPLE = '"$(cat ~/.ssh/id_ed25519.pub)"'
 
 
@@ -48,6 +50,7 @@ class ClusterSettings:
     ubuntu_version: str = "24.04"
     build_instance_type: str = "c6i.2xlarge"
     vpc_cidr: str = "10.42.0.0/16"
+    head_instance_type: str = "t3.medium"  # the small on-demand head that runs detached runs' supervisors
 
     def __post_init__(self):
         # Fill the derived defaults, then check every rule in the order a user would fix them.
@@ -55,7 +58,8 @@ class ClusterSettings:
             object.__setattr__(self, "cluster_name", self.stack.lower())
         if not self.availability_zone:
             object.__setattr__(self, "availability_zone", f"{self.region}a")
-        for check in (self._check_network, self._check_ssh, self._check_nodes, self._check_image):
+        for check in (self._check_network, self._check_ssh, self._check_nodes, self._check_zone_slice,
+                      self._check_image, self._check_head):
             check()
 
     # -- rules --------------------------------------------------------------------------------
@@ -75,6 +79,18 @@ class ClusterSettings:
         if vpc is None or not vpc.is_private or not 16 <= vpc.prefixlen <= 24:
             raise ClusterError(f"vpcCidr {self.vpc_cidr!r} must be a private IPv4 network from /16 to /24; "
                                f"{_fix('vpcCidr', '10.42.0.0/16')}")
+
+    def _check_zone_slice(self):
+        # Each zone letter has its own slice of the VPC (infra/network.py), so a zone move never overlaps
+        # the old subnet; the slice must hold the nodes, as many replacements launched while leaving nodes
+        # are still held by the termination hook, the head and Image Builder's build instance.
+        prefix = ipaddress.IPv4Network(self.vpc_cidr).prefixlen + ZONE_SLICE_BITS
+        usable = 2 ** (32 - prefix) - AWS_RESERVED_ADDRESSES
+        need = 2 * self.node_count + 2
+        if usable < need:
+            raise ClusterError(f"vpcCidr {self.vpc_cidr} gives each zone a /{prefix} subnet ({usable} usable "
+                               f"addresses) but nodeCount {self.node_count} needs up to {need} (nodes, their "
+                               f"replacements, the head, the image build); {_fix('vpcCidr', '10.42.0.0/16')}")
 
     def _check_ssh(self):
         if not self.admin_cidr:
@@ -154,6 +170,14 @@ class ClusterSettings:
             raise ClusterError(f"ubuntuVersion {self.ubuntu_version} has Python {'.'.join(map(str, have))} but "
                                f"profile {self.profile} needs {known[self.profile].python_min}; "
                                f"{_fix('ubuntuVersion', '24.04')}")
+
+    def _check_head(self):
+        from infra.cost import HEAD_USD_H
+
+        if self.head_instance_type not in HEAD_USD_H:
+            known = ", ".join(HEAD_USD_H)
+            raise ClusterError(f"headInstanceType {self.head_instance_type!r} is not a head type this project knows "
+                               f"the price of ({known}); {_fix('headInstanceType', 't3.medium')}")
 
     # -- derived values -----------------------------------------------------------------------
     @property

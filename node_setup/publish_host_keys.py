@@ -27,7 +27,21 @@ from pathlib import Path
 TAG_PREFIX = "xeon-cluster:host-key:"  # core.constants.TAG_HOST_KEY
 KEY_TYPES = ("ssh-ed25519", "ecdsa-sha2-nistp256", "ecdsa-sha2-nistp384", "ecdsa-sha2-nistp521")
 MAX_TAG_VALUE = 256  # EC2's limit: an RSA key (~550 characters) does not fit and is left out
-TRIES, WAIT_S = 12, 5  # the instance profile's credentials can lag the boot by a few seconds
+# The instance profile's credentials can lag the boot, and a new role's policy takes a while to reach every IAM
+# endpoint: retry with backoff (5, 10, 20, 40, 60, 60, ... s) for about ten minutes, then give up (the console
+# output stays the other channel).
+DEADLINE_S, FIRST_WAIT_S, MAX_WAIT_S = 600, 5, 60
+DNS_SUFFIX = {"cn-": "amazonaws.com.cn"}  # by region prefix, where IMDS does not say (services/domain)
+
+
+def waits(deadline_s: float = DEADLINE_S, first_s: float = FIRST_WAIT_S, cap_s: float = MAX_WAIT_S) -> list[float]:
+    """The pauses between tries: doubling from first_s up to cap_s, adding up to deadline_s."""
+    out: list[float] = []
+    wait = first_s
+    while sum(out) + wait <= deadline_s:
+        out.append(wait)
+        wait = min(wait * 2, cap_s)
+    return out
 
 
 def imds(base: str, path: str, token: str | None = None) -> str:
@@ -82,6 +96,14 @@ def create_tags_body(instance: str, keys: list[tuple[str, str]]) -> str:
     return urllib.parse.urlencode(params)
 
 
+def dns_suffix(base: str, token: str, region: str) -> str:
+    """The partition's DNS suffix (amazonaws.com, amazonaws.com.cn, ...): IMDS's services/domain, else by region."""
+    try:
+        return imds(base, "/latest/meta-data/services/domain", token).strip()
+    except urllib.error.HTTPError:
+        return next((d for p, d in DNS_SUFFIX.items() if region.startswith(p)), "amazonaws.com")
+
+
 def publish(base: str, endpoint: str | None, folder: Path) -> str:
     keys = host_keys(folder)
     if not keys:
@@ -89,9 +111,10 @@ def publish(base: str, endpoint: str | None, folder: Path) -> str:
     token = imds(base, "", None)
     instance = imds(base, "/latest/meta-data/instance-id", token)
     region = imds(base, "/latest/meta-data/placement/region", token)
+    domain = dns_suffix(base, token, region)
     role = imds(base, "/latest/meta-data/iam/security-credentials/", token).split()[0]
     creds = json.loads(imds(base, f"/latest/meta-data/iam/security-credentials/{role}", token))
-    url = endpoint or f"https://ec2.{region}.amazonaws.com/"
+    url = endpoint or f"https://ec2.{region}.{domain}/"
     body = create_tags_body(instance, keys)
     headers = signed_headers(url, body, region, creds, datetime.datetime.now(datetime.timezone.utc))
     req = urllib.request.Request(url, data=body.encode(), headers=headers, method="POST")
@@ -100,19 +123,21 @@ def publish(base: str, endpoint: str | None, folder: Path) -> str:
     return f"published {', '.join(t for t, _ in keys)} host keys of {instance} as its tags"
 
 
-def main() -> int:
+def main(sleep=time.sleep, deadline_s: float | None = None) -> int:
     base = os.environ.get("XC_IMDS_ENDPOINT", "http://169.254.169.254").rstrip("/")
     endpoint = os.environ.get("XC_EC2_ENDPOINT") or None
     folder = Path(os.environ.get("XC_SSH_HOST_KEY_DIR", "/etc/ssh"))
-    for attempt in range(1, TRIES + 1):
+    pauses = waits(DEADLINE_S if deadline_s is None else deadline_s)
+    tries = len(pauses) + 1
+    for attempt in range(1, tries + 1):
         try:
             print(publish(base, endpoint, folder), flush=True)
             return 0
         except (OSError, ValueError, KeyError, IndexError, RuntimeError) as exc:
             detail = exc.read().decode(errors="replace")[:300] if isinstance(exc, urllib.error.HTTPError) else ""
-            print(f"xc-publish-host-keys: try {attempt}/{TRIES}: {exc} {detail}".strip(), file=sys.stderr, flush=True)
-            if attempt < TRIES:
-                time.sleep(WAIT_S)
+            print(f"xc-publish-host-keys: try {attempt}/{tries}: {exc} {detail}".strip(), file=sys.stderr, flush=True)
+            if attempt < tries:
+                sleep(pauses[attempt - 1])
     return 1  # the console output stays the other channel
 
 

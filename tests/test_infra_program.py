@@ -4,86 +4,14 @@ imported): no CLI, no cloud, assertions on the inputs every resource would be cr
 from __future__ import annotations
 
 import base64
+import ipaddress
 import json
-import runpy
-from dataclasses import dataclass, field
-from pathlib import Path
 
 import pulumi
 import pytest
 import yaml
-
-BAKED_AMI = "ami-0baked00000000000"
-BASE_AMI = "ami-0ubuntu0000000000"
-ROOT = Path(__file__).resolve().parent.parent
-KEY = "ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIOp9fX1kZXZlbG9wZXIta2V5LWZvci10ZXN0cw operator@laptop"
-REQUIRED = {"adminCidr": "203.0.113.7/32", "sshPublicKey": KEY}
-# pulumi_aws warns about a resource of its own we never use when its ec2 module loads.
-pytestmark = pytest.mark.filterwarnings("ignore:.*EncryptionControl has been deprecated:DeprecationWarning")
-
-
-@dataclass
-class Res:
-    type: str
-    name: str
-    inputs: dict
-    id: str
-    provider: str | None
-
-
-class Recorder(pulumi.runtime.Mocks):
-    """Records every resource and invoke; answers with the computed outputs AWS would return."""
-
-    def __init__(self, offered_zones=("us-east-1a", "us-east-1b", "us-east-1c"), partition="aws", zones_of=None):
-        self.resources: list[Res] = []
-        self.calls: list[tuple[str, dict, str]] = []
-        self.offered_zones, self.partition = offered_zones, partition
-        self.zones_of = zones_of or {}  # instance type -> the zones offering it, where not offered_zones
-
-    def new_resource(self, args: pulumi.runtime.MockResourceArgs):
-        outputs = dict(args.inputs)
-        if args.typ == "aws:imagebuilder/image:Image":
-            outputs["outputResources"] = [{"amis": [{"image": BAKED_AMI, "region": "us-east-1"}]}]
-        elif args.typ == "aws:ec2/launchTemplate:LaunchTemplate":
-            outputs["latestVersion"] = 3
-        elif args.typ == "aws:ec2/keyPair:KeyPair":
-            outputs["keyName"] = args.name
-        outputs.setdefault("name", args.name)
-        outputs.setdefault("arn", f"arn:aws:mock:::{args.name}")
-        self.resources.append(Res(args.typ, args.name, args.inputs, f"{args.name}-id", args.provider))
-        return f"{args.name}-id", outputs
-
-    def call(self, args: pulumi.runtime.MockCallArgs):
-        self.calls.append((args.token, args.args, args.provider))
-        if args.token == "aws:ssm/getParameter:getParameter":
-            return {"name": args.args["name"], "value": BASE_AMI, "type": "String", "id": args.args["name"]}
-        if args.token == "aws:ec2/getAmi:getAmi":
-            return {"id": "ami", "rootDeviceName": "/dev/sda1"}
-        if args.token == "aws:ec2/getInstanceTypeOfferings:getInstanceTypeOfferings":
-            (types,) = [f["values"] for f in args.args["filters"] if f["name"] == "instance-type"]
-            pairs = [(t, z) for t in types for z in self.zones_of.get(t, self.offered_zones)]
-            return {"id": "offerings", "instanceTypes": [t for t, _ in pairs], "locations": [z for _, z in pairs],
-                    "locationTypes": ["availability-zone"] * len(pairs)}
-        if args.token == "aws:index/getPartition:getPartition":
-            return {"id": self.partition, "partition": self.partition, "dnsSuffix": "amazonaws.com"}
-        return {}
-
-    def of(self, typ: str) -> list[Res]:
-        return [r for r in self.resources if r.type == typ]
-
-    def named(self, typ: str, name: str) -> Res:
-        (found,) = [r for r in self.of(typ) if r.name == name]
-        return found
-
-    def one(self, typ: str) -> Res:
-        found = self.of(typ)
-        assert len(found) == 1, f"{len(found)} x {typ}"
-        return found[0]
-
-
-pulumi.runtime.set_mocks(Recorder(), project="xeon-cluster", stack="dev", preview=False)
-
 from moto_fixture import isolate_aws
+from pulumi_mocks import ACCOUNT, BAKED_AMI, BASE_AMI, KEY, ROOT, Recorder, make_program
 
 from core import catalog
 from core.constants import REMOTE_PYTHON
@@ -91,56 +19,41 @@ from infra import cost
 from infra.image import BUILD_POLICIES, SCRIPT_PATH, component_document
 from node_setup import profiles
 
-
-class RetainRecorder(pulumi.runtime.mocks.MockMonitor):
-    """The mock monitor, also keeping each resource's retainOnDelete option (options never reach Mocks)."""
-
-    def __init__(self, mocks: Recorder):
-        super().__init__(mocks)
-        self.retained: dict[str, bool] = {}
-
-    def RegisterResource(self, request):  # the monitor's gRPC method
-        self.retained[request.name] = request.retainOnDelete
-        return super().RegisterResource(request)
-
-
-@dataclass
-class Run:
-    mocks: Recorder
-    monitor: RetainRecorder
-    outputs: dict = field(default_factory=dict)
-
-    def urns(self) -> list[str]:
-        return list(self.monitor.get_registered_resources())
+# pulumi_aws warns about a resource of its own we never use when its ec2 module loads.
+pytestmark = pytest.mark.filterwarnings("ignore:.*EncryptionControl has been deprecated:DeprecationWarning")
+LT = "aws:ec2/launchTemplate:LaunchTemplate"
+GROUP = "aws:autoscaling/group:Group"
+ROLE_POLICY = "aws:iam/rolePolicy:RolePolicy"
 
 
 @pytest.fixture
 def program(monkeypatch, tmp_path):
     """Run __main__.py's main() with the given stack config; returns resources, invokes and outputs."""
     isolate_aws(monkeypatch, tmp_path)  # the cost lookup finds no credentials: catalog hint, no network
+    return make_program()
 
-    def run(mocks: Recorder | None = None, **config) -> Run:
-        mocks = mocks or Recorder()
-        monitor = RetainRecorder(mocks)
-        pulumi.runtime.set_mocks(mocks, project="xeon-cluster", stack="dev", preview=False, monitor=monitor)
-        pulumi.runtime.set_all_config({f"xeon-cluster:{k}": str(v) for k, v in {**REQUIRED, **config}.items()})
-        result = Run(mocks, monitor)
 
-        @pulumi.runtime.test
-        def main():
-            exported = runpy.run_path(str(ROOT / "__main__.py"), run_name="xeon_cluster_program")["main"]()
-            return pulumi.Output.all(**exported).apply(result.outputs.update)
+def node_template(m: Recorder):
+    (found,) = [r for r in m.of(LT) if r.name.endswith("-lt")]
+    return found
 
-        main()
-        return result
 
-    return run
+def node_group(m: Recorder):
+    (found,) = [r for r in m.of(GROUP) if r.name.endswith("-nodes")]
+    return found
+
+
+def role_policy(m: Recorder, role_name: str) -> list[dict]:
+    role = m.named("aws:iam/role:Role", role_name)
+    (policy,) = [p for p in m.of(ROLE_POLICY) if p.inputs["role"] == role.id]
+    return json.loads(policy.inputs["policy"])["Statement"]
 
 
 IMAGE_BUILDER = ("aws:imagebuilder/component:Component", "aws:imagebuilder/imageRecipe:ImageRecipe",
                  "aws:imagebuilder/infrastructureConfiguration:InfrastructureConfiguration",
                  "aws:imagebuilder/image:Image", "aws:iam/role:Role", "aws:iam/instanceProfile:InstanceProfile",
                  "aws:iam/rolePolicyAttachment:RolePolicyAttachment")
+NOT_BUILD = ("-node", "-head")  # the nodes' and the head's roles and profiles are no part of the image build
 
 
 def test_security_group_admits_ssh_from_admin_only_and_the_rest_from_itself(program):
@@ -164,12 +77,10 @@ def test_world_ssh_only_when_explicitly_allowed_and_nothing_else_opens(program):
     assert [(r["fromPort"], r["toPort"], r["protocol"]) for r in open_rules] == [(22, 22, "tcp")]
 
 
-GROUP = "aws:autoscaling/group:Group"
-
 
 def test_launch_template_requires_imdsv2_and_encrypts_root_and_the_group_buys_spot(program):
     run = program(rootVolumeGib="200", maxSpotPrice="3.10")
-    lt = run.mocks.one("aws:ec2/launchTemplate:LaunchTemplate").inputs
+    lt = node_template(run.mocks).inputs
     assert lt["metadataOptions"]["httpTokens"] == "required"
     assert lt["metadataOptions"]["httpPutResponseHopLimit"] == 1
     (root,) = lt["blockDeviceMappings"]
@@ -177,7 +88,7 @@ def test_launch_template_requires_imdsv2_and_encrypts_root_and_the_group_buys_sp
     assert root["ebs"] == {"volumeSize": 200, "volumeType": "gp3", "encrypted": "true", "deleteOnTermination": "true"}
     assert "instanceMarketOptions" not in lt  # an Auto Scaling group with a mixed policy refuses it
     assert lt["instanceType"] == "r7iz.16xlarge"
-    policy = run.mocks.one(GROUP).inputs["mixedInstancesPolicy"]
+    policy = node_group(run.mocks).inputs["mixedInstancesPolicy"]
     assert policy["instancesDistribution"] == {
         "onDemandBaseCapacity": 0, "onDemandPercentageAboveBaseCapacity": 0,
         "spotAllocationStrategy": "capacity-optimized", "spotMaxPrice": "3.10"}
@@ -192,8 +103,8 @@ def test_launch_template_requires_imdsv2_and_encrypts_root_and_the_group_buys_sp
 
 def test_on_demand_has_no_spot_in_the_group(program):
     run = program(spot="false", nodeCount="3")
-    assert "instanceMarketOptions" not in run.mocks.one("aws:ec2/launchTemplate:LaunchTemplate").inputs
-    group = run.mocks.one(GROUP).inputs
+    assert "instanceMarketOptions" not in node_template(run.mocks).inputs
+    group = node_group(run.mocks).inputs
     assert group["mixedInstancesPolicy"]["instancesDistribution"] == {
         "onDemandBaseCapacity": 3, "onDemandPercentageAboveBaseCapacity": 100}
     assert group["capacityRebalance"] is False
@@ -208,11 +119,11 @@ def test_one_self_replacing_group_holds_the_nodes_in_one_zone_and_placement_grou
     group = m.one("aws:ec2/placementGroup:PlacementGroup")
     assert group.inputs["strategy"] == "cluster"
     assert not m.of("aws:ec2/instance:Instance") and not m.of("aws:ec2/fleet:Fleet")
-    lt = m.one("aws:ec2/launchTemplate:LaunchTemplate")
+    lt = node_template(m)
     (nic,) = lt.inputs["networkInterfaces"]
     assert "subnetId" not in nic  # the group's subnet list places the nodes
     assert nic["securityGroups"] == [m.one("aws:ec2/securityGroup:SecurityGroup").id]
-    asg = m.one(GROUP).inputs
+    asg = node_group(m).inputs
     assert (asg["minSize"], asg["maxSize"], asg["desiredCapacity"]) == (3, 3, 3)
     assert asg["vpcZoneIdentifiers"] == [subnet.id] and asg["placementGroup"] == group.inputs["name"] == "bert-us-east-1c"
     assert asg["healthCheckType"] == "EC2" and asg["capacityRebalance"] is True
@@ -228,18 +139,39 @@ def test_one_self_replacing_group_holds_the_nodes_in_one_zone_and_placement_grou
         "xeon-cluster:profile": ("oneccl", True)}
 
 
-def test_a_zone_move_makes_a_subnet_that_does_not_overlap_and_a_new_placement_group(program):
-    """Issue 26 item 4: the new subnet is created before the old one goes, so the two must not overlap."""
-    import ipaddress
+@pytest.mark.parametrize("old, new", [("us-east-1a", "us-east-1b"), ("us-east-1a", "us-east-1c"),
+                                      ("us-east-1b", "us-east-1d"), ("us-east-1c", "us-east-1f")])
+def test_a_zone_move_makes_a_subnet_that_does_not_overlap_and_a_new_placement_group(program, old, new):
+    """Issues 26 item 4 and 41 item 10: the new subnet is created before the old one goes, so the two must not
+    overlap, whichever two zone letters (a->c and b->d collided when the VPC was cut in halves by parity)."""
+    zones = ("us-east-1a", "us-east-1b", "us-east-1c", "us-east-1d", "us-east-1f")
 
     def net(zone):
-        m = program(availabilityZone=zone).mocks
+        m = program(Recorder(offered_zones=zones), availabilityZone=zone).mocks
         return (ipaddress.ip_network(m.one("aws:ec2/subnet:Subnet").inputs["cidrBlock"]),
                 m.one("aws:ec2/placementGroup:PlacementGroup").inputs["name"])
 
-    (a, pg_a), (b, pg_b) = net("us-east-1a"), net("us-east-1b")
+    (a, pg_a), (b, pg_b) = net(old), net(new)
     assert not a.overlaps(b) and pg_a != pg_b
     assert a.subnet_of(ipaddress.ip_network("10.42.0.0/16")) and b.subnet_of(ipaddress.ip_network("10.42.0.0/16"))
+    assert a.prefixlen == b.prefixlen == 19  # an eighth of the /16 per zone letter
+
+
+def test_a_zone_move_replaces_the_groups_old_one_first_so_one_pulumi_up_succeeds(program):
+    """Issue 41 item 10: a zone move changes the nodes' subnet and placement group. The group is replaced, deleted
+    first (its nodes drain through the hook inside it, so a run checkpoints), and Pulumi deletes the old subnet and
+    placement group only after that, when nothing is left in them; the head's group likewise."""
+    run = program()
+    nodes, head = run.monitor.options["dev-nodes"], run.monitor.options["dev-head"]
+    assert nodes.delete_before_replace and {"vpcZoneIdentifiers", "placementGroup"} <= set(nodes.replace_on_changes)
+    assert "initialLifecycleHooks" in nodes.replace_on_changes  # a changed hook is in a new group, never lost
+    assert head.delete_before_replace and "vpcZoneIdentifiers" in head.replace_on_changes
+    subnet = run.mocks.one("aws:ec2/subnet:Subnet").name
+    pg = run.mocks.one("aws:ec2/placementGroup:PlacementGroup").name
+    # the groups use the subnet (and placement group), so Pulumi deletes those after the groups' replacement
+    assert run.depends_on("dev-nodes", subnet) and run.depends_on("dev-nodes", pg) and run.depends_on("dev-head", subnet)
+    # the subnet and placement group themselves are replaced create-before-delete (a new CIDR, a new name)
+    assert not run.monitor.options[subnet].delete_before_replace and not run.monitor.options[pg].delete_before_replace
 
 
 def test_fallback_types_of_another_shape_are_refused(program):
@@ -310,7 +242,7 @@ def test_bake_mode_feeds_the_image_builder_ami_into_the_launch_template(program)
     assert not [p for p in m.of("aws:iam/rolePolicy:RolePolicy") if p.inputs["role"] == role.id]
     assert sorted(a.inputs["policyArn"] for a in m.of("aws:iam/rolePolicyAttachment:RolePolicyAttachment")) == \
         sorted(f"arn:aws:iam::aws:policy/{p}" for p in BUILD_POLICIES)
-    assert m.one("aws:ec2/launchTemplate:LaunchTemplate").inputs["imageId"] == BAKED_AMI
+    assert node_template(m).inputs["imageId"] == BAKED_AMI
     assert run.outputs["amiId"] == BAKED_AMI
     # nothing left billed: the build log expires, and the AMI (with its snapshot) leaves with the stack
     logs = m.one("aws:cloudwatch/logGroup:LogGroup").inputs
@@ -321,10 +253,12 @@ def test_bake_mode_feeds_the_image_builder_ami_into_the_launch_template(program)
 
 def test_base_mode_uses_ubuntu_from_ssm_and_builds_no_image(program):
     run = program(image="base", ubuntuVersion="22.04")
-    assert not [r for r in run.mocks.resources if r.type in IMAGE_BUILDER and not r.name.endswith("-node")]
-    (lookup,) = [c for c in run.mocks.calls if c[0] == "aws:ssm/getParameter:getParameter"]
-    assert lookup[1]["name"] == "/aws/service/canonical/ubuntu/server/22.04/stable/current/amd64/hvm/ebs-gp2/ami-id"
-    assert run.mocks.one("aws:ec2/launchTemplate:LaunchTemplate").inputs["imageId"] == BASE_AMI
+    assert not [r for r in run.mocks.resources if r.type in IMAGE_BUILDER and not r.name.endswith(NOT_BUILD)]
+    lookups = [c for c in run.mocks.calls if c[0] == "aws:ssm/getParameter:getParameter"]
+    assert len(lookups) == 2  # the nodes' AMI and the head's, both Canonical's
+    assert {c[1]["name"] for c in lookups} == {
+        "/aws/service/canonical/ubuntu/server/22.04/stable/current/amd64/hvm/ebs-gp2/ami-id"}
+    assert node_template(run.mocks).inputs["imageId"] == BASE_AMI
     assert not run.mocks.of("pulumi-python:dynamic:Resource")  # Canonical's AMI is not ours to delete
     assert run.outputs["latestBaseAmiId"] == BASE_AMI
 
@@ -343,21 +277,25 @@ def test_base_mode_pins_the_ami_it_first_resolved():
 
 def test_explicit_ami_is_used_as_is(program):
     run = program(image="ami-0123456789abcdef0")
-    assert not [r for r in run.mocks.resources if r.type in IMAGE_BUILDER and not r.name.endswith("-node")]
-    assert not [c for c in run.mocks.calls if c[0] == "aws:ssm/getParameter:getParameter"]
-    assert run.mocks.one("aws:ec2/launchTemplate:LaunchTemplate").inputs["imageId"] == "ami-0123456789abcdef0"
+    assert not [r for r in run.mocks.resources if r.type in IMAGE_BUILDER and not r.name.endswith(NOT_BUILD)]
+    # the only Ubuntu lookup is the head's: the nodes boot the operator's AMI
+    (lookup,) = [c for c in run.mocks.calls if c[0] == "aws:ssm/getParameter:getParameter"]
+    assert lookup[1]["name"].startswith("/aws/service/canonical/ubuntu/server/24.04/")
+    assert node_template(run.mocks).inputs["imageId"] == "ami-0123456789abcdef0"
 
 
 def test_components_own_their_children_and_one_provider_serves_all(program):
     run = program(nodeCount="2")
     owners = {"aws:ec2/vpc:Vpc": "Network", "aws:ec2/securityGroup:SecurityGroup": "Network",
               "aws:ec2/placementGroup:PlacementGroup": "Network", "aws:imagebuilder/image:Image": "Image",
-              "aws:iam/role:Role": "Image", "aws:ec2/launchTemplate:LaunchTemplate": "Nodes",
-              GROUP: "Nodes", "aws:ec2/keyPair:KeyPair": "Nodes",
+              "aws:iam/role:Role": "Image", LT: "Nodes", GROUP: "Nodes", "aws:ec2/keyPair:KeyPair": "Nodes",
               "aws:cloudwatch/logGroup:LogGroup": "Image"}
     for typ, component in owners.items():
-        urns = [u for u in run.urns() if (f"::{typ}::" in u or f"${typ}::" in u) and not u.endswith("::dev-node")]
+        urns = [u for u in run.urns() if (f"::{typ}::" in u or f"${typ}::" in u) and not u.endswith(("::dev-node",
+                                                                                                      "::dev-head"))]
         assert urns and all(f"xeon-cluster:infra:{component}${typ}::" in u for u in urns), (typ, urns)
+    head = [u for u in run.urns() if u.endswith("::dev-head")]
+    assert len(head) == 5 and all("xeon-cluster:infra:Head$" in u for u in head)  # role, policy, profile, LT, group
     provider = run.mocks.one("pulumi:providers:aws")
     assert provider.inputs["region"] == "us-east-1"
     assert json.loads(provider.inputs["defaultTags"]) == {"tags": {"xeon-cluster:cluster": "dev", "xeon-cluster:stack": "dev"}}
@@ -372,21 +310,24 @@ def test_nodes_have_a_termination_hook_and_a_role_scoped_to_their_own_group(prog
     hook holds a leaving node (default CONTINUE), and its role may complete that action on its own group only."""
     run = program(nodeCount="2")
     m = run.mocks
-    group = m.one(GROUP)
-    hook = m.one("aws:autoscaling/lifecycleHook:LifecycleHook").inputs
+    group = node_group(m)
+    assert not m.of("aws:autoscaling/lifecycleHook:LifecycleHook")  # in the group itself, from its creation
+    (hook,) = group.inputs["initialLifecycleHooks"]
     assert hook["lifecycleTransition"] == "autoscaling:EC2_INSTANCE_TERMINATING"
     assert hook["defaultResult"] == "CONTINUE" and hook["heartbeatTimeout"] >= 120
-    assert hook["autoscalingGroupName"] == group.inputs["name"] == "dev-nodes"
+    assert group.inputs["name"] == "dev-nodes"
     role = m.named("aws:iam/role:Role", "dev-node")
     assert json.loads(role.inputs["assumeRolePolicy"])["Statement"][0]["Principal"] == {"Service": "ec2.amazonaws.com"}
-    (policy,) = [p for p in m.of("aws:iam/rolePolicy:RolePolicy") if p.inputs["role"] == role.id]
-    statements = json.loads(policy.inputs["policy"])["Statement"]
+    statements = role_policy(m, "dev-node")
     (lifecycle,) = [s for s in statements if "autoscaling:CompleteLifecycleAction" in s["Action"]]
     assert lifecycle["Action"] == ["autoscaling:CompleteLifecycleAction"]
-    assert lifecycle["Resource"] == [f"arn:aws:mock:::{group.name}"]  # the group's own ARN
+    # the group's ARN from its name (issue 41 item 8): the policy exists before the group, which waits for it
+    assert lifecycle["Resource"] == [
+        f"arn:aws:autoscaling:us-east-1:{ACCOUNT}:autoScalingGroup:*:autoScalingGroupName/dev-nodes"]
+    assert run.depends_on("dev-nodes", "dev-node") and not run.depends_on("dev-node", "dev-nodes")
     assert all(not a.endswith("*") for s in statements for a in s["Action"])  # no wildcard action
     profile = m.named("aws:iam/instanceProfile:InstanceProfile", "dev-node")
-    template = m.one("aws:ec2/launchTemplate:LaunchTemplate").inputs
+    template = node_template(m).inputs
     assert template["iamInstanceProfile"] == {"arn": f"arn:aws:mock:::{profile.name}"}
     assert template["metadataOptions"]["httpPutResponseHopLimit"] == 1 and template["metadataOptions"]["httpTokens"] == "required"
     user_data = base64.b64decode(template["userData"]).decode()
@@ -396,7 +337,7 @@ def test_nodes_have_a_termination_hook_and_a_role_scoped_to_their_own_group(prog
 def test_nodes_publish_their_host_keys_as_tags_of_themselves_only(program):
     """Bare metal has no Latest console output: each node tags itself with its host keys at first boot."""
     run = program(nodeCount="2")
-    template = run.mocks.one("aws:ec2/launchTemplate:LaunchTemplate").inputs
+    template = node_template(run.mocks).inputs
     user_data = base64.b64decode(template["userData"]).decode()
     assert len(user_data.encode()) < 16 * 1024  # EC2's limit for user data
     cloud = yaml.safe_load(user_data)
@@ -404,25 +345,33 @@ def test_nodes_publish_their_host_keys_as_tags_of_themselves_only(program):
     assert publisher["content"] == (ROOT / "node_setup" / "publish_host_keys.py").read_text()
     assert publisher["permissions"] == "0755"
     assert cloud["runcmd"] == [["/usr/local/sbin/xc-name-node"], ["/usr/local/sbin/xc-publish-host-keys"]]
-    role = run.mocks.named("aws:iam/role:Role", "dev-node")
-    (policy,) = [p for p in run.mocks.of("aws:iam/rolePolicy:RolePolicy") if p.inputs["role"] == role.id]
-    (tagging,) = [s for s in json.loads(policy.inputs["policy"])["Statement"] if "ec2:CreateTags" in s["Action"]]
-    assert tagging["Action"] == ["ec2:CreateTags"] and tagging["Resource"] == ["arn:aws:ec2:*:*:instance/*"]
+    (tagging,) = [s for s in role_policy(run.mocks, "dev-node") if "ec2:CreateTags" in s["Action"]]
+    instances = f"arn:aws:ec2:us-east-1:{ACCOUNT}:instance"
+    assert tagging["Action"] == ["ec2:CreateTags"] and tagging["Resource"] == [f"{instances}/*"]
     assert tagging["Condition"] == {
-        "ArnEquals": {"ec2:SourceInstanceARN": "arn:aws:ec2:*:*:instance/${ec2:InstanceID}"},  # itself only
+        "ArnEquals": {"ec2:SourceInstanceARN": f"{instances}/${{ec2:InstanceID}}"},  # itself only
         "StringEquals": {"aws:ResourceTag/xeon-cluster:cluster": "dev"},
         "ForAllValues:StringLike": {"aws:TagKeys": ["xeon-cluster:host-key:*"]}}  # no other tag, no role tag
 
 
-def test_the_store_bucket_is_private_encrypted_kept_and_the_nodes_reach_only_their_prefix(program):
+STORE_PROTECTIONS = ("aws:s3/bucketServerSideEncryptionConfiguration:BucketServerSideEncryptionConfiguration",
+                     "aws:s3/bucketVersioning:BucketVersioning", "aws:s3/bucketPublicAccessBlock:BucketPublicAccessBlock",
+                     "aws:s3/bucketOwnershipControls:BucketOwnershipControls", "aws:s3/bucketPolicy:BucketPolicy",
+                     "aws:s3/bucketLifecycleConfiguration:BucketLifecycleConfiguration")
+
+
+def test_the_store_bucket_is_private_encrypted_versioned_and_kept_with_its_protections(program):
     run = program(nodeCount="2", checkpointRetentionDays="7")
     m = run.mocks
     bucket = m.one("aws:s3/bucket:Bucket")
     assert bucket.inputs["bucketPrefix"].startswith("xc-dev-") and bucket.inputs.get("forceDestroy") is not True
-    # pulumi destroy keeps the bucket (and only it): the runs' checkpoints and outputs outlive the stack
-    assert [name for name, kept in run.monitor.retained.items() if kept] == [bucket.name]
-    sse = m.one("aws:s3/bucketServerSideEncryptionConfiguration:BucketServerSideEncryptionConfiguration").inputs
+    # pulumi destroy keeps the bucket and everything that protects it (issue 41 item 2), and nothing else
+    protections = {m.one(typ).name for typ in STORE_PROTECTIONS}
+    assert {name for name, kept in run.monitor.retained.items() if kept} == {bucket.name, *protections}
+    assert all(m.one(typ).inputs["bucket"] == bucket.id for typ in STORE_PROTECTIONS)
+    sse = m.one(STORE_PROTECTIONS[0]).inputs
     assert sse["rules"][0]["applyServerSideEncryptionByDefault"]["sseAlgorithm"] == "AES256"
+    assert m.one("aws:s3/bucketVersioning:BucketVersioning").inputs["versioningConfiguration"] == {"status": "Enabled"}
     block = m.one("aws:s3/bucketPublicAccessBlock:BucketPublicAccessBlock").inputs
     assert all(block[k] is True for k in ("blockPublicAcls", "blockPublicPolicy", "ignorePublicAcls",
                                           "restrictPublicBuckets"))
@@ -430,20 +379,36 @@ def test_the_store_bucket_is_private_encrypted_kept_and_the_nodes_reach_only_the
     assert owner["rule"]["objectOwnership"] == "BucketOwnerEnforced"
     tls = json.loads(m.one("aws:s3/bucketPolicy:BucketPolicy").inputs["policy"])["Statement"][0]
     assert tls["Effect"] == "Deny" and tls["Condition"] == {"Bool": {"aws:SecureTransport": "false"}}
-    rules = {r["id"]: r for r in m.one("aws:s3/bucketLifecycleConfiguration:BucketLifecycleConfiguration").inputs["rules"]}
-    assert rules["expire-checkpoints"]["expiration"]["days"] == 7
-    assert rules["expire-checkpoints"]["filter"]["and"]["tags"] == {"xeon-cluster-kind": "checkpoint"}
+    life = m.one("aws:s3/bucketLifecycleConfiguration:BucketLifecycleConfiguration")
+    assert run.depends_on(life.name, m.one("aws:s3/bucketVersioning:BucketVersioning").name)
+    rules = {r["id"]: r for r in life.inputs["rules"]}
+    checkpoints = rules["expire-checkpoints"]
+    assert checkpoints["expiration"]["days"] == 7
+    assert checkpoints["filter"]["and"] == {"prefix": "dev/runs/", "tags": {"xeon-cluster-kind": "checkpoint"}}
+    assert checkpoints["noncurrentVersionExpiration"] == {"noncurrentDays": 1}  # a replaced checkpoint: one day
+    assert rules["expire-noncurrent-versions"]["noncurrentVersionExpiration"]["noncurrentDays"] == 30
+    assert rules["remove-expired-delete-markers"]["expiration"] == {"expiredObjectDeleteMarker": True}
     assert rules["abort-incomplete-uploads"]["abortIncompleteMultipartUpload"]["daysAfterInitiation"] == 1
+    assert all(r["status"] == "Enabled" for r in rules.values())
     assert run.outputs["storeUrl"] == f"s3://{bucket.id}/dev"
-    role = m.named("aws:iam/role:Role", "dev-node")
-    (policy,) = [p for p in m.of("aws:iam/rolePolicy:RolePolicy") if p.inputs["role"] == role.id]
-    store = [s for s in json.loads(policy.inputs["policy"])["Statement"] if any(a.startswith("s3:") for a in s["Action"])]
+
+
+def test_nodes_read_and_write_their_prefix_but_delete_only_checkpoints_and_the_probe(program):
+    """Issue 41 item 3: user code on a node must not delete a run's outputs and records, nor any version."""
+    run = program(nodeCount="2")
+    m = run.mocks
+    bucket = m.one("aws:s3/bucket:Bucket")
+    store = [s for s in role_policy(m, "dev-node") if any(a.startswith("s3:") for a in s["Action"])]
     arn = f"arn:aws:mock:::{bucket.name}"
     objects = next(s for s in store if "s3:PutObject" in s["Action"])
     assert objects["Resource"] == [f"{arn}/dev/*"]  # the cluster's prefix of its own bucket, nothing else
+    assert "s3:DeleteObject" not in objects["Action"]
+    deletes = [s for s in store if "s3:DeleteObject" in s["Action"]]
+    assert [s["Action"] for s in deletes] == [["s3:DeleteObject"]]
+    assert deletes[0]["Resource"] == [f"{arn}/dev/runs/*/checkpoints/*", f"{arn}/dev/.xc-probe/*"]
+    assert not [a for s in store for a in s["Action"] if "Version" in a or a in ("s3:*", "*")]
     listing = next(s for s in store if s["Action"] == ["s3:ListBucket"])
     assert listing["Resource"] == [arn] and listing["Condition"]["StringLike"]["s3:prefix"] == ["dev", "dev/*"]
-    assert not [a for s in store for a in s["Action"] if a in ("s3:*", "*")]
 
 
 def test_outputs_name_the_cluster_and_its_group_and_cost(program):
@@ -451,11 +416,15 @@ def test_outputs_name_the_cluster_and_its_group_and_cost(program):
     out = run.outputs
     assert (out["clusterName"], out["region"], out["nodeCount"], out["spot"]) == ("bert", "us-east-1", 2, True)
     assert out["autoScalingGroup"] == "bert-nodes" and out["sshUser"] == "ubuntu"
-    assert out["instanceTypes"] == ["c6i.16xlarge"]
-    # no AWS credentials here: the estimate falls back to the catalog's on-demand price
+    assert out["headAutoScalingGroup"] == "bert-head" and out["headSshUser"] == "ubuntu"
+    assert out["instanceTypes"] == ["c6i.16xlarge"] and out["secretsPath"] == "/xeon-cluster/bert"
+    # no AWS credentials here: the estimate falls back to the catalog's on-demand price; the head is on-demand
     extras = 2 * (100 * cost.GP3_USD_PER_GIB_MONTH / cost.HOURS_PER_MONTH + cost.PUBLIC_IPV4_USD_H)
-    assert out["hourlyCostUsd"] == pytest.approx(2 * catalog.lookup("c6i.16xlarge").on_demand_usd_h + extras, abs=1e-3)
-    assert "2 x c6i.16xlarge spot" in out["costEstimate"]
+    head = 0.0416 + 20 * cost.GP3_USD_PER_GIB_MONTH / cost.HOURS_PER_MONTH + cost.PUBLIC_IPV4_USD_H
+    assert out["hourlyCostUsd"] == pytest.approx(
+        2 * catalog.lookup("c6i.16xlarge").on_demand_usd_h + extras + head, abs=1e-3)
+    assert "2 x c6i.16xlarge spot" in out["costEstimate"] and "+ head t3.medium on-demand $0.0488/h" in \
+        out["costEstimate"]
 
 
 def test_invalid_config_fails_with_one_line_before_any_resource(program):
@@ -487,7 +456,7 @@ def test_spot_price_and_ssh_user_changes_reach_the_launch_template_so_the_nodes_
     """An instance refresh with skip_matching replaces only nodes whose template differs: spot, maxSpotPrice
     and sshUser used to change only the group's distribution or tags, so 'spot false' left the nodes on spot."""
     def template(**config):
-        lt = program(**config).mocks.one("aws:ec2/launchTemplate:LaunchTemplate").inputs
+        lt = node_template(program(**config).mocks).inputs
         return json.dumps(lt["tagSpecifications"], sort_keys=True)
 
     assert template(**change) != template()
