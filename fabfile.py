@@ -268,8 +268,13 @@ def bench(c, nodes=None, job="glue", runs=None, ppn="auto", threads="auto", back
                                      precision=precision, comm_hook=str(comm_hook), env=env_pairs(env),
                                      valueless=valueless_keys(env), timeout_s=as_int(timeout, "--timeout", 1), pin=not no_pin)
         bench_lib.parse_sizes(str(nodes))  # the flags and data before the cluster is asked anything
+        chosen_store = store_lib.choose(None, c.config, _cluster(c, cluster))  # checkpoints where fab train keeps them
+        store_run.apply(req, chosen_store, _cluster(c, cluster))
         request_lib.validate(req)
-        result = bench_lib.bench(open_cluster(_cluster(c, cluster)), str(nodes), req)
+        chosen = open_cluster(_cluster(c, cluster))
+        store_lib.check(chosen_store, chosen.spec)
+        print(chosen_store.line(), flush=True)
+        result = bench_lib.bench(chosen, str(nodes), req)
     print(bench_lib.summary_line(result))
 
 

@@ -21,7 +21,7 @@ from core.errors import ClusterError
 from training import paths
 from training import store as shared
 from training.paths import RunPaths
-from training.store import StoreError, explain, open_store
+from training.store import STORE_ENV, StoreError, explain, open_store
 
 log = logging.getLogger(__name__)
 
@@ -88,8 +88,8 @@ def choose(flag: str | None = None, config: dict | None = None, spec: str | None
 def _choose(flag: str | None, config: dict | None, spec: str) -> Choice:
     if flag:
         return Choice(_normal(flag), "--store")
-    if os.environ.get("XC_STORE"):
-        return Choice(_normal(os.environ["XC_STORE"]), "XC_STORE")
+    if os.environ.get(STORE_ENV):
+        return Choice(_normal(os.environ[STORE_ENV]), STORE_ENV)
     configured = ((config or {}).get("xc") or {}).get("store")
     if configured:
         return Choice(_normal(str(configured)), "fabric.yaml xc.store")
@@ -137,7 +137,7 @@ def rank_env(choice: Choice, spec: str | None = None) -> dict[str, str]:
     """What the ranks need: XC_STORE, the endpoint and region, and (off AWS, for an s3 store) the operator's
     credentials, which launch.secrets keeps off command lines and records by their names."""
     spec = spec or choice.spec
-    env = {"XC_STORE": choice.url}
+    env = {STORE_ENV: choice.url}
     env.update({k: os.environ[k] for k in PUBLIC_ENV if os.environ.get(k)})
     if choice.url.startswith("s3:") and not _aws_kind(spec):
         env.update(operator_credentials())
@@ -209,10 +209,9 @@ def store_runs(url: str) -> dict[str, dict]:
     return out
 
 
-def publish_records(run_dir: Path, summary: dict) -> None:
+def publish_records(run_dir: Path, url: str | None) -> None:
     """summary.json, results.json and log.txt of a run into its store; never raises (the run's end is
     recorded at home whatever the store does)."""
-    url = (summary.get("env") or {}).get("XC_STORE")
     if not url:
         return
     try:

@@ -109,7 +109,7 @@ def end(r: Run, o: Outcome, say) -> RunResult:
             r.write(Status.FAILED, o.exit_code, o.wall_s, failed_node=node, reason=reason, cleanup=swept.to_dict(),
                     lost_nodes=lost)
             hint = ""
-            url = (r.record.env or {}).get("XC_STORE")
+            url = r.record.store
             if lost and r.is_job and (outputs.home_checkpoints(r.run_dir) or (url and _store_steps(url, r.run_id))):
                 hint = f"; resume with 'fab train --resume {r.run_id}'"
             kind = NodeLost if lost else NodeFailure
@@ -138,7 +138,7 @@ def _preempted(r: Run, o: Outcome, notice: Notice) -> None:
     rank, step, cause = notice.rank, notice.step, notice.cause
     node = r.plan.rank_host(rank) if 0 <= rank < r.plan.world_size else "?"
     swept = r.sweep()
-    url = (r.record.env or {}).get("XC_STORE")
+    url = r.record.store
     if url:  # [store] the notice's checkpoint is in the store, or nowhere
         _preempted_in_store(r, o, url, node, notice, swept)
     try:

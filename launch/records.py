@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from core.errors import ClusterError, NoRecord
+from training.store import STORE_ENV
 
 log = logging.getLogger(__name__)
 
@@ -127,6 +128,11 @@ class RunRecord:
                 raise BadTransition(f"RunRecord has no field {k!r}")
             setattr(self, k, v)
         return self
+
+    @property
+    def store(self) -> str | None:
+        """The store the run's ranks used (None: a run recorded before stores)."""
+        return (self.env or {}).get(STORE_ENV)
 
     @property
     def node_names(self) -> list[str]:
@@ -276,7 +282,7 @@ def _commit(run_dir: Path, record: RunRecord) -> RunRecord:
     record._save(run_dir)
     from cluster import store  # [store] the records beside the run's checkpoints; never raises
 
-    store.publish_records(run_dir, record.to_json())
+    store.publish_records(run_dir, record.store)
     return record
 
 

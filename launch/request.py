@@ -21,6 +21,7 @@ from launch.probe import NodeFacts, master_port, probe, resolve_backend, resolve
 from training import spot
 from training.dist import COMM_HOOKS
 from training.paths import checkpoint_name
+from training.store import STORE_ENV
 
 log = logging.getLogger(__name__)
 
@@ -89,6 +90,11 @@ class TrainRequest:
     # what validate() found (the scanned --workdir), so the plan does not check again; set by validate only
     checked: tuple | None = field(default=None, repr=False, compare=False)
     concurrent: bool = False  # run even while another run holds the cluster's lock  # chosen by the caller (doctor) so it can end the run by id; default: a new one
+
+    @property
+    def store(self) -> str | None:
+        """The cluster's store the ranks get (store_run.apply puts it in their environment)."""
+        return self.env.get(STORE_ENV) or None
 
 
 def _parse_auto_int(value: str, flag: str) -> int | None:

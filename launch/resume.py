@@ -30,7 +30,7 @@ def _summary(run_id: str, run_dir: Path, runs_dir: Path, store: str | None) -> d
 
 def store_checkpoint(run_id: str, summary: dict, store: str | None) -> tuple[int, str] | None:
     """(step, URL) of the run's newest complete checkpoint in the store it used (else the one chosen now)."""
-    recorded = (summary.get("env") or {}).get("XC_STORE")
+    recorded = records.RunRecord.from_json(summary).store
     for url in dict.fromkeys(u for u in (recorded, store) if u):
         steps = store_lib.checkpoints(url, run_id)
         if steps:
@@ -58,7 +58,7 @@ def resume_request(run_id: str, runs_dir: Path, nodes: int | None = None, fetch_
     else:
         home = outputs.home_checkpoints(run_dir)
         if not home:
-            where = (summary.get("env") or {}).get("XC_STORE") or store
+            where = records.RunRecord.from_json(summary).store or store
             in_where = f"{where}/{RunPaths(run_id).store_checkpoints} nor in " if where else ""
             raise NoCheckpoint(f"--resume {run_id}: no complete checkpoint in {in_where}{run_dir}/checkpoints; start "
                                "the run anew")

@@ -156,7 +156,7 @@ def _run(cluster: Cluster, req: TrainRequest, plan: launcher.LaunchPlan, facts: 
     started = time.monotonic()
     exit_code = 1
     mirror = None
-    if r.is_job and not req.env.get("XC_STORE"):  # [store] with a store, nothing is mirrored home
+    if r.is_job and not req.store:  # [store] with a store, nothing is mirrored home
         mirror = outputs.CheckpointMirror(master.node, r.run_dir, r.remote_output, req.fetch_model)
         mirror.start()
     with (r.run_dir / "log.txt").open("w") as log_file:

@@ -8,6 +8,7 @@ from cluster import store as store_lib
 from core.errors import ClusterError
 from launch import secrets
 from launch.request import TrainRequest
+from training.store import STORE_ENV
 
 log = logging.getLogger(__name__)
 
@@ -16,7 +17,7 @@ def apply(req: TrainRequest, choice: store_lib.Choice, spec: str | None = None) 
     """The store's variables into the ranks' environment: the URL and endpoint as chosen now; credentials
     where the request has none of its own (--env wins; a resumed record's *** is filled in)."""
     for key, value in store_lib.rank_env(choice, spec).items():
-        if key == "XC_STORE" or key not in req.env or req.env[key] == secrets.MASK:
+        if key == STORE_ENV or key not in req.env or req.env[key] == secrets.MASK:
             req.env[key] = value
     for key in ("XC_S3_ENDPOINT_URL",):  # a resumed record's endpoint that no longer applies
         if key in req.env and key not in store_lib.rank_env(choice, spec):
@@ -24,7 +25,7 @@ def apply(req: TrainRequest, choice: store_lib.Choice, spec: str | None = None) 
 
 
 def has_checkpoint(req: TrainRequest, run_id: str) -> bool:
-    url = req.env.get("XC_STORE")
+    url = req.store
     if not url:
         return False
     try:
@@ -41,7 +42,7 @@ def publish_outputs(r) -> None:
     raises: the run's ending is recorded whatever the store does."""
     from training import store as training_store
 
-    url = (r.record.env or {}).get("XC_STORE")
+    url = r.record.store
     if not url:
         return
     try:

@@ -15,6 +15,7 @@ import pytest
 import yaml
 from conftest import fab
 
+from cluster import store as store_lib
 from core.errors import ClusterError
 from launch import records
 from node_setup import profiles
@@ -210,6 +211,9 @@ def test_bench_one_and_two_nodes_writes_report_and_chart_from_the_runs(cluster2,
         results = json.loads((runs_dir / run_id / "results.json").read_text())
         summary = records.load(runs_dir / run_id).to_json()
         assert results["world_size"] == row["nodes"] and summary["args"][:len(BENCH_ARGS)] == BENCH_ARGS
+        # its checkpoints and records went where fab train keeps them: the cluster's store
+        assert summary["env"]["XC_STORE"].startswith("file://"), summary["env"]
+        assert store_lib.read_summary(summary["env"]["XC_STORE"], run_id)["status"] == "ok"
         own.append(results["train"]["train_samples_per_second"])
         assert row["train_samples_per_second"] == own[-1]
         assert row["metric_value"] == results["eval"]["eval_perplexity"]

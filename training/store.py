@@ -30,8 +30,14 @@ from training.paths import COMPLETE_MARKER, KEEP_CHECKPOINTS, RunPaths, checkpoi
 log = logging.getLogger("training.store")
 
 CHUNK = 32 << 20  # multipart part size: a bert-base optimizer.pt (880 MB) goes up as ~28 parallel parts
+STORE_ENV = "XC_STORE"  # the ranks' store URL; read through store_url() on the nodes, RunRecord.store at home
 CHECKPOINT_TAG = "xeon-cluster-kind=checkpoint"  # infra/store.py expires objects with this tag
 CONCURRENCY = 16
+
+
+def store_url() -> str | None:
+    """The cluster's store as the ranks were given it; None without one."""
+    return os.environ.get(STORE_ENV) or None
 
 
 class StoreError(ValueError):
@@ -312,7 +318,7 @@ def publish_checkpoint(path: str | os.PathLike, step: int | None = None, run_id:
     """Copy a complete checkpoint folder into the store (its marker last), then drop the run's older
     checkpoints there beyond KEEP_CHECKPOINTS. Returns its URL, or None when no store is configured.
     Raises StoreError. Call it after the checkpoint's COMPLETE_MARKER is written."""
-    url = url or os.environ.get("XC_STORE")
+    url = url or store_url()
     run_id = run_id or os.environ.get("XC_RUN_ID")
     if not url or not run_id:
         return None
@@ -374,7 +380,7 @@ def fetch_resume(dest: str | os.PathLike | None = None) -> str | None:
 
 def publish_output(output_dir: str | os.PathLike, url: str | None = None, run_id: str | None = None) -> int | None:
     """The job's output_dir (not its checkpoints) into <store>/runs/<id>/output/; returns bytes, None w/o store."""
-    url = url or os.environ.get("XC_STORE")
+    url = url or store_url()
     run_id = run_id or os.environ.get("XC_RUN_ID")
     if not url or not run_id or not Path(output_dir).is_dir():
         return None
