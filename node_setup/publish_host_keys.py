@@ -104,6 +104,10 @@ def dns_suffix(base: str, token: str, region: str) -> str:
         return next((d for p, d in DNS_SUFFIX.items() if region.startswith(p)), "amazonaws.com")
 
 
+def ec2_url(region: str, domain: str) -> str:
+    return f"https://ec2.{region}.{domain}/"
+
+
 def publish(base: str, endpoint: str | None, folder: Path) -> str:
     keys = host_keys(folder)
     if not keys:
@@ -114,7 +118,7 @@ def publish(base: str, endpoint: str | None, folder: Path) -> str:
     domain = dns_suffix(base, token, region)
     role = imds(base, "/latest/meta-data/iam/security-credentials/", token).split()[0]
     creds = json.loads(imds(base, f"/latest/meta-data/iam/security-credentials/{role}", token))
-    url = endpoint or f"https://ec2.{region}.{domain}/"
+    url = endpoint or ec2_url(region, domain)
     body = create_tags_body(instance, keys)
     headers = signed_headers(url, body, region, creds, datetime.datetime.now(datetime.timezone.utc))
     req = urllib.request.Request(url, data=body.encode(), headers=headers, method="POST")

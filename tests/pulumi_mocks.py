@@ -97,24 +97,35 @@ pulumi.runtime.set_mocks(Recorder(), project="xeon-cluster", stack="dev", previe
 
 
 class OptionRecorder(pulumi.runtime.mocks.MockMonitor):
-    """The mock monitor, also keeping each resource's options by name (options never reach Mocks)."""
+    """The mock monitor, also keeping each resource's options (options never reach Mocks), by (type, name)."""
 
     def __init__(self, mocks: Recorder):
         super().__init__(mocks)
-        self.options: dict[str, Options] = {}
-        self.urn_of: dict[str, str] = {}
+        self.by_key: dict[tuple[str, str], Options] = {}
+        self.urns: dict[tuple[str, str], str] = {}
 
     def RegisterResource(self, request):  # the monitor's gRPC method
         deps = list(request.dependencies) + [u for d in request.propertyDependencies.values() for u in d.urns]
-        self.options[request.name] = Options(request.retainOnDelete, request.deleteBeforeReplace,
-                                             list(request.replaceOnChanges), deps)
+        key = (request.type, request.name)
+        self.by_key[key] = Options(request.retainOnDelete, request.deleteBeforeReplace,
+                                   list(request.replaceOnChanges), deps)
         reply = super().RegisterResource(request)
-        self.urn_of[request.name] = reply.urn
+        self.urns[key] = reply.urn
         return reply
+
+    def key(self, ref: str | tuple[str, str]) -> tuple[str, str]:
+        """A resource by (type, name), or by name alone where only one resource has it."""
+        if isinstance(ref, tuple):
+            return ref
+        (found,) = [k for k in self.by_key if k[1] == ref]
+        return found
+
+    def options(self, ref: str | tuple[str, str]) -> Options:
+        return self.by_key[self.key(ref)]
 
     @property
     def retained(self) -> dict[str, bool]:
-        return {name: o.retain_on_delete for name, o in self.options.items()}
+        return {name: o.retain_on_delete for (_, name), o in self.by_key.items()}
 
 
 @dataclass
@@ -126,9 +137,10 @@ class Run:
     def urns(self) -> list[str]:
         return list(self.monitor.get_registered_resources())
 
-    def depends_on(self, name: str, other: str) -> bool:
-        """Whether resource ``name`` waits for resource ``other`` (depends_on or an input of it)."""
-        return self.monitor.urn_of[other] in self.monitor.options[name].dependencies
+    def depends_on(self, ref: str | tuple[str, str], other: str | tuple[str, str]) -> bool:
+        """Whether resource ``ref`` waits for resource ``other`` (depends_on or an input of it); each by name
+        alone where it is unique, else by (type, name)."""
+        return self.monitor.urns[self.monitor.key(other)] in self.monitor.options(ref).dependencies
 
 
 def make_program():

@@ -162,16 +162,17 @@ def test_a_zone_move_replaces_the_groups_old_one_first_so_one_pulumi_up_succeeds
     first (its nodes drain through the hook inside it, so a run checkpoints), and Pulumi deletes the old subnet and
     placement group only after that, when nothing is left in them; the head's group likewise."""
     run = program()
-    nodes, head = run.monitor.options["dev-nodes"], run.monitor.options["dev-head"]
+    nodes, head = run.monitor.options("dev-nodes"), run.monitor.options((GROUP, "dev-head"))
     assert nodes.delete_before_replace and {"vpcZoneIdentifiers", "placementGroup"} <= set(nodes.replace_on_changes)
     assert "initialLifecycleHooks" in nodes.replace_on_changes  # a changed hook is in a new group, never lost
     assert head.delete_before_replace and "vpcZoneIdentifiers" in head.replace_on_changes
     subnet = run.mocks.one("aws:ec2/subnet:Subnet").name
     pg = run.mocks.one("aws:ec2/placementGroup:PlacementGroup").name
     # the groups use the subnet (and placement group), so Pulumi deletes those after the groups' replacement
-    assert run.depends_on("dev-nodes", subnet) and run.depends_on("dev-nodes", pg) and run.depends_on("dev-head", subnet)
+    assert run.depends_on("dev-nodes", subnet) and run.depends_on("dev-nodes", pg)
+    assert run.depends_on((GROUP, "dev-head"), subnet)
     # the subnet and placement group themselves are replaced create-before-delete (a new CIDR, a new name)
-    assert not run.monitor.options[subnet].delete_before_replace and not run.monitor.options[pg].delete_before_replace
+    assert not run.monitor.options(subnet).delete_before_replace and not run.monitor.options(pg).delete_before_replace
 
 
 def test_fallback_types_of_another_shape_are_refused(program):
@@ -324,7 +325,8 @@ def test_nodes_have_a_termination_hook_and_a_role_scoped_to_their_own_group(prog
     # the group's ARN from its name (issue 41 item 8): the policy exists before the group, which waits for it
     assert lifecycle["Resource"] == [
         f"arn:aws:autoscaling:us-east-1:{ACCOUNT}:autoScalingGroup:*:autoScalingGroupName/dev-nodes"]
-    assert run.depends_on("dev-nodes", "dev-node") and not run.depends_on("dev-node", "dev-nodes")
+    policy = (ROLE_POLICY, "dev-node")
+    assert run.depends_on("dev-nodes", policy) and not run.depends_on(policy, "dev-nodes")
     assert all(not a.endswith("*") for s in statements for a in s["Action"])  # no wildcard action
     profile = m.named("aws:iam/instanceProfile:InstanceProfile", "dev-node")
     template = node_template(m).inputs

@@ -61,6 +61,9 @@ def test_strings_from_pulumi_are_parsed_into_types():
     ({"vpcCidr": "10.0.0.0/8"}, "vpcCidr", "/16 to /24"),
     ({"sshUser": "Root User"}, "sshUser", "pulumi config set sshUser"),
     ({"buildInstanceType": "big"}, "buildInstanceType", "c6i.2xlarge"),
+    # each zone letter has an eighth of the VPC: a /24 gives /27s (27 usable addresses), too few for 64 nodes
+    ({"vpcCidr": "10.42.0.0/24", "nodeCount": "64"}, "vpcCidr", "needs up to 130"),
+    ({"headInstanceType": "t2.nano"}, "headInstanceType", "pulumi config set headInstanceType t3.medium"),
 ])
 def test_each_invalid_value_fails_with_one_line_naming_key_and_fix(config, key, fix):
     with pytest.raises(ClusterError) as err:
@@ -69,6 +72,13 @@ def test_each_invalid_value_fails_with_one_line_naming_key_and_fix(config, key, 
     assert "\n" not in message
     assert message.startswith(key), message
     assert fix in message, message
+
+
+def test_a_small_vpc_still_fits_a_small_cluster_in_each_zone_slice():
+    assert settings(vpcCidr="10.42.0.0/24", nodeCount="12").node_count == 12  # 27 usable >= 2 * 12 + 2
+    with pytest.raises(ClusterError, match=r"vpcCidr 10.42.0.0/24 gives each zone a /27 subnet \(27 usable "
+                                           r"addresses\) but nodeCount 13 needs up to 28"):
+        settings(vpcCidr="10.42.0.0/24", nodeCount="13")
 
 
 def test_python_rule_does_not_apply_to_an_explicit_ami():

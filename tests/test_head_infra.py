@@ -1,0 +1,163 @@
+"""The head in the Pulumi program (issue 40 item 1), under Pulumi's mocks: a small on-demand instance in a group
+of one, IMDSv2, encrypted, its own instance profile and least-privilege role, in the cluster's security group with
+no world-open ingress, in the cost estimate, and the partition-aware ARNs (issue 41 item 11) of every policy."""
+from __future__ import annotations
+
+import base64
+import json
+
+import pulumi
+import pytest
+import yaml
+from moto_fixture import isolate_aws
+from pulumi_mocks import ACCOUNT, BASE_AMI, Recorder, make_program
+
+from core.constants import TAG_ROLE
+from infra import cost
+
+pytestmark = pytest.mark.filterwarnings("ignore:.*EncryptionControl has been deprecated:DeprecationWarning")
+LT = "aws:ec2/launchTemplate:LaunchTemplate"
+GROUP = "aws:autoscaling/group:Group"
+
+
+@pytest.fixture
+def program(monkeypatch, tmp_path):
+    isolate_aws(monkeypatch, tmp_path)  # the cost lookup finds no credentials: catalog hint, no network
+    return make_program()
+
+
+def statements(m: Recorder, role: str) -> list[dict]:
+    role_id = m.named("aws:iam/role:Role", role).id
+    (policy,) = [p for p in m.of("aws:iam/rolePolicy:RolePolicy") if p.inputs["role"] == role_id]
+    return json.loads(policy.inputs["policy"])["Statement"]
+
+
+def test_the_head_is_a_small_on_demand_instance_with_imdsv2_an_encrypted_root_and_its_own_profile(program):
+    run = program(nodeCount="2")  # spot nodes: the head stays on-demand all the same
+    m = run.mocks
+    template = m.named(LT, "dev-head").inputs
+    assert template["instanceType"] == "t3.medium" and cost.HEAD_USD_H["t3.medium"] < 0.1
+    assert template["metadataOptions"] == {"httpEndpoint": "enabled", "httpTokens": "required",
+                                           "httpPutResponseHopLimit": 1}
+    (root,) = template["blockDeviceMappings"]
+    assert root == {"deviceName": "/dev/sda1", "ebs": {"volumeSize": 20, "volumeType": "gp3", "encrypted": "true",
+                                                       "deleteOnTermination": "true"}}
+    assert "instanceMarketOptions" not in template  # never spot
+    assert template["creditSpecification"] == {"cpuCredits": "standard"}
+    assert template["imageId"] == BASE_AMI  # stock Ubuntu, not the nodes' baked AMI
+    profile = m.named("aws:iam/instanceProfile:InstanceProfile", "dev-head")
+    assert template["iamInstanceProfile"] == {"arn": f"arn:aws:mock:::{profile.name}"}
+    assert profile.inputs["role"] == "dev-head" and profile.name != "dev-node"  # its own role, not the nodes'
+    assert template["keyName"] == "dev-key"
+    (nic,) = template["networkInterfaces"]
+    assert nic["securityGroups"] == [m.one("aws:ec2/securityGroup:SecurityGroup").id]
+    # replaced when it dies: a group of one, on-demand (a plain launch template, no mixed-instances policy)
+    group = m.named(GROUP, "dev-head").inputs
+    assert (group["minSize"], group["maxSize"], group["desiredCapacity"]) == (1, 1, 1)
+    assert group["name"] == "dev-head" and group["healthCheckType"] == "EC2"
+    assert "mixedInstancesPolicy" not in group and "placementGroup" not in group
+    assert group["launchTemplate"] == {"id": m.named(LT, "dev-head").id, "version": "3"}
+    assert group["vpcZoneIdentifiers"] == [m.one("aws:ec2/subnet:Subnet").id]
+    # its rights are in place before it boots
+    assert run.depends_on((GROUP, "dev-head"), ("aws:iam/rolePolicy:RolePolicy", "dev-head"))
+    tags = {t["key"]: t["value"] for t in group["tags"]}
+    assert tags["Name"] == "dev-head" and tags["xeon-cluster:cluster"] == "dev" and TAG_ROLE not in tags
+    assert all(t["propagateAtLaunch"] for t in group["tags"])
+    assert run.outputs["headAutoScalingGroup"] == "dev-head"
+    # every resource of the head says so in its name
+    head = [r for r in m.resources if r.name.startswith("dev-head")]
+    assert {r.type for r in head} >= {LT, GROUP, "aws:iam/role:Role", "aws:iam/rolePolicy:RolePolicy",
+                                      "aws:iam/instanceProfile:InstanceProfile"}
+
+
+def test_the_head_takes_no_ingress_but_ssh_from_the_admin_cidr(program):
+    run = program(adminCidr="198.51.100.0/28")
+    ingress = run.mocks.one("aws:ec2/securityGroup:SecurityGroup").inputs["ingress"]
+    from_outside = [r for r in ingress if r.get("cidrBlocks") or r.get("ipv6CidrBlocks")]
+    assert from_outside == [{"description": "SSH from the operator", "protocol": "tcp", "fromPort": 22, "toPort": 22,
+                             "cidrBlocks": ["198.51.100.0/28"]}]
+    assert all(r.get("self") is True for r in ingress if r not in from_outside)  # the rest: members only
+    assert not [r for r in ingress if "0.0.0.0/0" in r.get("cidrBlocks", []) or "::/0" in r.get("ipv6CidrBlocks", [])]
+
+
+def test_the_heads_role_does_only_what_the_supervisor_needs(program):
+    m = program().mocks
+    found = {s["Sid"]: s for s in statements(m, "dev-head")}
+    assert set(found) == {"DescribeCluster", "ReadClusterHostKeys", "CompleteClusterGroupsLifecycleAction",
+                          "HeadStoreObjects", "HeadStoreDelete", "HeadStoreList", "ReadRunSecrets",
+                          "PublishOwnHostKeys"}
+    assert found["DescribeCluster"]["Action"] == ["ec2:DescribeInstances", "autoscaling:DescribeAutoScalingGroups"]
+    assert found["CompleteClusterGroupsLifecycleAction"]["Resource"] == [
+        f"arn:aws:autoscaling:us-east-1:{ACCOUNT}:autoScalingGroup:*:autoScalingGroupName/dev-nodes"]
+    assert found["ReadClusterHostKeys"]["Condition"] == {
+        "StringEquals": {"aws:ResourceTag/xeon-cluster:cluster": "dev"}}
+    bucket = f"arn:aws:mock:::{m.one('aws:s3/bucket:Bucket').name}"
+    assert found["HeadStoreObjects"]["Resource"] == found["HeadStoreDelete"]["Resource"] == [f"{bucket}/dev/*"]
+    assert found["HeadStoreList"]["Condition"] == {"StringLike": {"s3:prefix": ["dev", "dev/*"]}}
+    secrets = found["ReadRunSecrets"]
+    assert secrets["Action"] == ["ssm:GetParameter", "ssm:GetParameters", "ssm:GetParametersByPath"]
+    assert secrets["Resource"] == [f"arn:aws:ssm:us-east-1:{ACCOUNT}:parameter/xeon-cluster/dev",
+                                   f"arn:aws:ssm:us-east-1:{ACCOUNT}:parameter/xeon-cluster/dev/*"]
+    actions = [a for s in found.values() for a in s["Action"]]
+    assert not [a for a in actions if "*" in a or "Version" in a or a.startswith(("iam:", "ssm:Put", "ssm:Delete"))]
+    assert all(s["Resource"] != "*" for sid, s in found.items() if sid != "DescribeCluster")
+
+
+def test_the_heads_user_data_says_where_the_group_store_and_secrets_are(program):
+    run = program(clusterName="bert")
+    m = run.mocks
+    cloud = yaml.safe_load(base64.b64decode(m.named(LT, "bert-head").inputs["userData"]).decode())
+    env = next(f["content"] for f in cloud["write_files"] if f["path"] == "/etc/xeon-cluster/cluster.env")
+    bucket = m.one("aws:s3/bucket:Bucket").id
+    for line in ("XC_ROLE=head", "XC_ASG_NAME=bert-nodes", "XC_LIFECYCLE_HOOK=xc-checkpoint",
+                 f"XC_STORE=s3://{bucket}/bert", "XC_SECRETS_PATH=/xeon-cluster/bert", "XC_HEAD_GROUP=bert-head"):
+        assert line in env.splitlines()
+    namer = next(f["content"] for f in cloud["write_files"] if f["path"] == "/usr/local/sbin/xc-name-node")
+    assert 'name="bert-head"' in namer
+    assert cloud["packages"] == ["python3-venv"]
+
+
+def test_head_instance_type_is_config_and_an_unknown_one_is_refused_in_one_line(program):
+    run = program(headInstanceType="m7i.large")
+    template = run.mocks.named(LT, "dev-head").inputs
+    assert template["instanceType"] == "m7i.large" and "creditSpecification" not in template  # not burstable
+    assert "head m7i.large on-demand" in run.outputs["costEstimate"]
+    with pytest.raises(pulumi.RunError) as err:
+        program(headInstanceType="p5.48xlarge")
+    assert str(err.value).startswith("headInstanceType 'p5.48xlarge' is not a head type this project knows the price")
+    assert "pulumi config set headInstanceType t3.medium" in str(err.value) and "\n" not in str(err.value)
+
+
+def test_the_cost_estimate_adds_the_head_on_demand():
+    without = cost.estimate("c6i.16xlarge", 2, availability_zone="us-east-1a", spot=False)
+    with_head = cost.estimate("c6i.16xlarge", 2, availability_zone="us-east-1a", spot=False,
+                              head_instance_type="t3.medium")
+    assert with_head.total_usd_h - without.total_usd_h == pytest.approx(cost.head_usd_h("t3.medium"), abs=1e-4)
+    assert cost.head_usd_h("t3.medium") == pytest.approx(0.0416 + 20 * 0.08 / 730 + 0.005, abs=1e-4)
+    assert "head" not in without.summary() and with_head.to_dict()["head_instance_type"] == "t3.medium"
+
+
+def test_china_regions_get_aws_cn_arns_and_principals_everywhere(program):
+    """Issue 41 item 11: no policy or trust the program writes names the 'aws' partition in aws-cn."""
+    run = program(Recorder(offered_zones=("cn-north-1a",), partition="aws-cn"), region="cn-north-1")
+    m = run.mocks
+    documents = [p.inputs["policy"] for p in m.of("aws:iam/rolePolicy:RolePolicy")]
+    documents += [r.inputs["assumeRolePolicy"] for r in m.of("aws:iam/role:Role")]
+    documents += [p.inputs["policy"] for p in m.of("aws:s3/bucketPolicy:BucketPolicy")]
+    assert len(documents) == 6  # node and head policies; node, head and build trusts; the bucket policy
+    arns = [a for d in documents for a in _strings(json.loads(d)) if a.startswith("arn:")]
+    assert arns and all(a.startswith("arn:aws-cn:") for a in arns), arns
+    trusts = [json.loads(r.inputs["assumeRolePolicy"])["Statement"][0]["Principal"] for r in m.of("aws:iam/role:Role")]
+    assert trusts == [{"Service": "ec2.amazonaws.com.cn"}] * 3
+    attached = [a.inputs["policyArn"] for a in m.of("aws:iam/rolePolicyAttachment:RolePolicyAttachment")]
+    assert attached and all(a.startswith("arn:aws-cn:iam::aws:policy/") for a in attached)
+
+
+def _strings(value) -> list[str]:
+    if isinstance(value, str):
+        return [value]
+    if isinstance(value, dict):
+        return [s for v in value.values() for s in _strings(v)]
+    if isinstance(value, list):
+        return [s for v in value for s in _strings(v)]
+    return []
