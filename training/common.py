@@ -309,47 +309,21 @@ def run_header(job: str, info, args, model: str, **fields) -> dict:
 
 def train_and_record(trainer, results: dict, train_ds, info) -> None:
     """trainer.train() with its metrics and wall time under results['train'], checkpoints every
-    --save_every, resumed from XC_RESUME_FROM, and the job's end on a spot notice (exit 75)."""
+    --save_every, resumed from XC_RESUME_FROM, and the job's end on a notice (training.preempt: exit 75)."""
     if train_ds is None:
         return
-    from training import dist, publish, spot, store
+    from training import dist, preempt, spot
 
-    store.fetch_resume()  # XC_RESUME_URL: the checkpoint from the cluster's store onto this node
     dist.ready_for_ddp(trainer)
-    resume = spot.resume_from()
+    resume = preempt.resume_checkpoint(trainer)
     if resume:
-        spot.check_resume_fits(trainer.model, resume)
         results["resumed_from_step"] = spot.checkpoint_step(resume)
-    watcher = spot.NoticeWatcher()
-    watcher.start()
-    callback = spot.spot_callback(watcher)
-    trainer.add_callback(callback)
-    publisher = publish.publisher_callback()  # after spot's: its on_save marks the checkpoint complete first
-    if publisher is not None:
-        trainer.add_callback(publisher)
+    preempt.attach(trainer)  # the same as the rank hook gives users' Trainer scripts (it finds this one attached)
     train_start = time.monotonic()
     out = trainer.train(resume_from_checkpoint=resume)
-    watcher.stop()
+    preempt.end_if_noticed(trainer)  # on a notice: the notice line (rank 0) and exit 75; else the uploads finish
     results["train"] = dict(out.metrics, samples=len(train_ds), wall_s=time.monotonic() - train_start)
     results["ddp"] = dist.ddp_stats(trainer)
-    if callback.preempted_by is not None:
-        import sys
-
-        import torch
-
-        if publisher is not None and not publisher.wait(publish.ON_NOTICE_S):  # durable before the ranks exit
-            log.error("the notice's checkpoint is not in the store after %ss", publish.ON_NOTICE_S)
-        if publisher is not None and torch.distributed.is_initialized():
-            torch.distributed.barrier()  # a rank that exits first makes mpirun kill rank 0 mid-upload
-        if info.is_main:
-            print(f"{spot.PREEMPTED_TAG} rank={callback.preempted_by} step={callback.step} "
-                  f"checkpoint=checkpoint-{callback.step} cause={callback.cause.replace(' ', '_')}", flush=True)
-        spot.release_node(watcher, info.rank, info.local_rank, durable=publisher is not None)
-        if torch.distributed.is_initialized():
-            torch.distributed.destroy_process_group()
-        sys.exit(spot.PREEMPTED_EXIT)
-    if publisher is not None:
-        publisher.wait()
     from training import mfu
 
     mfu.record(results, trainer, bool(trainer.args.bf16))

@@ -20,6 +20,9 @@ from training import store
 log = logging.getLogger("training.store")
 DURABLE_TAG = "[store]"  # rank 0's line once a checkpoint counts in the store
 ON_NOTICE_S = 100  # a spot notice leaves ~120 s: the checkpoint must be durable well before the node goes
+# A group termination is held by the lifecycle hook for its heartbeat (300 s, infra/nodes.py TERMINATION_HEARTBEAT_S),
+# counted from before the notice was seen: less the poll, the step, the save and the ranks' exit.
+ON_GROUP_S = 270
 
 
 def _snapshot(folder: Path) -> Path:
@@ -45,8 +48,9 @@ class Publisher(threading.Thread):
         super().__init__(name="store-publisher", daemon=True)
         self.url, self.run_id = url, run_id
         self.todo: queue.Queue = queue.Queue()
-        self.durable: list[int] = []
+        self.durable: list[int] = []  # steps whose upload finished, marker last
         self.failed: list[str] = []
+        self.failed_steps: list[int] = []
 
     def submit(self, folder: Path, step: int) -> None:
         self.todo.put((_snapshot(folder), step, time.monotonic()))
@@ -67,10 +71,15 @@ class Publisher(threading.Thread):
                       flush=True)
             except store.StoreError as exc:
                 self.failed.append(str(exc))
+                self.failed_steps.append(step)
                 print(f"{DURABLE_TAG} error: checkpoint step {step} did not reach the store: {exc}", flush=True)
             finally:
                 shutil.rmtree(snap, ignore_errors=True)
                 self.todo.task_done()
+
+    def confirmed(self, step: int) -> bool:
+        """checkpoint-<step> reached the store whole (its marker last) and no upload of it failed."""
+        return step in self.durable and step not in self.failed_steps
 
     def wait(self, timeout: float | None = None) -> bool:
         """Until every checkpoint submitted so far is in the store (or failed); False on timeout."""
@@ -85,7 +94,7 @@ class Publisher(threading.Thread):
 def publisher_callback():
     """A TrainerCallback that sends each complete checkpoint to XC_STORE from rank 0; None without a store.
     Add it after training.spot's callback, which writes the marker in the same on_save."""
-    url, run_id = os.environ.get("XC_STORE"), os.environ.get("XC_RUN_ID")
+    url, run_id = store.store_url(), os.environ.get("XC_RUN_ID")
     if not url or not run_id:
         return None
     from transformers import TrainerCallback

@@ -6,7 +6,8 @@ Contract with the operator (fab train), through the ranks' environment:
 - XC_RESUME_FROM: a checkpoint folder to resume from (HF Trainer's resume_from_checkpoint); your
   own --script can read it too.
 A checkpoint counts only once COMPLETE_MARKER is written in it, after the Trainer finished saving.
-On a notice the job saves one, prints PREEMPTED_TAG on rank 0 and every rank exits PREEMPTED_EXIT.
+On a notice the job saves one, rank 0 prints training.notice's Notice line and every rank exits notice.EXIT (75):
+training.preempt does that for the bundled jobs and, through the rank hook, for users' Trainer scripts.
 """
 from __future__ import annotations
 
@@ -20,6 +21,9 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+from training import notice as _notice
+from training.paths import COMPLETE_MARKER
+
 log = logging.getLogger("training.spot")
 
 DEFAULT_IMDS = "http://169.254.169.254"
@@ -31,15 +35,14 @@ LIFECYCLE_PATH = "/latest/meta-data/autoscaling/target-lifecycle-state"
 # An early warning (raised spot interruption risk): checkpoint now, train on.
 REBALANCE_PATH = "/latest/meta-data/events/recommendations/rebalance"
 INSTANCE_ID_PATH = "/latest/meta-data/instance-id"
-SPOT_CAUSE, GROUP_CAUSE = "spot interruption", "group termination"
+SPOT_CAUSE, GROUP_CAUSE = _notice.SPOT, _notice.GROUP
 CLUSTER_ENV = "/etc/xeon-cluster/cluster.env"  # written by the nodes' cloud-init: group and hook names
 TOKEN_TTL_S = 21600
 POLL_S = 5.0  # AWS's advice for instance-action; XC_NOTICE_POLL_S in the ranks' environment changes it
 POLL_ENV = "XC_NOTICE_POLL_S"
-COMPLETE_MARKER = "xc-complete"
-PREEMPTED_TAG = "[preempted]"
+PREEMPTED_TAG = _notice.TAG  # aliases: training.notice owns the line and the code
 REBALANCE_TAG = "[rebalance]"
-PREEMPTED_EXIT = 75  # EX_TEMPFAIL: try again later
+PREEMPTED_EXIT = _notice.EXIT
 DEFAULT_SAVE_EVERY = "600s"
 
 

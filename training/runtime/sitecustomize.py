@@ -8,15 +8,48 @@ for _stream in (sys.stdout, sys.stderr):
     except (AttributeError, ValueError):
         pass
 
+import os as _os
+
+# Hooks run after a module is first imported, by a meta-path finder: a process that never imports it pays nothing.
+_after_import = {}  # module name -> [function(module)]
+
+
+def _on_import(name, function):
+    _after_import.setdefault(name, []).append(function)
+
+
+if _os.environ.get("XC_RANK_REPORT"):
+    import importlib.abc as _abc
+    import importlib.util as _util
+
+    class _Watch(_abc.MetaPathFinder):
+        def find_spec(self, name, path=None, target=None):
+            hooks = _after_import.pop(name, None)
+            if not hooks:
+                return None
+            spec = _util.find_spec(name)  # the finders after this one (this name is no longer watched)
+            if spec is None or spec.loader is None:
+                return spec
+            run = spec.loader.exec_module
+
+            def exec_module(module):
+                run(module)
+                for hook in hooks:
+                    try:
+                        hook(module)
+                    except Exception as exc:  # noqa: BLE001 - a hook of ours never fails the rank's import
+                        print(f"warning: xeon-cluster's rank hook on {name}: {exc}", file=sys.stderr, flush=True)
+
+            spec.loader.exec_module = exec_module
+            return spec
+
+    sys.meta_path.insert(0, _Watch())
+
 # Whether the ranks formed one job: the largest torch.distributed group this rank joined goes to
 # XC_RANK_REPORT at exit, so fab can tell a run whose ranks each trained alone from a real one (a script
 # may destroy its group before exiting, so the size is caught when the group is made).
-import os as _os
-
 if _os.environ.get("XC_RANK_REPORT") and int(_os.environ.get("WORLD_SIZE", "1") or 1) > 1:
     import atexit as _atexit
-    import importlib.abc as _abc
-    import importlib.util as _util
     import json as _json
 
     _joined = {"world": 0}
@@ -30,26 +63,12 @@ if _os.environ.get("XC_RANK_REPORT") and int(_os.environ.get("WORLD_SIZE", "1") 
                 _joined["world"] = max(_joined["world"], module.get_world_size())
             except Exception:  # noqa: BLE001, S110 - a report, never the rank's failure
                 pass
+            _group_made(module)
             return out
 
         module.init_process_group = init_process_group
 
-    class _Watch(_abc.MetaPathFinder):
-        def find_spec(self, name, path=None, target=None):
-            if name != "torch.distributed.distributed_c10d":
-                return None
-            sys.meta_path.remove(self)
-            spec = _util.find_spec(name)
-            run = spec.loader.exec_module
-
-            def exec_module(module):
-                run(module)
-                _patch(module)
-
-            spec.loader.exec_module = exec_module
-            return spec
-
-    sys.meta_path.insert(0, _Watch())
+    _on_import("torch.distributed.distributed_c10d", _patch)
 
     def _report():
         if "torch" not in sys.modules:  # no training in this process (a helper, a plain script): nothing to say
@@ -72,3 +91,50 @@ if _os.environ.get("XC_RANK_REPORT") and int(_os.environ.get("WORLD_SIZE", "1") 
             pass
 
     _atexit.register(_report)
+
+
+# Spot notices for users' own scripts (docs/scripts.md, "Spot notices in your own script"): XC_SPOT_HOOK=0 turns
+# them off. Every transformers.Trainer gets training.preempt's behaviour; a script that makes a torch.distributed
+# group gets training.contract's notice file; a resumed run's checkpoint is on the node before the script starts.
+_spot = bool(_os.environ.get("XC_RANK_REPORT") and _os.environ.get("XC_RUN_ID")) and _os.environ.get("XC_SPOT_HOOK") != "0"
+
+
+def _group_made(dist):
+    if not _spot or getattr(_group_made, "agent", None) is not None:
+        return
+    from training import contract
+
+    _group_made.agent = contract.start(sys.modules.get("torch.distributed") or dist)
+
+
+if _spot:  # training.contract's variables, set here with no import: scripts may read them first thing
+    _run = _os.path.dirname(_os.path.dirname(_os.environ["XC_RANK_REPORT"]))
+    _os.environ.setdefault("XC_NOTICE_FILE", _os.path.join(_run, "notice", f"rank-{_os.environ.get('RANK') or '0'}.json"))
+    _os.environ.setdefault("XC_CHECKPOINT_DIR", _os.environ.get("XC_OUTPUT_DIR") or _os.path.join(_run, "output"))
+    if _os.environ.get("XC_RESUME_URL"):
+        try:
+            from training import store as _store
+
+            _store.fetch_resume()
+        except Exception as _exc:  # noqa: BLE001 - a resume that cannot fetch its checkpoint must not start anew
+            print(f"error: {_exc}", file=sys.stderr, flush=True)
+            _os._exit(2)
+
+    def _patch_trainer(module):
+        from training import preempt
+
+        preempt.patch(module.Trainer)
+
+    _on_import("transformers.trainer", _patch_trainer)
+    if int(_os.environ.get("WORLD_SIZE", "1") or 1) <= 1:  # one rank: the report's hook on the group is not there
+        _on_import("torch.distributed.distributed_c10d", lambda m: _wrap_single(m))
+
+    def _wrap_single(module):
+        original = module.init_process_group
+
+        def init_process_group(*args, **kwargs):
+            out = original(*args, **kwargs)
+            _group_made(module)
+            return out
+
+        module.init_process_group = init_process_group
