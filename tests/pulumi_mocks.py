@@ -54,6 +54,8 @@ class Recorder(pulumi.runtime.Mocks):
             outputs["latestVersion"] = 3
         elif args.typ == "aws:ec2/keyPair:KeyPair":
             outputs["keyName"] = args.name
+        elif args.typ == "aws:s3/bucket:Bucket":  # a real S3 ARN: the policies built from it get linted
+            outputs["arn"] = f"arn:{self.partition}:s3:::{args.name}-id"
         outputs.setdefault("name", args.name)
         outputs.setdefault("arn", f"arn:{self.partition}:mock:::{args.name}")
         self.resources.append(Res(args.typ, args.name, args.inputs, f"{args.name}-id", args.provider))

@@ -91,7 +91,7 @@ def test_the_heads_role_does_only_what_the_supervisor_needs(program):
         f"arn:aws:autoscaling:us-east-1:{ACCOUNT}:autoScalingGroup:*:autoScalingGroupName/dev-nodes"]
     assert found["ReadClusterHostKeys"]["Condition"] == {
         "StringEquals": {"aws:ResourceTag/xeon-cluster:cluster": "dev"}}
-    bucket = f"arn:aws:mock:::{m.one('aws:s3/bucket:Bucket').name}"
+    bucket = f"arn:aws:s3:::{m.one('aws:s3/bucket:Bucket').id}"
     assert found["HeadStoreObjects"]["Resource"] == found["HeadStoreDelete"]["Resource"] == [f"{bucket}/dev/*"]
     assert found["HeadStoreList"]["Condition"] == {"StringLike": {"s3:prefix": ["dev", "dev/*"]}}
     secrets = found["ReadRunSecrets"]

@@ -401,7 +401,7 @@ def test_nodes_read_and_write_their_prefix_but_delete_only_checkpoints_and_the_p
     m = run.mocks
     bucket = m.one("aws:s3/bucket:Bucket")
     store = [s for s in role_policy(m, "dev-node") if any(a.startswith("s3:") for a in s["Action"])]
-    arn = f"arn:aws:mock:::{bucket.name}"
+    arn = f"arn:aws:s3:::{bucket.id}"
     objects = next(s for s in store if "s3:PutObject" in s["Action"])
     assert objects["Resource"] == [f"{arn}/dev/*"]  # the cluster's prefix of its own bucket, nothing else
     assert "s3:DeleteObject" not in objects["Action"]

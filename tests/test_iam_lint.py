@@ -1,0 +1,103 @@
+"""Every IAM policy the Pulumi program writes, and docs/iam-policy.json, linted with parliament (issue 41): it knows
+each action's resource types and condition keys, which neither moto nor Pulumi's mocks enforce.
+
+The program runs under Pulumi's mocks in each partition (aws, aws-cn, aws-us-gov); its node and head policies, the
+three EC2 trust policies and the store's bucket policy are linted as rendered. Findings this project accepts are in
+ACCEPTED, each with its reason; any other finding fails, and so does an accepted one that no longer occurs (the
+list stays true). What only a real account can confirm is in docs/ops.md ("What only a real account confirms").
+"""
+from __future__ import annotations
+
+import importlib.resources
+import json
+import sys
+import types
+from pathlib import Path
+
+import pytest
+from moto_fixture import isolate_aws
+from pulumi_mocks import Recorder, make_program
+
+ROOT = Path(__file__).resolve().parent.parent
+pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
+
+try:  # parliament 1.6.4 reads its data files through pkg_resources, which setuptools >= 81 no longer ships
+    import pkg_resources  # noqa: F401
+except ImportError:
+    shim = types.ModuleType("pkg_resources")
+    shim.resource_filename = lambda package, name: str(importlib.resources.files(package) / name)
+    sys.modules["pkg_resources"] = shim
+parliament = pytest.importorskip("parliament", reason="parliament (pyproject's dev extra) lints the IAM policies")
+
+# (policy kind, parliament issue) -> why it stands
+ACCEPTED = {
+    ("node", "UNKNOWN_CONDITION_FOR_ACTION"):
+        "ec2:SourceInstanceARN on ec2:CreateTags: EC2 sets this key on every request made with an instance role's "
+        "credentials (AWS's managed AWSEC2VssSnapshotPolicy uses it); parliament's table lists it only for some "
+        "actions. It is what limits a node to tagging itself; a real account confirms it (docs/ops.md)",
+    ("head", "UNKNOWN_CONDITION_FOR_ACTION"): "the head's own host-key statement, the same as the nodes'",
+    ("trust", "MALFORMED"):
+        "a role's trust policy names a Principal and has no Resource by design; parliament reads every document "
+        "as an identity policy. The rest of the trust policy is checked in tests/test_infra_program.py",
+    ("fab", "RESOURCE_STAR"):
+        "fab sweep deletes what a destroyed or broken stack left (found by the cluster tag or name), whose ids are "
+        "not known when the policy is written; Describe/List calls take no resource at all",
+    ("fab", "PERMISSIONS_MANAGEMENT_ACTIONS"):
+        "fab sweep deletes the cluster's leftover roles and instance profiles, which are IAM writes by nature; "
+        "it creates, attaches or passes none",
+}
+
+
+def lint(document: str) -> list[tuple[str, str]]:
+    policy = parliament.analyze_policy_string(document, include_community_auditors=True)
+    return [(f.issue, json.dumps(f.detail, default=str)[:300]) for f in policy.findings]
+
+
+@pytest.fixture(scope="module")
+def documents(tmp_path_factory):
+    """kind -> every rendered policy of that kind, from the program in each partition, plus fab's own."""
+    monkeypatch = pytest.MonkeyPatch()
+    isolate_aws(monkeypatch, tmp_path_factory.mktemp("aws"))
+    run = make_program()
+    found: dict[str, list[str]] = {"fab": [(ROOT / "docs" / "iam-policy.json").read_text()]}
+    for partition, region in (("aws", "us-east-1"), ("aws-cn", "cn-north-1"), ("aws-us-gov", "us-gov-west-1")):
+        m = run(Recorder(offered_zones=(f"{region}a",), partition=partition), region=region).mocks
+        for res in m.of("aws:iam/rolePolicy:RolePolicy"):
+            found.setdefault(res.name.rpartition("-")[2], []).append(res.inputs["policy"])
+        found.setdefault("trust", []).extend(r.inputs["assumeRolePolicy"] for r in m.of("aws:iam/role:Role"))
+        found.setdefault("bucket", []).extend(p.inputs["policy"] for p in m.of("aws:s3/bucketPolicy:BucketPolicy"))
+        if partition != "aws":  # fab's policy is written for 'aws'; the others substitute their partition
+            found["fab"].append(found["fab"][0].replace('"arn:aws:', f'"arn:{partition}:'))
+    monkeypatch.undo()
+    return found
+
+
+def test_every_rendered_policy_and_fabs_own_lint_clean_but_for_the_accepted_findings(documents):
+    assert {k: len(v) for k, v in documents.items()} == {"fab": 3, "node": 3, "head": 3, "trust": 9, "bucket": 3}
+    seen, unexpected = set(), []
+    for kind, docs in documents.items():
+        for doc in docs:
+            for issue, detail in lint(doc):
+                if (kind, issue) in ACCEPTED:
+                    seen.add((kind, issue))
+                else:
+                    unexpected.append((kind, issue, detail))
+    assert not unexpected, unexpected
+    assert seen == set(ACCEPTED), f"accepted but no longer found (remove them): {set(ACCEPTED) - seen}"
+
+
+def test_the_linter_catches_what_a_careless_policy_change_would_bring():
+    """parliament is really consulted: a node policy that deletes any version anywhere, a misspelled action and
+    an action pointed at another service's resource are each found."""
+    def doc(statement: dict) -> str:
+        return json.dumps({"Version": "2012-10-17", "Statement": [{"Effect": "Allow", **statement}]})
+
+    issues = {i for i, _ in lint(doc({"Action": ["s3:DeleteObjectVersion"], "Resource": "*"}))}
+    assert "RESOURCE_STAR" in issues
+    assert "UNKNOWN_ACTION" in {i for i, _ in lint(doc({"Action": ["s3:DeleteObjekt"],
+                                                       "Resource": "arn:aws:s3:::xc-dev/dev/*"}))}
+    assert "RESOURCE_MISMATCH" in {i for i, _ in lint(doc({"Action": ["ssm:GetParameter"],
+                                                          "Resource": "arn:aws:s3:::xc-dev/dev/*"}))}
+    assert "UNKNOWN_CONDITION_FOR_ACTION" in {i for i, _ in lint(doc({
+        "Action": ["s3:GetObject"], "Resource": "arn:aws:s3:::xc-dev/dev/*",
+        "Condition": {"StringEquals": {"ec2:InstanceType": "t3.medium"}}}))}
