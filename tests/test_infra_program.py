@@ -217,6 +217,10 @@ def test_quota_and_rolling_lines_name_the_figures():
         "the nodes need 256 spot vCPUs of quota L-34B43A08 in us-east-1;")
     assert checks.rolling_line(("image",), 4, 50).startswith(
         "changing any of image rolls the nodes (instance refresh: 2 of 4 at a time, never more than 4 running)")
+    # a run on rolled nodes checkpoints at the termination hook (issue 41 item 11: the line said it fails)
+    assert checks.rolling_line(("image",), 4, 50).endswith(
+        "a run in progress on them checkpoints at the termination hook and ends preempted: 'fab train --resume "
+        "RUN_ID' (or --max-restarts) continues it")
 
 
 def test_bake_mode_feeds_the_image_builder_ami_into_the_launch_template(program):
