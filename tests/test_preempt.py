@@ -181,3 +181,57 @@ def test_the_rank_hook_is_lazy_and_patches_every_trainer(tmp_path):
     off = subprocess.run([sys.executable, "-c", HOOK_CHECK], env={**env, "XC_SPOT_HOOK": "0"}, capture_output=True,
                          text=True, check=True, timeout=120).stdout.splitlines()[-1]
     assert json.loads(off)["patched"] is False
+
+
+TINY_SCRIPT = '''
+import sys, time
+import torch
+from transformers import BertConfig, BertForSequenceClassification, Trainer, TrainerCallback, TrainingArguments
+
+class Slow(TrainerCallback):  # the user's own: a step takes a while, as on a real model
+    def on_step_end(self, args, state, control, **kw):
+        time.sleep(0.2)
+
+torch.manual_seed(0)
+model = BertForSequenceClassification(BertConfig(vocab_size=64, hidden_size=16, num_hidden_layers=1,
+                                                 num_attention_heads=2, intermediate_size=32, num_labels=2))
+rows = [{"input_ids": torch.randint(1, 64, (12,)), "labels": i % 2} for i in range(64)]
+args = TrainingArguments(output_dir=sys.argv[1], use_cpu=True, report_to="none", save_strategy="no",
+                         per_device_train_batch_size=2, max_steps=12, logging_steps=1, disable_tqdm=True)
+trainer = Trainer(model=model, args=args, train_dataset=rows, callbacks=[Slow()])
+trainer.train()
+trainer.save_state()
+print("done", flush=True)
+'''
+
+
+def test_an_unchanged_trainer_script_stops_on_a_notice_and_resumes_through_the_hook(tmp_path):
+    """At the rank's level (one process, the hook on its path as fab puts it): exit 75 with the notice line and a
+    durable checkpoint in the store; then XC_RESUME_URL alone makes the same unchanged script continue the step count."""
+    script = tmp_path / "train.py"
+    script.write_text(TINY_SCRIPT)
+    imds = FakeIMDS()
+    store_url = (tmp_path / "store").as_uri()
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("XC_", "RANK", "WORLD_SIZE", "LOCAL_"))}
+    env.update(PYTHONPATH=f"{ROOT / 'training' / 'runtime'}:{ROOT}", XC_RUN_ID="r1", XC_STORE=store_url,
+               XC_RANK_REPORT=str(tmp_path / "run" / "ranks" / "{rank}.json"), XC_IMDS_ENDPOINT=imds.url,
+               XC_NOTICE_POLL_S="0.1", XC_SAVE_EVERY="0")
+    try:
+        imds.interrupt()  # the notice is there from the start: the ranks agree at an early step boundary
+        first = subprocess.run([sys.executable, str(script), str(tmp_path / "out")], env=env, capture_output=True,
+                               text=True, timeout=300, check=False)
+    finally:
+        imds.close()
+    assert first.returncode == notice.EXIT, first.stdout[-2000:] + first.stderr[-3000:]
+    said = notice.Notice.parse(first.stdout.splitlines())
+    assert said and said.cause == notice.SPOT and said.durable and 1 <= said.step < 12, first.stdout[-2000:]
+    assert "done" not in first.stdout
+    assert shared.complete_checkpoints(shared.open_store(store_url), "r1") == [said.step]
+    resume_url = f"{store_url}/{shared.checkpoint_prefix('r1', said.step)}"
+    second = subprocess.run([sys.executable, str(script), str(tmp_path / "out2")], env={**env, "XC_RESUME_URL": resume_url},
+                            capture_output=True, text=True, timeout=300, check=False)
+    assert second.returncode == 0 and "done" in second.stdout, second.stderr[-3000:]
+    state = json.loads((tmp_path / "out2" / "trainer_state.json").read_text())
+    assert state["global_step"] == 12 and [e["step"] for e in state["log_history"] if "loss" in e] == list(range(1, 13))
+    trained = [ln for ln in second.stdout.splitlines() if ln.startswith("{'loss'")]  # this run's own log lines
+    assert len(trained) == 12 - said.step, second.stdout[-2000:]  # it continued from the checkpoint, not from 0

@@ -102,9 +102,13 @@ _spot = bool(_os.environ.get("XC_RANK_REPORT") and _os.environ.get("XC_RUN_ID"))
 def _group_made(dist):
     if not _spot or getattr(_group_made, "agent", None) is not None:
         return
-    from training import contract
+    try:  # a project of the user's own named `training` (first on a --workdir run's path) shadows ours
+        from training import contract
 
-    _group_made.agent = contract.start(sys.modules.get("torch.distributed") or dist)
+        _group_made.agent = contract.start(sys.modules.get("torch.distributed") or dist)
+    except Exception as exc:  # noqa: BLE001 - a hook of ours never fails the script's init_process_group
+        _group_made.agent = False
+        print(f"warning: xeon-cluster's spot notice file is off: {exc}", file=sys.stderr, flush=True)
 
 
 if _spot:  # training.contract's variables, set here with no import: scripts may read them first thing
