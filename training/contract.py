@@ -107,8 +107,12 @@ class Agent(threading.Thread):
         """The script is ending: after a notice, rank 0 says whether its newest checkpoint is durable and the others
         wait for that before they exit (mpirun would end rank 0 mid-upload); the node goes only once it is safe."""
         self._halt.set()
+        if self.is_alive():
+            self.join(self.watcher.interval + 5)  # no thread of ours inside the key-value store at interpreter exit
+        if _trainer_owns_it():
+            return
         self.poll()
-        if self.notice is None or _trainer_owns_it():
+        if self.notice is None:
             return
         ok = False
         if self.rank == 0:
