@@ -93,3 +93,24 @@ def ensure_verified_code(conn, home: str, digest: str, tarball: bytes) -> str:
             raise ClusterError(f"{conn.host}: code in {dest} hashes to {found} after shipping, not {digest}; "
                                "check the node's disk and that python3 runs there")
     return dest
+
+
+def standalone(tail: str, modules: tuple[str, ...] = ("paths", "notice", "store", "spot")) -> str:
+    """A Python program for a node that has python but not the shipped code (a probe before setup, a check
+    between runs): the named training/ modules travel inside it as text and import as `training.<name>`;
+    `tail` runs after them and imports what it needs."""
+    sources = {f"training.{m}": (PROJECT_ROOT / "training" / f"{m}.py").read_text() for m in modules}
+    return ("import importlib.abc as _abc, importlib.util as _util, sys as _sys, types as _types\n"
+            f"_SOURCES = {sources!r}\n"
+            "class _Shipped(_abc.MetaPathFinder, _abc.Loader):\n"
+            "    def find_spec(self, name, path=None, target=None):\n"
+            "        if name == 'training':\n"
+            "            return _util.spec_from_loader(name, self, is_package=True)\n"
+            "        return _util.spec_from_loader(name, self) if name in _SOURCES else None\n"
+            "    def create_module(self, spec):\n"
+            "        return None\n"
+            "    def exec_module(self, module):\n"
+            "        if module.__name__ in _SOURCES:\n"
+            "            exec(compile(_SOURCES[module.__name__], module.__name__, 'exec'), module.__dict__)\n"
+            "_sys.meta_path.insert(0, _Shipped())\n"
+            + tail)

@@ -8,14 +8,13 @@ import io
 import shlex
 import time
 import uuid
-from pathlib import Path
 
+from cluster import shipping
 from cluster import store as store_lib
 from cluster.node import Node
 from cluster.remote import connect, fan_out, remote_home, run
 from core.errors import ClusterError
 from core.report import CLUSTER, Row
-from training import store as shared
 from training.store import S3Store, StoreError, explain, open_store
 
 TAG = "xc-store-probe"
@@ -47,14 +46,17 @@ def node_probe(url: str) -> float:
 
 
 def program(url: str, env: dict[str, str]) -> str:
-    """training/store.py itself, then the probe: the node needs only python and boto3, not the shipped code."""
-    return (Path(shared.__file__).read_text() + f"\n\nPROBE_PREFIX = {PROBE_PREFIX!r}\n\n\n"
-            + inspect.getsource(node_probe) + "\n\nimport os as _os\n"
-            f"_os.environ.update({env!r})\n"
-            "try:\n"
-            f"    print({TAG!r}, 'ok', round(node_probe({url!r}), 3))\n"
-            "except StoreError as _exc:\n"
-            f"    print({TAG!r}, 'error', _exc)\n")
+    """training/store.py (and what it imports) inside the program, then the probe: the node needs only python and
+    boto3, not the shipped code."""
+    return shipping.standalone(
+        "import time, uuid\nfrom training.store import S3Store, StoreError, explain, open_store\n"
+        f"PROBE_PREFIX = {PROBE_PREFIX!r}\n\n\n"
+        + inspect.getsource(node_probe) + "\n\nimport os as _os\n"
+        f"_os.environ.update({env!r})\n"
+        "try:\n"
+        f"    print({TAG!r}, 'ok', round(node_probe({url!r}), 3))\n"
+        "except StoreError as _exc:\n"
+        f"    print({TAG!r}, 'error', _exc)\n")
 
 
 def probe_node(node: Node, url: str, env: dict[str, str]) -> tuple[bool, str]:

@@ -9,9 +9,9 @@ import dataclasses
 import shlex
 import sys
 import time
-from pathlib import Path
 from typing import TextIO
 
+from cluster import shipping
 from cluster.node import Node
 from cluster.remote import connect, fan_out, run
 from cluster.resolve import Cluster, open_cluster
@@ -28,6 +28,7 @@ POLL_S = 5.0
 # The node asks its own metadata service with the ranks' watcher code (stdlib only, sent as text).
 _CHECK = """
 import sys
+from training.spot import NoticeWatcher
 try:
     print("notice" if NoticeWatcher(sys.argv[1], timeout=1.0).check() else "none")
 except (OSError, ConnectionError):
@@ -48,9 +49,8 @@ def why_restart(exc: ClusterError) -> str | None:
 
 def node_ready(node: Node, endpoint: str) -> str:
     """'ok', or why the node cannot take a run: a pending spot notice means it is about to go."""
-    source = Path(spot.__file__).read_text()
     command = (f"{shlex.quote(node.python)} - {shlex.quote(endpoint)} <<'XC_SPOT_CHECK'\n"
-               f"{source}\n{_CHECK}\nXC_SPOT_CHECK")
+               f"{shipping.standalone(_CHECK)}\nXC_SPOT_CHECK")
     with connect(node) as conn:
         res = run(conn, command, timeout=30)
     if res.ok and res.stdout.strip().endswith("notice"):
