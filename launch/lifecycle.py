@@ -87,8 +87,10 @@ def end(r: Run, o: Outcome, say) -> RunResult:
         r.write(Status.INTERRUPTED, 130, o.wall_s, cleanup=swept.to_dict())
         raise Interrupted(f"run {r.run_id} interrupted after {o.wall_s:.0f}s: {swept.claim()} "
                           f"(log: {r.run_dir / 'log.txt'})")
-    notice = Notice.parse(o.lines) if o.exit_code == notice_lib.EXIT else None
-    if notice is not None:  # exit 75 and rank 0's notice: both, or it is not a preemption
+    # Every rank exits 75 after rank 0's notice, but mpirun passes 75 on only when each node's ranks end before
+    # Hydra tears that node down: a node torn down first gives 255. So: the notice, and a run that did not end 0.
+    notice = Notice.parse(o.lines) if o.exit_code != 0 else None
+    if notice is not None:
         _preempted(r, o, notice)
     extra: dict = {}
     if o.exit_code != 0:
