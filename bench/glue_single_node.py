@@ -16,6 +16,7 @@ what padding alone can give (padded tokens / real tokens) and the CPU model and 
 ceiling: the MFU of the model's own matmuls alone at the default's shapes (what the step would reach
 if nothing else took time). Last line:
     mfu=<default's MFU> ratio=<default vs seeds samples/s> acc_delta=<default minus seeds eval accuracy>
+    (gpt2: then loss_delta=<|step-1 loss of the default minus the previous path|>, exit 1 above 1e-3)
 Writes bench/results/glue_single_node.json (-<shape> and -<isa> added to the name for --model-shape and
 --onednn-max-isa). Every figure line carries the machine's load (uptime): the machine may be shared.
 Accuracy means something only on minilm (real weights); the other shapes time the step.
@@ -113,6 +114,13 @@ def matmul_peak(dtype_name: str, rows: int = 2048, d: int = 384, ffn: int = 1536
     return max(matmul_flops(dt, rows, d, ffn, 1.0) for _ in range(windows))
 
 
+def model_peak(dtype_name: str, shape) -> float:
+    """The peak MFU divides by: the FFN's matmul, and for a causal LM the best of it and the head's (width x
+    vocabulary, a third of GPT-2's FLOPs), which runs faster on wide outputs: the higher peak, the lower MFU."""
+    peak = matmul_peak(dtype_name, d=shape.width, ffn=shape.ffn)
+    return max(peak, matmul_peak(dtype_name, d=shape.width, ffn=shape.head_vocab)) if shape.head_vocab else peak
+
+
 def matmul_ceiling(dtype_name: str, batch: int, tokens: int, seconds: float = 1.0, windows: int = 3,
                    shape: str = "minilm") -> float:
     """FLOP/s of one encoder layer's own matmuls, forward and backward, at the job's shapes (batch x tokens
@@ -171,13 +179,36 @@ def shape_args(shape: str, model_dir: Path | None, out: Path) -> list[str]:
         return ["--model_name_or_path", str(model_dir), "--max_eval_samples", "64"]
     if shape == "gpt2":
         return ["--config_overrides", model_shapes.gpt2_overrides(), "--block_size", str(model_shapes.GPT2_BLOCK),
-                "--eval_strategy", "no", "--data_cache_dir", str(out / "clm-cache"), "--save_strategy", "no"]
+                "--eval_strategy", "no", "--data_cache_dir", str(out / "clm-cache"), "--save_strategy", "no",
+                "--logging_steps", "1"]  # the step-1 loss, for the check against the previous path
     return []
 
 
-# gpt2 runs the clm job; its seeds' recipe is fp32 with the unfused AdamW of their transformers
-CLM_CONFIGS = {"seeds": (["--optim", "adamw_torch"], "fp32"), "default": ([], "auto")}
-CLM_LEVERS = {"fp32": ([], "fp32"), "bf16": ([], "bf16"), "eager": (["--attn_implementation", "eager"], "auto")}
+# gpt2 runs the clm job. "previous" is its path before the levers of training/levers.py (causal_lm): sdpa with
+# GPT-2's attention dropout (torch's unfused math attention), the full fp32 logits and transformers' loss,
+# torch's dropout, gelu_new. The seeds' recipe is that path in fp32 with the unfused AdamW of their transformers.
+# The check: one step of each path with every dropout at 0 (else the two draw different masks: 1.3e-3 apart in
+# one run), the same seed, batch and precision, step-1 losses within LOSS_TOLERANCE.
+PREVIOUS_CLM = ["--attention_dropout", "0.1", "--chunked_loss", "False", "--fast_dropout", "False",
+                "--fused_gelu", "False"]
+CLM_CONFIGS = {"seeds": ([*PREVIOUS_CLM, "--optim", "adamw_torch"], "fp32"), "default": ([], "auto")}
+CLM_LEVERS = {"fp32": ([], "fp32"), "bf16": ([], "bf16"), "eager": (["--attn_implementation", "eager"], "auto"),
+              "full-logits": (["--chunked_loss", "False"], "auto"),
+              "attention-dropout": (["--attention_dropout", "0.1"], "auto"),
+              "torch-dropout": (["--fast_dropout", "False"], "auto"), "gelu-new": (["--fused_gelu", "False"], "auto"),
+              "previous": (PREVIOUS_CLM, "auto")}
+NO_DROPOUT = ["--attention_dropout", "0.0", "--config_overrides",
+              model_shapes.gpt2_overrides() + ",resid_pdrop=0.0,embd_pdrop=0.0,attn_pdrop=0.0"]
+LOSS_TOLERANCE = 1e-3
+
+
+def step1_loss(out: Path) -> float | None:
+    """The loss the Trainer logged at step 1 (the gpt2 runs log every step), from trainer_state.json."""
+    state = out / "trainer_state.json"
+    if not state.is_file():
+        return None
+    return next((e["loss"] for e in json.loads(state.read_text())["log_history"] if e.get("step") == 1
+                 and "loss" in e), None)
 
 
 def run(name: str, extra: list[str], precision: str, samples: int, batch: int, out: Path, epochs: int = 1,
@@ -200,7 +231,8 @@ def run(name: str, extra: list[str], precision: str, samples: int, batch: int, o
             "eval_accuracy": ev.get("eval_accuracy"), "eval_f1": ev.get("eval_f1"),
             "train_s": results["train"]["train_runtime"], "precision": results["precision"],
             "padding": results.get("padding", f"block/{results.get('block_size')}"), "threads": results["threads"],
-            "command": " ".join(args[1:]), "job_mfu": (results.get("mfu") or {}).get("mfu"), "load": load_line()}
+            "command": " ".join(args[1:]), "job_mfu": (results.get("mfu") or {}).get("mfu"), "load": load_line(),
+            "step1_loss": step1_loss(out / name)}
 
 
 def main() -> None:
@@ -233,7 +265,7 @@ def main() -> None:
 
     has_bf16 = bool({"amx_bf16", "avx512_bf16"} & cpu_flags())
     wanted = ("bf16", "fp32") if has_bf16 or "bf16" in a.levers.split(",") else ("fp32",)
-    before = {p: matmul_peak(p, d=shape.width, ffn=shape.ffn) for p in wanted}
+    before = {p: model_peak(p, shape) for p in wanted}
     ceiling_before = {p: matmul_ceiling(p, a.batch, tokens, shape=a.model_shape) for p in wanted}
     print(f"matmul peak before the runs ({load_line()}): "
           + ", ".join(f"{p} {v / 1e9:.0f} GFLOP/s" for p, v in before.items()), flush=True)
@@ -266,7 +298,7 @@ def main() -> None:
         r["eval_accuracy_per_run"] = [x for x, _ in accs[name]]
     per_token = model_flops_per_token(real / a.samples, a.model_shape)
     # measured before the runs and after them, the best of both: a peak measured in a slow minute would flatter MFU
-    peaks = {p: max(before.get(p, 0.0), matmul_peak(p, d=shape.width, ffn=shape.ffn))
+    peaks = {p: max(before.get(p, 0.0), model_peak(p, shape))
              for p in sorted({r["precision"] for r in rows.values()})}
     default_row = rows.get("default", rows["seeds"])
     ceiling = max(ceiling_before.get(default_row["precision"], 0.0),
@@ -317,7 +349,24 @@ def main() -> None:
     print(f"written to {out / name}")
     default = default_row
     acc_delta = (default.get("eval_accuracy") or 0.0) - (rows["seeds"].get("eval_accuracy") or 0.0)
-    print(f"mfu={default['mfu']:.3f} ratio={default['ratio_vs_seeds']:.2f} acc_delta={acc_delta:.3f}")
+    check = ""
+    if a.model_shape == "gpt2":
+        with tempfile.TemporaryDirectory() as tmp:
+            new, old = (run(cfg, extra + NO_DROPOUT, "auto", a.batch, a.batch, Path(tmp), 1, seeds[0], "gpt2")
+                        ["step1_loss"] for cfg, extra in (("check-default", []), ("check-previous", PREVIOUS_CLM)))
+        delta = abs(new - old) if new is not None and old is not None else float("inf")
+        print(f"step-1 loss, one step each without dropout (seed {seeds[0]}, batch {a.batch}, precision auto): "
+              f"default {new}, previous path {old}, |delta| {delta:.5f}: "
+              f"{'within' if delta <= LOSS_TOLERANCE else 'NOT within'} {LOSS_TOLERANCE}")
+        if "previous" in rows:
+            print(f"with dropout (different masks): default {default_row['step1_loss']}, previous "
+                  f"{rows['previous']['step1_loss']}")
+        check = f" loss_delta={delta:.5f}"
+        result["loss_check"] = {"default": new, "previous": old, "delta": delta, "tolerance": LOSS_TOLERANCE}
+        (out / name).write_text(json.dumps(result, indent=2))
+    print(f"mfu={default['mfu']:.3f} ratio={default['ratio_vs_seeds']:.2f} acc_delta={acc_delta:.3f}{check}")
+    if check and delta > LOSS_TOLERANCE:
+        raise SystemExit(1)
 
 
 if __name__ == "__main__":

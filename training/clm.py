@@ -24,7 +24,7 @@ import sys
 import time
 from pathlib import Path
 
-from training import common, dist
+from training import common, dist, levers
 from training.clm_data import TINY, DataArguments, ModelArguments, TokenBlocks, prepared_folder
 
 log = logging.getLogger("training.clm")
@@ -64,6 +64,7 @@ def main(argv: list[str] | None = None) -> int:
     started = time.monotonic()
 
     from transformers import (
+        AutoConfig,
         AutoModelForCausalLM,
         AutoTokenizer,
         GPT2Config,
@@ -89,7 +90,10 @@ def main(argv: list[str] | None = None) -> int:
 
     if model_args.model_name_or_path:
         model_path = common.resolve_model(model_args.model_name_or_path)
-        model = AutoModelForCausalLM.from_pretrained(model_path, cache_dir=model_args.cache_dir)
+        config = AutoConfig.from_pretrained(model_path, cache_dir=model_args.cache_dir)
+        levers.causal_lm_config(config, model_args)
+        model = AutoModelForCausalLM.from_pretrained(model_path, config=config, cache_dir=model_args.cache_dir,
+                                                     attn_implementation=model_args.attn_implementation)
         if model.get_input_embeddings().num_embeddings < meta["vocab_size"]:
             model.resize_token_embeddings(meta["vocab_size"])
         block_size = data_args.block_size or min(1024, getattr(model.config, "n_positions", 1024))
@@ -98,7 +102,8 @@ def main(argv: list[str] | None = None) -> int:
         config = GPT2Config(vocab_size=meta["vocab_size"], n_positions=max(block_size, 128),
                             bos_token_id=meta["eos_token_id"], eos_token_id=meta["eos_token_id"])
         config.update_from_string(model_args.config_overrides or TINY)
-        model = AutoModelForCausalLM.from_config(config)
+        levers.causal_lm_config(config, model_args)
+        model = AutoModelForCausalLM.from_config(config, attn_implementation=model_args.attn_implementation)
     if block_size > getattr(model.config, "n_positions", block_size):
         raise ValueError(f"--block_size {block_size} is longer than the model's {model.config.n_positions} "
                          "positions; lower it")
@@ -116,6 +121,7 @@ def main(argv: list[str] | None = None) -> int:
             math.ceil(args.num_train_epochs * math.ceil(len(train_ds) / per_step))
         args.eval_steps = max(1, steps // 4)  # four evaluations along the way, plus step 0 and the end
 
+    speed = levers.causal_lm(model, model_args)
     model, optimizers = common.ipex_optimizers(model, args, info)
     history: list[dict] = []
     trainer = Trainer(model=model, args=args, train_dataset=train_ds, eval_dataset=eval_ds,
@@ -128,7 +134,8 @@ def main(argv: list[str] | None = None) -> int:
         "clm", info, args, model_args.model_name_or_path or f"gpt2-tiny({model_args.config_overrides or TINY})",
         dataset=data_args.dataset_name, train_file=data_args.train_file, validation_file=data_args.validation_file,
         data_fingerprint=folder.name, tokens=meta["tokens"], vocab_size=meta["vocab_size"],
-        tokenizer=meta["tokenizer"], block_size=block_size, parameters=n_params, prepared=str(folder), comm_hook=hook)
+        tokenizer=meta["tokenizer"], block_size=block_size, parameters=n_params, prepared=str(folder), comm_hook=hook,
+        **speed)
     if eval_ds is not None:
         trainer.evaluate()  # step 0: the loss to beat
     common.train_and_record(trainer, results, train_ds, info)

@@ -49,8 +49,9 @@ def eager_attention(module, query, key, value, attention_mask, scaling=None, dro
     return torch.matmul(weights, value).transpose(1, 2).contiguous(), weights
 
 
-def install(model) -> int:
-    """Swap every nn.Dropout for FastDropout, and eager attention for ATTENTION. Returns how many were swapped."""
+def install(model, attention: bool = True) -> int:
+    """Swap every nn.Dropout for FastDropout, and (attention) BERT's eager attention for ATTENTION. Returns how
+    many dropout modules were swapped."""
     from transformers import AttentionInterface
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 
@@ -60,7 +61,7 @@ def install(model) -> int:
             if type(child) is torch.nn.Dropout:
                 setattr(parent, name, FastDropout(child.p))
                 swapped += 1
-    if getattr(model.config, "_attn_implementation", None) == "eager":
+    if attention and getattr(model.config, "_attn_implementation", None) == "eager":
         AttentionInterface.register(ATTENTION, eager_attention)
         # without a mask function of its own, transformers builds no padding mask for a custom attention
         AttentionMaskInterface.register(ATTENTION, ALL_MASK_ATTENTION_FUNCTIONS["eager"])

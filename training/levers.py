@@ -1,5 +1,6 @@
-"""Speed levers the bundled encoder jobs share (glue, qa): cheap dropout and frozen word embeddings, as
-flags of their ModelArguments, and applying them to a loaded model."""
+"""Speed levers the bundled jobs share: for the encoders (glue, qa) cheap dropout and frozen word embeddings,
+as flags of their ModelArguments, and applying them to a loaded model; for the causal LM (clm) fused attention,
+one-kernel GELU, cheap dropout and the chunked head and loss (causal_lm_config, causal_lm)."""
 from __future__ import annotations
 
 import logging
@@ -42,3 +43,26 @@ def resumes_trained_embeddings(model) -> bool:
         return False
     log.warning("%s trained the word embeddings: the resumed run trains them too (--freeze_embeddings False)", resume)
     return True
+
+
+def causal_lm_config(config, args) -> None:
+    """Before the model is built: attention dropout as --attention_dropout says (0 lets torch's fused CPU
+    attention run: its flash kernel has no dropout, so sdpa falls back to materialising every score matrix in
+    fp32), and GPT-2's gelu_new as torch's fused tanh GELU (the same function, one kernel instead of six)."""
+    if args.attention_dropout is not None and hasattr(config, "attn_pdrop"):
+        config.attn_pdrop = args.attention_dropout
+    if args.fused_gelu and getattr(config, "activation_function", None) == "gelu_new":
+        config.activation_function = "gelu_pytorch_tanh"
+
+
+def causal_lm(model, args) -> dict:
+    """After: fast dropout and the chunked head and loss (training/lmloss.py). Returns what was applied, for
+    results.json (fast_dropout: how many dropout modules were swapped)."""
+    from training import fastdrop, lmloss
+
+    # GPT-2's eager attention scales and masks its own way: its probabilities keep torch's dropout
+    swapped = fastdrop.install(model, attention=False) if args.fast_dropout else 0
+    return {"fast_dropout": swapped, "chunked_loss": bool(args.chunked_loss and lmloss.install(model)),
+            "attn_implementation": model.config._attn_implementation,
+            "attention_dropout": getattr(model.config, "attn_pdrop", None),
+            "activation": getattr(model.config, "activation_function", None)}
