@@ -63,7 +63,7 @@ def local_up(c, nodes="2", port=str(local_lib.DEFAULT_PORT), netns=False, link=N
     if netns:
         started = netns_lib.up(count, port=port, link=link, latency=latency)
     elif link or latency:
-        raise ClusterError("--link and --latency shape the links of a network twin; add --netns (root only) or "
+        raise ClusterError("--link and --latency shape the links of a network twin", fix="add --netns (root only) or "
                            "leave them out")
     else:
         started = local_lib.up(count, port=port)
@@ -227,11 +227,11 @@ def doctor(c, profile=None, nodes=None, cluster=None, quick=False, full=False, m
            env=None, store=None):
     """Check the nodes: CPU, AMX, memory, disk, versions, SSH, port, clock, all-reduce; red rows say the fix."""
     if quick and full:
-        raise ClusterError("--quick and --full exclude each other; pass one of them")
+        raise ClusterError("--quick and --full exclude each other", fix="pass one of them")
     count = as_int(nodes, "--nodes", 1) if nodes is not None else None
     port = as_int(master_port, "--master-port", 1024, 65535) if master_port else DEFAULT_MASTER_PORT
     if backend not in request_lib.BACKENDS:
-        raise ClusterError(f"--backend {backend!r} is not one of {', '.join(request_lib.BACKENDS)}; pass one of them")
+        raise ClusterError(f"--backend {backend!r} is not one of {', '.join(request_lib.BACKENDS)}", fix="pass one of them")
     extra_env = env_pairs(env)
     p = profiles_lib.load_profile(profile) if profile is not None else None  # the flags before the nodes
     cl = open_cluster(_cluster(c, cluster), require_running=False)  # a stopped node is a row, not an abort
@@ -257,13 +257,13 @@ def bench(c, nodes=None, job="glue", runs=None, ppn="auto", threads="auto", back
           comm_hook=request_lib.DEFAULT_COMM_HOOK, env=None, timeout="300", no_pin=False, cluster=None):
     """The same job with identical flags at each size; writes runs/bench-<id>/ (report.md, scaling.png)."""
     if runs and nodes:
-        raise ClusterError("--runs and --nodes exclude each other; pass --runs to report on finished runs or "
+        raise ClusterError("--runs and --nodes exclude each other", fix="pass --runs to report on finished runs or "
                            "--nodes to run anew")
     if runs:
         result = bench_lib.report_from_runs(runs, request_lib.RUNS)
     else:
         if not nodes:
-            raise ClusterError("--nodes is missing; give the sizes to compare, e.g. --nodes 1,2,4")
+            raise ClusterError("--nodes is missing", fix="give the sizes to compare, e.g. --nodes 1,2,4")
         req = request_lib.TrainRequest(job=job, args=job_args(), ppn=str(ppn), threads=str(threads), backend=backend,
                                      precision=precision, comm_hook=str(comm_hook), env=env_pairs(env),
                                      valueless=valueless_keys(env), timeout_s=as_int(timeout, "--timeout", 1), pin=not no_pin)

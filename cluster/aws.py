@@ -49,7 +49,7 @@ def aws_nodes(cluster: str = "", region: str | None = None, client=None, group: 
                                               {"Name": "tag-key", "Values": [TAG_ROLE]}]), name, group)
         if not instances:
             raise ClusterError(f"no running instances of cluster {name!r} (Auto Scaling group {group}) in "
-                               f"{client.meta.region_name}; run 'pulumi up' (or check AWS_REGION and the cluster name)")
+                               f"{client.meta.region_name}", fix="run 'pulumi up' (or check AWS_REGION and the cluster name)")
         ordered = order_nodes(client, instances, name)
     nodes = [_aws_node(inst, position, name) for position, inst in enumerate(ordered)]
     with aws_errors():
@@ -127,9 +127,9 @@ def _only_cluster(client) -> str:
     if len(names) == 1:
         return names.pop()
     if not names:
-        raise ClusterError(f"no running xeon-cluster instances in {client.meta.region_name}; run 'pulumi up' "
+        raise ClusterError(f"no running xeon-cluster instances in {client.meta.region_name}", fix="run 'pulumi up' "
                            "(or check AWS_REGION)")
-    raise ClusterError(f"{len(names)} clusters are running ({', '.join(sorted(names))}); pick one with "
+    raise ClusterError(f"{len(names)} clusters are running ({', '.join(sorted(names))})", fix="pick one with "
                        "--cluster aws:NAME or XC_AWS_CLUSTER=NAME")
 
 
@@ -150,9 +150,9 @@ def pulumi_nodes(stack: str = "") -> list[Node]:
     outputs = stack_outputs(stack)
     where = f"stack {stack!r}" if stack else "the selected stack"
     if not outputs:
-        raise ClusterError(f"{where} has no outputs; run 'pulumi up' first")
+        raise ClusterError(f"{where} has no outputs", fix="run 'pulumi up' first")
     if not outputs.get("clusterName"):
-        raise ClusterError(f"{where} has no 'clusterName' output (made by an older version); run 'pulumi up' to "
+        raise ClusterError(f"{where} has no 'clusterName' output (made by an older version)", fix="run 'pulumi up' to "
                            "refresh its outputs")
     return aws_nodes(outputs["clusterName"], region=outputs.get("region") or None,
                      group=outputs.get("autoScalingGroup") or None)
@@ -220,13 +220,13 @@ def _stack_outputs(project: str, stack: str, cli: str | None) -> str:
     try:
         proc = subprocess.run(argv, check=False, capture_output=True, text=True, timeout=120)
     except FileNotFoundError:
-        raise ClusterError("--cluster pulumi needs the Pulumi CLI, which is not on PATH; install it (docs/ops.md) "
+        raise ClusterError("--cluster pulumi needs the Pulumi CLI, which is not on PATH", fix="install it (docs/ops.md) "
                            "or use --cluster aws:NAME, which needs only AWS credentials") from None
     if proc.returncode != 0:
         lines = (proc.stderr or proc.stdout).strip().splitlines()
         reason = lines[-1] if lines else f"exit status {proc.returncode}"
         if "no stack" in reason.lower():
-            raise ClusterError(f"Pulumi stack {stack or '(none selected)'} not found in {project} ({reason}); "
+            raise ClusterError(f"Pulumi stack {stack or '(none selected)'} not found in {project} ({reason})", fix=
                                "see 'pulumi stack ls' and use --cluster pulumi:STACK")
         raise ClusterError(f"'pulumi stack output' failed in {project}: {reason}")
     return proc.stdout or "{}"
@@ -239,4 +239,4 @@ def stack_outputs(stack: str = "") -> dict:
     try:
         return json.loads(text)
     except json.JSONDecodeError:
-        raise ClusterError(f"'pulumi stack output --json' printed no JSON in {project}; run it by hand") from None
+        raise ClusterError(f"'pulumi stack output --json' printed no JSON in {project}", fix="run it by hand") from None

@@ -140,7 +140,7 @@ def known_hosts_path(cluster: str) -> Path:
     from cluster import local
 
     if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", cluster):
-        raise ClusterError(f"cluster name {cluster!r} is not a plain name (letters, digits, '.', '_', '-'); "
+        raise ClusterError(f"cluster name {cluster!r} is not a plain name (letters, digits, '.', '_', '-')", fix=
                            "fix the instances' xeon-cluster:cluster tag")
     return local.state_dir(f"aws-{cluster}") / "known_hosts"
 
@@ -195,7 +195,7 @@ def record_host_keys(nodes: list[Node], client, path: Path) -> None:
                 elif fresh.get(keytype, key) != key:
                     raise ClusterError(
                         f"node {node.name} ({instance}, {addr}): {channel} a {keytype} host key that "
-                        f"differs from the one in {path} line {lineno + 1}; if the instance was replaced, remove "
+                        f"differs from the one in {path} line {lineno + 1}", fix="if the instance was replaced, remove "
                         "that stale line and retry, otherwise do not connect and find out why the key changed")
         have = {(addr, keytype, key) for addr in addrs for n, keytype, key, _ in known.get(addr, []) if n not in drop}
         for keytype, key in keys:

@@ -41,10 +41,10 @@ def load_nodes(cluster: str | None = None) -> list[Node]:
     fn = SOURCES.get(kind)
     if fn is None:
         known = ", ".join(sorted(SOURCES))
-        raise ClusterError(f"--cluster {spec!r} is not a known source; use one of: {known} (hosts takes hosts:PATH)")
+        raise ClusterError(f"--cluster {spec!r} is not a known source", fix=f"use one of: {known} (hosts takes hosts:PATH)")
     nodes = fn(arg)
     if not nodes:
-        raise ClusterError(f"cluster {spec!r} has no nodes; start it first (local: 'fab local-up --nodes 2')")
+        raise ClusterError(f"cluster {spec!r} has no nodes", fix="start it first (local: 'fab local-up --nodes 2')")
     return nodes
 
 
@@ -53,12 +53,12 @@ def select(nodes: list[Node], count: int | None, cluster: str = "") -> list[Node
     if count is None:
         return list(nodes)
     if count < 1:
-        raise ClusterError(f"--nodes {count} is below 1; ask for at least one node")
+        raise ClusterError(f"--nodes {count} is below 1", fix="ask for at least one node")
     if count > len(nodes):
         where = f" {cluster!r}" if cluster else ""
         fix = (f"run 'fab local-up --nodes {count}' or lower --nodes" if cluster in ("", "local")
                else f"run 'pulumi up' with nodeCount={count} or lower --nodes")
-        raise ClusterError(f"--nodes {count} but the cluster{where} has {len(nodes)} nodes; {fix}")
+        raise ClusterError(f"--nodes {count} but the cluster{where} has {len(nodes)} nodes", fix=f"{fix}")
     return list(nodes[:count])
 
 
@@ -72,7 +72,7 @@ def parse_hosts_file(path: str | Path) -> list[Node]:
     """
     p = Path(path).expanduser()
     if not p.is_file():
-        raise ClusterError(f"hosts file {str(p)!r} does not exist; create it (one 'name address [private=..] [user=..] [port=..]' per line)")
+        raise ClusterError(f"hosts file {str(p)!r} does not exist", fix="create it (one 'name address [private=..] [user=..] [port=..]' per line)")
     nodes: list[Node] = []
     for lineno, raw in enumerate(p.read_text().splitlines(), 1):
         line = raw.split("#", 1)[0].strip()
@@ -81,24 +81,24 @@ def parse_hosts_file(path: str | Path) -> list[Node]:
         try:
             parts = shlex.split(line)
         except ValueError as exc:  # an unbalanced quote
-            raise ClusterError(f"{p}:{lineno}: {exc} in {raw.strip()!r}; fix the quoting") from None
+            raise ClusterError(f"{p}:{lineno}: {exc} in {raw.strip()!r}", fix="fix the quoting") from None
         if len(parts) < 2:
-            raise ClusterError(f"{p}:{lineno}: expected 'name address [key=value...]', got {raw.strip()!r}; write "
+            raise ClusterError(f"{p}:{lineno}: expected 'name address [key=value...]', got {raw.strip()!r}", fix="write "
                                "one node per line: name address [private=..] [user=..] [port=..]")
         name, host, *rest = parts
         opts = {}
         for item in rest:
             key, sep, value = item.partition("=")
             if not sep or key not in {"private", "user", "port", "python"}:
-                raise ClusterError(f"{p}:{lineno}: unknown field {item!r}; allowed: private=, user=, port=, python=")
+                raise ClusterError(f"{p}:{lineno}: unknown field {item!r}", fix="allowed: private=, user=, port=, python=")
             opts[key] = value
         try:
             port = int(opts.get("port", 22))
         except ValueError:
-            raise ClusterError(f"{p}:{lineno}: port={opts['port']!r} is not a number; use 1..65535 (22 for "
+            raise ClusterError(f"{p}:{lineno}: port={opts['port']!r} is not a number", fix="use 1..65535 (22 for "
                                "sshd)") from None
         if not 1 <= port <= 65535:
-            raise ClusterError(f"{p}:{lineno}: port={port} is not a TCP port; use 1..65535 (22 for sshd)")
+            raise ClusterError(f"{p}:{lineno}: port={port} is not a TCP port", fix="use 1..65535 (22 for sshd)")
         nodes.append(Node(
             name=name, host=host, private_host=opts.get("private", host),
             user=opts.get("user", getpass.getuser()), port=port, index=len(nodes),
@@ -107,20 +107,20 @@ def parse_hosts_file(path: str | Path) -> list[Node]:
     names = [n.name for n in nodes]
     dupes = sorted({n for n in names if names.count(n) > 1})
     if dupes:
-        raise ClusterError(f"{p}: node name(s) {', '.join(dupes)} appear more than once; give every node its own "
+        raise ClusterError(f"{p}: node name(s) {', '.join(dupes)} appear more than once", fix="give every node its own "
                            "name")
     seen: dict[tuple[str, int], str] = {}
     for n in nodes:  # one machine under two names would get two ranks pinned to the same cores
         other = seen.setdefault((n.host, n.port), n.name)
         if other != n.name:
-            raise ClusterError(f"{p}: {other} and {n.name} are the same machine ({n.host}:{n.port}); list each "
+            raise ClusterError(f"{p}: {other} and {n.name} are the same machine ({n.host}:{n.port})", fix="list each "
                                "machine once")
     return nodes
 
 
 def _hosts_source(arg: str) -> list[Node]:
     if not arg:
-        raise ClusterError("--cluster hosts needs a file; use --cluster hosts:PATH")
+        raise ClusterError("--cluster hosts needs a file", fix="use --cluster hosts:PATH")
     return parse_hosts_file(arg)
 
 

@@ -40,7 +40,7 @@ def sshd_binary() -> str:
         if cand and os.access(cand, os.X_OK):
             return cand
     fix = "apt-get install openssh-server" if os.geteuid() == 0 else "sudo apt-get install openssh-server"
-    raise ClusterError(f"sshd is not installed; install it with '{fix}'")
+    raise ClusterError("sshd is not installed", fix=f"install it with '{fix}'")
 
 
 def operator_key(state: Path) -> Path:
@@ -98,10 +98,10 @@ def nodes(state: Path | None = None, require_running: bool = True) -> list[Node]
     state = state or state_dir()
     data = _read_state(state)
     if not data:
-        raise ClusterError("no local cluster is running; start one with 'fab local-up --nodes 2'")
+        raise ClusterError("no local cluster is running", fix="start one with 'fab local-up --nodes 2'")
     down = [n["name"] for n in data["nodes"] if not _alive(n["pid"], n["config"])]
     if down and require_running:
-        raise ClusterError(f"local node(s) {', '.join(down)} are not running; restart with 'fab local-down' then 'fab local-up --nodes {len(data['nodes'])}'")
+        raise ClusterError(f"local node(s) {', '.join(down)} are not running", fix=f"restart with 'fab local-down' then 'fab local-up --nodes {len(data['nodes'])}'")
     return [Node(**n["node"]) for n in data["nodes"]]
 
 
@@ -111,14 +111,14 @@ def up(count: int, port: int = DEFAULT_PORT, first_address: str = FIRST_ADDRESS,
     command that runs node i's sshd elsewhere (cluster.netns: its own network namespace), ``extra``: more state."""
     state = state or state_dir()
     if not 1 <= count <= MAX_NODES:
-        raise ClusterError(f"--nodes {count} is out of range; a local cluster has 1..{MAX_NODES} nodes")
+        raise ClusterError(f"--nodes {count} is out of range", fix=f"a local cluster has 1..{MAX_NODES} nodes")
     if not 1024 <= port <= 65535:
-        raise ClusterError(f"--port {port} is not a port a local cluster can use; use 1024..65535")
+        raise ClusterError(f"--port {port} is not a port a local cluster can use", fix="use 1024..65535")
     existing = _read_state(state)
     if existing:
         size = len(existing["nodes"])
         if size != count:
-            raise ClusterError(f"a local cluster with {size} nodes is already up; run 'fab local-down' first or "
+            raise ClusterError(f"a local cluster with {size} nodes is already up", fix=f"run 'fab local-down' first or "
                                f"use --nodes {size}")
         if all(_alive(n["pid"], n["config"]) for n in existing["nodes"]):
             log.info("local cluster already up with %d nodes", count)
@@ -126,7 +126,7 @@ def up(count: int, port: int = DEFAULT_PORT, first_address: str = FIRST_ADDRESS,
     sshd = sshd_binary()
     base = ipaddress.IPv4Address(first_address)
     if not wrap and (not base.is_loopback or not (base + count - 1).is_loopback):
-        raise ClusterError(f"local nodes must live on 127.0.0.0/8; {first_address} + {count} leaves it")
+        raise ClusterError("local nodes must live on 127.0.0.0/8", fix=f"{first_address} + {count} leaves it")
     user = getpass.getuser()
     writable_dir(state, "the local cluster's state folder", "set XC_STATE_DIR to a writable folder")
     state.chmod(0o700)
@@ -224,13 +224,13 @@ def _wait_listening(proc: subprocess.Popen, address: str, port: int, log_file: P
             err = (proc.stderr.read() or b"").decode().strip()
             tail = err or (log_file.read_text().strip().splitlines() or [""])[-1]
             if "Address already in use" in tail or "Address already in use" in log_file.read_text():
-                raise ClusterError(f"{name}: port {address}:{port} is already in use by another process; pick "
+                raise ClusterError(f"{name}: port {address}:{port} is already in use by another process", fix="pick "
                                    "another with --port")
             raise ClusterError(f"{name}: sshd exited at start-up: {tail}")
         if listens(proc.pid, address, port):
             return
         time.sleep(0.05)
-    raise ClusterError(f"{name}: sshd did not listen on {address}:{port} within 10 s; see {log_file}")
+    raise ClusterError(f"{name}: sshd did not listen on {address}:{port} within 10 s", fix=f"see {log_file}")
 
 
 def listens(pid: int, address: str, port: int) -> bool:
@@ -329,10 +329,10 @@ def kill_node(name: str, state: Path | None = None) -> int:
     state = state or state_dir()
     data = _read_state(state)
     if not data:
-        raise ClusterError("no local cluster is running; start one with 'fab local-up --nodes 2'")
+        raise ClusterError("no local cluster is running", fix="start one with 'fab local-up --nodes 2'")
     entry = next((e for e in data["nodes"] if e["name"] == name), None)
     if entry is None:
-        raise ClusterError(f"no local node {name!r}; the nodes are {', '.join(e['name'] for e in data['nodes'])}")
+        raise ClusterError(f"no local node {name!r}", fix=f"the nodes are {', '.join(e['name'] for e in data['nodes'])}")
     return _kill_tree(entry)
 
 
@@ -368,7 +368,7 @@ def node_status(state: Path | None = None) -> list[dict]:
     """Each node's name, address, sshd pid, whether it runs and since when (epoch seconds), for 'fab status'."""
     data = _read_state(state or state_dir())
     if not data:
-        raise ClusterError("no local cluster is running; start one with 'fab local-up --nodes 2'")
+        raise ClusterError("no local cluster is running", fix="start one with 'fab local-up --nodes 2'")
     out = []
     for entry in data["nodes"]:
         running = _alive(entry["pid"], entry["config"])

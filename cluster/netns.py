@@ -31,16 +31,16 @@ RATE = re.compile(r"(\d+(?:\.\d+)?)(bit|kbit|mbit|gbit|tbit)")
 DELAY = re.compile(r"(\d+(?:\.\d+)?)(us|ms|s)")
 RATE_SCALE = {"bit": 1, "kbit": 1e3, "mbit": 1e6, "gbit": 1e9, "tbit": 1e12}
 DELAY_SCALE = {"us": 1e-6, "ms": 1e-3, "s": 1.0}
-NEEDS_ROOT = "--netns needs root (network namespaces and tc); run as root or without --netns"
+NEEDS_ROOT = ("--netns needs root (network namespaces and tc)", "run as root or without --netns")
 
 
 def check_shape(link: str | None, latency: str | None) -> None:
     """The flags' syntax, before anything is asked or made."""
     if link is not None and (not RATE.fullmatch(str(link)) or rate_bits(link) <= 0):
-        raise ClusterError(f"--link {link!r} is not a rate like 3gbit or 500mbit; pass a number above 0 with bit, "
+        raise ClusterError(f"--link {link!r} is not a rate like 3gbit or 500mbit", fix="pass a number above 0 with bit, "
                            "kbit, mbit, gbit or tbit")
     if latency is not None and not DELAY.fullmatch(str(latency)):
-        raise ClusterError(f"--latency {latency!r} is not a delay like 50us or 1ms; pass a number with us, ms or s")
+        raise ClusterError(f"--latency {latency!r} is not a delay like 50us or 1ms", fix="pass a number with us, ms or s")
 
 
 def rate_bits(link: str) -> float:
@@ -102,9 +102,9 @@ class Twin:
                 'hostname "$0" && exec "$@"', f"node{i}"]
 
 
-def require_root(message: str = NEEDS_ROOT) -> None:
+def require_root(need: tuple[str, str] = NEEDS_ROOT) -> None:
     if os.geteuid() != 0:
-        raise ClusterError(message)
+        raise ClusterError(need[0], fix=need[1])
 
 
 def _try(argv: list[str]) -> subprocess.CompletedProcess:
@@ -115,7 +115,7 @@ def _run(argv: list[str]) -> str:
     res = _try(argv)
     if res.returncode != 0:
         why = (res.stderr.strip().splitlines() or [f"exit status {res.returncode}"])[-1]
-        raise ClusterError(f"'{' '.join(argv)}' failed: {why}; run 'fab local-down' to remove what --netns made, "
+        raise ClusterError(f"'{' '.join(argv)}' failed: {why}", fix="run 'fab local-down' to remove what --netns made, "
                            "then try again")
     return res.stdout
 
@@ -143,27 +143,27 @@ def probe(twin: Twin, latency: str | None) -> None:
     """The tools, network namespaces and (for --latency) netem, tried in a scratch namespace."""
     for tool, package in (("ip", "iproute2"), ("tc", "iproute2"), ("unshare", "util-linux")):
         if not shutil.which(tool):
-            raise ClusterError(f"--netns needs '{tool}', which is not installed; install it with 'apt-get install "
+            raise ClusterError(f"--netns needs '{tool}', which is not installed", fix=f"install it with 'apt-get install "
                                f"{package}'")
     scratch = f"xc-{twin.id}-probe"
     res = _try(["ip", "netns", "add", scratch])
     if res.returncode != 0:
         raise ClusterError(f"this machine does not allow network namespaces ('ip netns add' said: "
-                           f"{res.stderr.strip()}); run --netns where it does (a container needs CAP_SYS_ADMIN and "
+                           f"{res.stderr.strip()})", fix="run --netns where it does (a container needs CAP_SYS_ADMIN and "
                            "CAP_NET_ADMIN) or leave out --netns")
     try:
         if latency:
             res = _try(["tc", "-n", scratch, "qdisc", "add", "dev", "lo", "root", "netem", "delay", latency])
             if res.returncode != 0:
-                raise ClusterError(no_netem(res.stderr))
+                raise no_netem(res.stderr)
     finally:
         _try(["ip", "netns", "del", scratch])
 
 
-def no_netem(tc_said: str) -> str:
-    return (f"--latency needs the kernel's netem queueing discipline, which this kernel lacks (tc said: "
-            f"{tc_said.strip()}); load it with 'modprobe sch_netem' or leave out --latency (--link alone shapes with "
-            "tbf)")
+def no_netem(tc_said: str) -> ClusterError:
+    return ClusterError(f"--latency needs the kernel's netem queueing discipline, which this kernel lacks (tc said: "
+                        f"{tc_said.strip()})", fix="load it with 'modprobe sch_netem' or leave out --latency (--link "
+                        "alone shapes with tbf)")
 
 
 def pick_subnet(twin: Twin) -> str:
@@ -176,7 +176,7 @@ def pick_subnet(twin: Twin) -> str:
         net = subnets[(start + k) % len(subnets)]
         if not any(net.overlaps(u) for u in used):
             return str(net)
-    raise ClusterError("every /24 of 198.18.0.0/15 is in use on this machine; run 'fab local-down' for a network "
+    raise ClusterError("every /24 of 198.18.0.0/15 is in use on this machine", fix="run 'fab local-down' for a network "
                        "twin you no longer need")
 
 
@@ -191,8 +191,9 @@ def shape(twin: Twin, i: int, link: str | None, latency: str | None) -> None:
         if args and args[0] == "netem":
             res = _try([*tc, "qdisc", "replace", "dev", dev, "root", *args])
             if res.returncode != 0:
-                raise ClusterError(no_netem(res.stderr) if "kind is unknown" in res.stderr else
-                                   f"tc could not shape {dev}: {res.stderr.strip()}; check --link and --latency")
+                if "kind is unknown" in res.stderr:
+                    raise no_netem(res.stderr)
+                raise ClusterError(f"tc could not shape {dev}: {res.stderr.strip()}", fix="check --link and --latency")
         elif args:
             _run([*tc, "qdisc", "replace", "dev", dev, "root", *args])
         else:
@@ -242,10 +243,10 @@ def up(count: int, port: int = local.DEFAULT_PORT, link: str | None = None, late
     if existing:
         record = existing.get("netns")
         if not record:
-            raise ClusterError("a local cluster without --netns is up; run 'fab local-down' first, then "
+            raise ClusterError("a local cluster without --netns is up", fix="run 'fab local-down' first, then "
                                "'fab local-up --netns'")
         if (link, latency) != (None, None) and (link, latency) != (record.get("link"), record.get("latency")):
-            raise ClusterError(f"the network twin is up with {describe(record.get('link'), record.get('latency'))}; "
+            raise ClusterError(f"the network twin is up with {describe(record.get('link'), record.get('latency'))}", fix=
                                "change a link with 'fab local-link --node NAME --link RATE --latency DELAY'")
         build(Twin(record["id"]), record["subnet"], _shapes(record, len(existing["nodes"])))
         return local.up(count, port, state=state, python=python)
@@ -311,7 +312,7 @@ def down(state: Path | None = None) -> tuple[int, list[str]]:
         pass
     left = [p for t in twins for p in parts(t)]
     if left and os.geteuid() != 0:
-        raise ClusterError(f"the local cluster's network twin ({', '.join(left[:3])}) can be removed by root only; "
+        raise ClusterError(f"the local cluster's network twin ({', '.join(left[:3])}) can be removed by root only", fix=
                            "run 'fab local-down' as root")
     try:
         stopped = local.down(state)
@@ -325,21 +326,21 @@ def set_link(name: str, cut: bool = False, restore: bool = False, link: str | No
     """`fab local-link`: cut a node's link (its bridge-side veth down), restore it, or reshape it."""
     check_shape(link, latency)
     if cut and restore:
-        raise ClusterError("--cut and --restore exclude each other; pass one of them")
+        raise ClusterError("--cut and --restore exclude each other", fix="pass one of them")
     if not (cut or restore or link or latency):
-        raise ClusterError(f"nothing to change on {name}'s link; pass --cut, --restore, --link RATE or --latency DELAY")
+        raise ClusterError(f"nothing to change on {name}'s link", fix="pass --cut, --restore, --link RATE or --latency DELAY")
     state = state or local.state_dir()
     data = local._read_state(state)
     if not data:
-        raise ClusterError("no local cluster is running; start one with 'fab local-up --nodes 2 --netns'")
+        raise ClusterError("no local cluster is running", fix="start one with 'fab local-up --nodes 2 --netns'")
     record = data.get("netns")
     if not record:
-        raise ClusterError("the local cluster was started without --netns, so its nodes have no links; restart it "
+        raise ClusterError("the local cluster was started without --netns, so its nodes have no links", fix="restart it "
                            "with 'fab local-down' and 'fab local-up --netns'")
     entry = next((e for e in data["nodes"] if e["name"] == name), None)
     if entry is None:
-        raise ClusterError(f"no local node {name!r}; the nodes are {', '.join(e['name'] for e in data['nodes'])}")
-    require_root("fab local-link needs root (it changes links with ip and tc); run it as root")
+        raise ClusterError(f"no local node {name!r}", fix=f"the nodes are {', '.join(e['name'] for e in data['nodes'])}")
+    require_root(("fab local-link needs root (it changes links with ip and tc)", "run it as root"))
     twin, i = Twin(record["id"]), entry["node"]["index"]
     done = []
     if link or latency:

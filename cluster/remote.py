@@ -75,18 +75,18 @@ def connect(node: Node, timeout: float = 10.0) -> Connection:
     where = f"{node.name} ({node.host}:{node.port})"
     if node.labels.get("instance_id") and not _key_known(conn.client, node):
         # a cloud node's key comes only from its console output: without it, do not even dial
-        raise ClusterError(f"{where}: host key not yet known; its keys are read from the instance's console "
+        raise ClusterError(f"{where}: host key not yet known", fix="its keys are read from the instance's console "
                            "output once it has booted: retry in a minute")
     try:
         conn.open()
     except paramiko.BadHostKeyException:
         spec = node.host if node.port == 22 else f"[{node.host}]:{node.port}"
         file = recorded_in(node, spec)
-        raise ClusterError(f"{where}: host key CHANGED since it was recorded in {file}; if the node was replaced, "
+        raise ClusterError(f"{where}: host key CHANGED since it was recorded in {file}", fix=f"if the node was replaced, "
                            f"remove its old entry with 'ssh-keygen -f {file} -R \"{spec}\"' and verify the new "
                            "key") from None
     except paramiko.AuthenticationException:
-        raise ClusterError(f"{where}: SSH login as {node.user!r} refused; check the key (XC_SSH_KEY) "
+        raise ClusterError(f"{where}: SSH login as {node.user!r} refused", fix="check the key (XC_SSH_KEY) "
                            "and that it is in the node's authorized_keys") from None
     except _Unknown:
         if node.labels.get("instance_id"):
@@ -130,9 +130,9 @@ def command_timeout() -> float:
     try:
         value = float(raw) if raw else 120.0
     except ValueError:
-        raise ClusterError(f"XC_SSH_COMMAND_TIMEOUT={raw!r} is not a number of seconds; set it to e.g. 120") from None
+        raise ClusterError(f"XC_SSH_COMMAND_TIMEOUT={raw!r} is not a number of seconds", fix="set it to e.g. 120") from None
     if value <= 0:
-        raise ClusterError(f"XC_SSH_COMMAND_TIMEOUT={raw!r} must be above 0; set it to e.g. 120")
+        raise ClusterError(f"XC_SSH_COMMAND_TIMEOUT={raw!r} must be above 0", fix="set it to e.g. 120")
     return value
 
 
@@ -153,7 +153,7 @@ def run(conn: Connection, command: str, purpose: str = "", **kw):
         timed_out = True
     if timed_out:
         what = purpose or " ".join(command.split()[:3])
-        raise ClusterError(f"{conn.host}:{conn.port} did not finish {what!r} within {kw['timeout']:g}s; a node whose "
+        raise ClusterError(f"{conn.host}:{conn.port} did not finish {what!r} within {kw['timeout']:g}s", fix="a node whose "
                            "login shell is slow (~/.bashrc running pyenv or conda init, a stale pyenv lock in "
                            "~/.pyenv/shims) or that is overloaded stalls every command: fix its shell start-up, "
                            "or raise XC_SSH_COMMAND_TIMEOUT") from None

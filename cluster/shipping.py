@@ -90,7 +90,7 @@ def ensure_verified_code(conn, home: str, digest: str, tarball: bytes) -> str:
         dest = ensure_code(conn, home, digest, tarball)
         found = installed_code_hash(conn, dest)
         if found != digest:
-            raise ClusterError(f"{conn.host}: code in {dest} hashes to {found} after shipping, not {digest}; "
+            raise ClusterError(f"{conn.host}: code in {dest} hashes to {found} after shipping, not {digest}", fix=
                                "check the node's disk and that python3 runs there")
     return dest
 

@@ -88,8 +88,9 @@ def choose(flag: str | None = None, config: dict | None = None, spec: str | None
 def _choose(flag: str | None, config: dict | None, spec: str) -> Choice:
     if flag:
         return Choice(_normal(flag), "--store")
-    if os.environ.get(STORE_ENV):
-        return Choice(_normal(os.environ[STORE_ENV]), STORE_ENV)
+    from_env = os.environ.get(STORE_ENV)
+    if from_env:
+        return Choice(_normal(from_env), STORE_ENV)
     configured = ((config or {}).get("xc") or {}).get("store")
     if configured:
         return Choice(_normal(str(configured)), "fabric.yaml xc.store")
@@ -99,6 +100,11 @@ def _choose(flag: str | None, config: dict | None, spec: str) -> Choice:
     return Choice(default_folder().as_uri(), "the local folder")
 
 
+def as_cluster_error(exc: StoreError) -> ClusterError:
+    """The store's error as the CLI shows it: the same what and fix."""
+    return ClusterError(exc.what, fix=exc.fix)
+
+
 def _normal(url: str) -> str:
     """A plain path is a file store; URLs are checked for their scheme."""
     if "://" not in url:
@@ -106,7 +112,7 @@ def _normal(url: str) -> str:
     try:
         open_store(url)
     except StoreError as exc:
-        raise ClusterError(str(exc)) from None
+        raise as_cluster_error(exc) from None
     return url.rstrip("/")
 
 
@@ -117,11 +123,11 @@ def check(choice: Choice, spec: str | None = None) -> float:
         try:
             Path(open_store(choice.url).root).mkdir(parents=True, exist_ok=True)
         except OSError as exc:
-            raise ClusterError(explain(exc, choice.url)) from None
+            raise as_cluster_error(explain(exc, choice.url)) from None
     try:
         return shared.probe(choice.url)
     except StoreError as exc:
-        raise ClusterError(str(exc)) from None
+        raise as_cluster_error(exc) from None
 
 
 def check_reachable_from_nodes(choice: Choice, spec: str | None = None) -> None:
@@ -129,7 +135,7 @@ def check_reachable_from_nodes(choice: Choice, spec: str | None = None) -> None:
     spec = spec or choice.spec
     if choice.is_default and _aws_kind(spec):
         raise ClusterError(f"cluster {spec} has no store: its stack has no storeUrl output (or no Pulumi CLI here) "
-                           "and its nodes cannot reach this machine's folder; run 'pulumi up' (it creates the "
+                           "and its nodes cannot reach this machine's folder", fix="run 'pulumi up' (it creates the "
                            "bucket) or pass --store s3://<bucket>/<prefix>")
 
 
@@ -168,7 +174,7 @@ def _store(url: str):
     try:
         return open_store(url)
     except StoreError as exc:
-        raise ClusterError(str(exc)) from None
+        raise as_cluster_error(exc) from None
 
 
 def _guard(url: str, fn, *args, **kw):
@@ -177,7 +183,7 @@ def _guard(url: str, fn, *args, **kw):
     except ClusterError:
         raise
     except Exception as exc:  # noqa: BLE001 - the store's failures become one line with the fix
-        raise ClusterError(explain(exc, url)) from None
+        raise as_cluster_error(explain(exc, url)) from None
 
 
 def checkpoints(url: str, run_id: str) -> list[int]:
@@ -231,7 +237,7 @@ def pull(url: str, run_id: str, dest: Path, with_checkpoints: bool = False, with
     store, where = _store(url), RunPaths(run_id)
     entries = _guard(url, store.list, where.store)
     if not entries:
-        raise ClusterError(f"no run {run_id} in the store {url}; pass an id from 'fab runs' (or --store with the "
+        raise ClusterError(f"no run {run_id} in the store {url}", fix="pass an id from 'fab runs' (or --store with the "
                            "store the run used)")
     complete = {where.store_checkpoint(s) + "/" for s in _guard(url, shared.complete_checkpoints, store, run_id)}
     wanted = []
@@ -256,11 +262,11 @@ def pull(url: str, run_id: str, dest: Path, with_checkpoints: bool = False, with
         except OSError as exc:
             if exc.errno == errno.ENOSPC or isinstance(exc, PermissionError):
                 why = "no space left on device" if exc.errno == errno.ENOSPC else "permission denied"
-                raise ClusterError(f"pulling {run_id} from {url} into {dest}: {why}; free space there or pass --to "
+                raise ClusterError(f"pulling {run_id} from {url} into {dest}: {why}", fix="free space there or pass --to "
                                    "another folder") from None
-            raise ClusterError(explain(exc, url)) from None
+            raise as_cluster_error(explain(exc, url)) from None
         except Exception as exc:  # noqa: BLE001
-            raise ClusterError(explain(exc, url)) from None
+            raise as_cluster_error(explain(exc, url)) from None
         done += e.size
         if say:
             say(f"  {rel} ({e.size / 2**20:.1f} MiB; {done / 2**20:.0f}/{total / 2**20:.0f} MiB, "

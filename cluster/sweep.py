@@ -115,9 +115,9 @@ def target(spec: str | None) -> tuple[str, str | None]:
         name, region = stack_place(arg)
         if not name:
             raise ClusterError(f"stack {arg or '(selected)'} names no cluster in its outputs or its config "
-                               "(clusterName); pass --cluster aws:NAME with the stack's clusterName")
+                               "(clusterName)", fix="pass --cluster aws:NAME with the stack's clusterName")
         return name, region or None
-    raise ClusterError(f"fab sweep is for AWS clusters, not {spec!r}; pass --cluster aws[:NAME] or pulumi[:STACK]")
+    raise ClusterError(f"fab sweep is for AWS clusters, not {spec!r}", fix="pass --cluster aws[:NAME] or pulumi[:STACK]")
 
 
 def _selected_stack() -> tuple[str, str] | None:
@@ -172,7 +172,7 @@ def look(c: Clients, name: str) -> Look:
     if not name:
         names = sorted({o.cluster for o in found if o.cluster})
         if len(names) > 1:
-            raise ClusterError(f"{len(names)} clusters have tagged resources in {region} ({', '.join(names)}); "
+            raise ClusterError(f"{len(names)} clusters have tagged resources in {region} ({', '.join(names)})", fix=
                                "pick one with --cluster aws:NAME")
         name = names[0] if names else ""
     mine = [o for o in found if belongs(o, name)] if name else []

@@ -69,5 +69,5 @@ def lookup(name: str) -> InstanceType:
         return CATALOG[name]
     except KeyError:
         raise ClusterError(
-            f"instanceType {name!r} is not in the catalog; use one of {', '.join(CATALOG)} "
+            f"instanceType {name!r} is not in the catalog", fix=f"use one of {', '.join(CATALOG)} "
             "or add a row to core/catalog.py") from None

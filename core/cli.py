@@ -41,7 +41,7 @@ def cli(fn):
             logging.getLogger(noisy).setLevel(logging.WARNING)
         try:
             if getattr(c, "host", None):  # fab -H / -R: Fabric would run the whole task once per host
-                raise ClusterError("fab -H/-R does not choose the nodes here (it would run the task once per host); "
+                raise ClusterError("fab -H/-R does not choose the nodes here (it would run the task once per host)", fix=
                                    "drop it and pick the cluster with --cluster local|hosts:PATH|aws[:NAME]|"
                                    "pulumi[:STACK] or XC_CLUSTER")
             return fn(c, *args, **kwargs)
@@ -59,11 +59,11 @@ def as_int(value, flag: str, low: int | None = None, high: int | None = None) ->
     try:
         n = int(str(value).strip())
     except (TypeError, ValueError):
-        raise ClusterError(f"{flag} {value!r} is not a whole number; pass {span}") from None
+        raise ClusterError(f"{flag} {value!r} is not a whole number", fix=f"pass {span}") from None
     if low is not None and n < low:
-        raise ClusterError(f"{flag} {n} is below {low}; pass {span}")
+        raise ClusterError(f"{flag} {n} is below {low}", fix=f"pass {span}")
     if high is not None and n > high:
-        raise ClusterError(f"{flag} {n} is above {high}; pass {span}")
+        raise ClusterError(f"{flag} {n} is above {high}", fix=f"pass {span}")
     return n
 
 
@@ -79,7 +79,7 @@ def writable_dir(path, what: str, fix: str, mode: int = 0o777) -> None:
         probe.write_text("")
         probe.unlink()
     except OSError as exc:
-        raise ClusterError(f"{what} {path} is not a writable folder ({exc.strerror or exc}); {fix}") from None
+        raise ClusterError(f"{what} {path} is not a writable folder ({exc.strerror or exc})", fix=f"{fix}") from None
 
 
 def one_line_parse_errors() -> None:
@@ -115,11 +115,11 @@ def env_pairs(items) -> dict[str, str]:
     for item in items or []:
         key, sep, value = item.partition("=")
         if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", key):
-            raise ClusterError(f"--env {item!r} is not KEY=VALUE or KEY; pass it as --env NAME=VALUE, or --env NAME "
+            raise ClusterError(f"--env {item!r} is not KEY=VALUE or KEY", fix="pass it as --env NAME=VALUE, or --env NAME "
                                "to pass your own value of NAME")
         if not sep:
             if key not in os.environ:
-                raise ClusterError(f"--env {key} passes your own value of {key}, which is not set; export {key} first "
+                raise ClusterError(f"--env {key} passes your own value of {key}, which is not set", fix=f"export {key} first "
                                    f"or pass --env {key}=VALUE")
             value = os.environ[key]
         out[key] = value

@@ -47,18 +47,18 @@ def aws_errors(service: str = "ec2"):
     try:
         yield
     except (err.NoCredentialsError, err.PartialCredentialsError):
-        raise ClusterError("no AWS credentials for --cluster aws; run 'aws configure' or export AWS_PROFILE "
+        raise ClusterError("no AWS credentials for --cluster aws", fix="run 'aws configure' or export AWS_PROFILE "
                            "(or AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY)") from None
     except err.NoRegionError:
-        raise ClusterError("no AWS region for --cluster aws; export AWS_REGION=<the stack's region>") from None
+        raise ClusterError("no AWS region for --cluster aws", fix="export AWS_REGION=<the stack's region>") from None
     except err.EndpointConnectionError as exc:
-        raise ClusterError(f"cannot reach the {API_NAMES.get(service, service)} API ({exc}); check the network or "
+        raise ClusterError(f"cannot reach the {API_NAMES.get(service, service)} API ({exc})", fix="check the network or "
                            "XC_AWS_ENDPOINT_URL") from None
     except err.ClientError as exc:
         error = exc.response.get("Error", {})
-        raise ClusterError(f"AWS refused {exc.operation_name} ({error.get('Code')}: {error.get('Message')}); check that "
+        raise ClusterError(f"AWS refused {exc.operation_name} ({error.get('Code')}: {error.get('Message')})", fix=f"check that "
                            f"the credentials are valid and allow {service}:{exc.operation_name}") from None
     except (err.BotoCoreError, ResponseParserError) as exc:  # e.g. a reply that does not parse
         reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-        raise ClusterError(f"the {API_NAMES.get(service, service)} API failed ({reason}); retry, or check "
+        raise ClusterError(f"the {API_NAMES.get(service, service)} API failed ({reason})", fix="retry, or check "
                            "XC_AWS_ENDPOINT_URL") from None

@@ -7,16 +7,14 @@ from __future__ import annotations
 
 
 class ClusterError(Exception):
-    """A problem the user can fix. ClusterError(what, fix); a single text 'what; fix' is split once here
-    (the form older call sites still use)."""
+    """A problem the user can fix: ClusterError(what, fix=...). The two are kept apart from where the error is
+    made to where it is shown; nothing splits or parses the text."""
 
     exit_code = 1
     prefix = "error: "
 
     def __init__(self, what: str, fix: str | None = None):
-        if fix is None:
-            what, _, fix = str(what).partition("; ")
-        self.what, self.fix = what, fix or ""
+        self.what, self.fix = str(what), fix or ""
         super().__init__(self.text)
 
     @property

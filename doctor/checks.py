@@ -31,7 +31,7 @@ def kernel_version(release: str) -> tuple[int, int, int]:
     """'6.8.0-1015-aws' -> (6, 8, 0); '6.10' -> (6, 10, 0)."""
     m = re.match(r"\s*(\d+)\.(\d+)(?:\.(\d+))?", release)
     if not m:
-        raise ClusterError(f"kernel release {release!r} is not MAJOR.MINOR[.PATCH]...; pass the output of 'uname -r'")
+        raise ClusterError(f"kernel release {release!r} is not MAJOR.MINOR[.PATCH]...", fix="pass the output of 'uname -r'")
     return int(m[1]), int(m[2]), int(m[3] or 0)
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import inspect
 import io
+import json
 import shlex
 import time
 import uuid
@@ -33,15 +34,15 @@ def node_probe(url: str) -> float:
             actual = reply.get("ResponseMetadata", {}).get("HTTPHeaders", {}).get("x-amz-bucket-region")
             mine = store.client.meta.region_name
             if actual and mine and actual != mine:  # S3 redirects, but every byte would cross regions
-                raise StoreError(f"store {url}: the bucket is in {actual} but AWS_REGION is {mine}; export "
+                raise StoreError(f"store {url}: the bucket is in {actual} but AWS_REGION is {mine}", fix=f"export "
                                  f"AWS_REGION={actual} (or use a bucket in {mine})")
         key, body = f"{PROBE_PREFIX}{uuid.uuid4().hex}", uuid.uuid4().bytes
         store.put_bytes(key, body)
         if store.get_bytes(key) != body:
-            raise StoreError(f"store {url}: a probe object read back differently; check the store's consistency")
+            raise StoreError(f"store {url}: a probe object read back differently", fix="check the store's consistency")
         store.delete(key)
     except Exception as exc:  # noqa: BLE001 - every failure becomes the one line that says the fix
-        raise StoreError(explain(exc, url)) from None
+        raise explain(exc, url) from None
     return time.monotonic() - started
 
 
@@ -53,13 +54,15 @@ def program(url: str, env: dict[str, str]) -> str:
         f"PROBE_PREFIX = {PROBE_PREFIX!r}\n\n\n"
         + inspect.getsource(node_probe) + "\n\nimport os as _os\n"
         f"_os.environ.update({env!r})\n"
+        "import json as _json\n"
         "try:\n"
-        f"    print({TAG!r}, 'ok', round(node_probe({url!r}), 3))\n"
+        f"    print({TAG!r}, _json.dumps({{'ok': True, 'seconds': round(node_probe({url!r}), 3)}}))\n"
         "except StoreError as _exc:\n"
-        f"    print({TAG!r}, 'error', _exc)\n")
+        f"    print({TAG!r}, _json.dumps({{'ok': False, 'what': _exc.what, 'fix': _exc.fix}}))\n")
 
 
-def probe_node(node: Node, url: str, env: dict[str, str]) -> tuple[bool, str]:
+def probe_node(node: Node, url: str, env: dict[str, str]) -> dict:
+    """{'ok': True, 'seconds': s} or {'ok': False, 'what': ..., 'fix': ...}."""
     with connect(node) as conn:
         # a 0600 file removed at once (as secrets.env): invoke feeds stdin a byte at a time, too slow for 16 kB
         path = f"{remote_home(conn)}/.{TAG}-{uuid.uuid4().hex[:8]}.py"
@@ -69,11 +72,10 @@ def probe_node(node: Node, url: str, env: dict[str, str]) -> tuple[bool, str]:
             res = run(conn, f"{shlex.quote(node.python)} {shlex.quote(path)}", timeout=120)
         finally:
             run(conn, f"rm -f {shlex.quote(path)}")
-    line = next((ln for ln in res.stdout.splitlines() if ln.startswith(TAG)), None)
+    line = next((ln for ln in res.stdout.splitlines() if ln.startswith(TAG + " ")), None)
     if line is None:
-        return False, (res.stderr.strip().splitlines() or [f"exit status {res.exited}"])[-1]
-    _, verdict, detail = line.split(" ", 2)
-    return verdict == "ok", detail
+        return {"ok": False, "what": (res.stderr.strip().splitlines() or [f"exit status {res.exited}"])[-1]}
+    return json.loads(line[len(TAG) + 1:])
 
 
 def store_rows(nodes: list[Node], choice: store_lib.Choice, spec: str | None) -> list[Row]:
@@ -81,22 +83,23 @@ def store_rows(nodes: list[Node], choice: store_lib.Choice, spec: str | None) ->
     try:
         store_lib.check_reachable_from_nodes(choice, spec)
     except ClusterError as exc:  # an AWS cluster with no store of its own: one red row, no probe
-        what, _, fix = str(exc).partition("; ")
-        return [Row(CLUSTER, "store", False, what, fix)]
+        return [Row(CLUSTER, "store", False, exc.what, exc.fix)]
     env = store_lib.rank_env(choice, spec)
     results = fan_out(nodes, lambda n: _safe(n, choice.url, env), "probing the store")
     rows = []
-    for node, (ok, detail) in zip(nodes, results):
-        if ok:
-            rows.append(Row(node.name, "store", True, f"{choice.url}: write, read, delete in {detail}s"))
+    for node, got in zip(nodes, results):
+        if got["ok"]:
+            rows.append(Row(node.name, "store", True, f"{choice.url}: write, read, delete in {got['seconds']}s"))
         else:
-            what, _, fix = detail.partition("; ")  # the store's one line: what, then the fix
-            rows.append(Row(node.name, "store", False, what, fix or "check the store URL (--store / XC_STORE)"))
+            rows.append(Row(node.name, "store", False, got["what"],
+                            got.get("fix") or "check the store URL (--store / XC_STORE)"))
     return rows
 
 
-def _safe(node: Node, url: str, env: dict[str, str]) -> tuple[bool, str]:
+def _safe(node: Node, url: str, env: dict[str, str]) -> dict:
     try:
         return probe_node(node, url, env)
+    except ClusterError as exc:
+        return {"ok": False, "what": exc.what, "fix": exc.fix}
     except Exception as exc:  # noqa: BLE001 - an unreachable node is a red row, not an abort
-        return False, str(exc)
+        return {"ok": False, "what": f"{type(exc).__name__}: {exc}"}

@@ -36,11 +36,11 @@ def check_zone(settings: ClusterSettings, provider: pulumi.ProviderResource) -> 
         where = ", ".join(zones) if zones else f"no zone of {settings.region}"
         if kind not in settings.instance_types:  # the build instance only: another build type is the fix
             raise ClusterError(f"buildInstanceType {kind} is not offered in {settings.availability_zone} (offered in: "
-                               f"{where}); run 'pulumi config set buildInstanceType' with a type offered there "
+                               f"{where})", fix="run 'pulumi config set buildInstanceType' with a type offered there "
                                "(e.g. c6i.2xlarge or m6i.2xlarge)")
         fix = (f"run 'pulumi config set availabilityZone {zones[0]}'" if zones
                else "pick another region or instance type")
-        raise ClusterError(f"{kind} is not offered in {settings.availability_zone} (offered in: {where}); {fix}")
+        raise ClusterError(f"{kind} is not offered in {settings.availability_zone} (offered in: {where})", fix=f"{fix}")
 
 
 @dataclass(frozen=True)

@@ -33,14 +33,14 @@ def component_document(profile: str) -> str:
     spec = profiles.load_profile(profile)
     script = profiles.render_setup_script(spec)
     if "{{" in script:  # AWSTOE would read it as a chaining expression and change the script
-        raise ClusterError(f"the setup script of profile {profile!r} contains '{{{{', which Image Builder expands; "
+        raise ClusterError(f"the setup script of profile {profile!r} contains '{{{{', which Image Builder expands", fix=
                            "remove it from templates/node_setup.sh.j2")
     document = render("imagebuilder-component.yaml.j2", profile=profile, script_json=json.dumps(script),
                       script_path=SCRIPT_PATH, venv=profiles.venv_shell_word(spec.venv), marker=profiles.MARKER_NAME,
                       hash=spec.hash, has_torch=spec.version_of("torch") is not None)
     if len(document) > MAX_COMPONENT_CHARS:
         raise ClusterError(f"the setup script of profile {profile!r} makes a {len(document)}-character Image Builder "
-                           f"component, over its {MAX_COMPONENT_CHARS} limit; shorten the script or use image=base")
+                           f"component, over its {MAX_COMPONENT_CHARS} limit", fix="shorten the script or use image=base")
     return document
 
 

@@ -66,18 +66,18 @@ class ClusterSettings:
     def _check_network(self):
         if not re.fullmatch(r"[a-z][a-z0-9-]{0,27}[a-z0-9]", self.cluster_name):
             raise ClusterError(f"clusterName {self.cluster_name!r} must be 2-29 lowercase letters, digits or '-' "
-                               f"(it names AWS resources); {_fix('clusterName', 'bert-4')}")
+                               f"(it names AWS resources)", fix=f"{_fix('clusterName', 'bert-4')}")
         if not re.fullmatch(r"[a-z]{2}(-gov)?-[a-z]+-\d", self.region):
-            raise ClusterError(f"region {self.region!r} is not an AWS region name; {_fix('region', 'us-east-1')}")
+            raise ClusterError(f"region {self.region!r} is not an AWS region name", fix=f"{_fix('region', 'us-east-1')}")
         if not re.fullmatch(re.escape(self.region) + r"[a-z]", self.availability_zone):
-            raise ClusterError(f"availabilityZone {self.availability_zone!r} is not a zone of region {self.region}; "
+            raise ClusterError(f"availabilityZone {self.availability_zone!r} is not a zone of region {self.region}", fix=
                                f"{_fix('availabilityZone', self.region + 'b')}")
         try:
             vpc = ipaddress.IPv4Network(self.vpc_cidr)
         except ValueError:
             vpc = None
         if vpc is None or not vpc.is_private or not 16 <= vpc.prefixlen <= 24:
-            raise ClusterError(f"vpcCidr {self.vpc_cidr!r} must be a private IPv4 network from /16 to /24; "
+            raise ClusterError(f"vpcCidr {self.vpc_cidr!r} must be a private IPv4 network from /16 to /24", fix=
                                f"{_fix('vpcCidr', '10.42.0.0/16')}")
 
     def _check_zone_slice(self):
@@ -90,33 +90,33 @@ class ClusterSettings:
         if usable < need:
             raise ClusterError(f"vpcCidr {self.vpc_cidr} gives each zone a /{prefix} subnet ({usable} usable "
                                f"addresses) but nodeCount {self.node_count} needs up to {need} (nodes, their "
-                               f"replacements, the head, the image build); {_fix('vpcCidr', '10.42.0.0/16')}")
+                               f"replacements, the head, the image build)", fix=f"{_fix('vpcCidr', '10.42.0.0/16')}")
 
     def _check_ssh(self):
         if not self.admin_cidr:
-            raise ClusterError("adminCidr is required (SSH is allowed only from it); "
+            raise ClusterError("adminCidr is required (SSH is allowed only from it)", fix=
                                f"{_fix('adminCidr', '$(curl -s https://checkip.amazonaws.com)/32')}")
         try:
             net = ipaddress.IPv4Network(self.admin_cidr)
         except ValueError:
-            raise ClusterError(f"adminCidr {self.admin_cidr!r} is not an IPv4 network with no host bits set; "
+            raise ClusterError(f"adminCidr {self.admin_cidr!r} is not an IPv4 network with no host bits set", fix=
                                f"{_fix('adminCidr', '203.0.113.7/32')}") from None
         if net.prefixlen == 0 and not self.allow_world_ssh:
-            raise ClusterError(f"adminCidr {self.admin_cidr} opens SSH to the whole internet; use your own address "
+            raise ClusterError(f"adminCidr {self.admin_cidr} opens SSH to the whole internet", fix=f"use your own address "
                                f"({_fix('adminCidr', '203.0.113.7/32')}) or confirm with "
                                "'pulumi config set allowWorldSsh true'")
         key = self.ssh_public_key.strip()
         if not key:
-            raise ClusterError("sshPublicKey is required (it is authorized for the ssh user on every node); "
-                               + _fix('sshPublicKey', _PUBKEY_EXAMPLE))
+            raise ClusterError("sshPublicKey is required (it is authorized for the ssh user on every node)",
+                               fix=_fix('sshPublicKey', _PUBKEY_EXAMPLE))
         if "PRIVATE KEY" in key:
-            raise ClusterError("sshPublicKey holds a PRIVATE key; remove it from the stack config now and set the "
-                               ".pub file instead: " + _fix('sshPublicKey', _PUBKEY_EXAMPLE))
+            raise ClusterError("sshPublicKey holds a PRIVATE key", fix="remove it from the stack config now and set "
+                               "the .pub file instead: " + _fix('sshPublicKey', _PUBKEY_EXAMPLE))
         if not re.fullmatch(r"(ssh-ed25519|ssh-rsa) [A-Za-z0-9+/]+=*( .*)?", key):
             raise ClusterError("sshPublicKey must be one 'ssh-ed25519 AAAA...' or 'ssh-rsa AAAA...' line (EC2 imports "
-                               "only these); " + _fix('sshPublicKey', _PUBKEY_EXAMPLE))
+                               "only these)", fix=_fix('sshPublicKey', _PUBKEY_EXAMPLE))
         if not re.fullmatch(r"[a-z_][a-z0-9_-]{0,31}", self.ssh_user):
-            raise ClusterError(f"sshUser {self.ssh_user!r} is not a Linux user name; {_fix('sshUser', 'ubuntu')}")
+            raise ClusterError(f"sshUser {self.ssh_user!r} is not a Linux user name", fix=f"{_fix('sshUser', 'ubuntu')}")
 
     def _check_nodes(self):
         main = catalog.lookup(self.instance_type)
@@ -126,49 +126,49 @@ class ClusterSettings:
                 raise ClusterError(
                     f"fallbackInstanceTypes: {name} ({other.vcpus} vCPUs, {other.memory_gib} GiB) is not the shape of "
                     f"{self.instance_type} ({main.vcpus} vCPUs, {main.memory_gib} GiB), so ranks and threads would "
-                    f"not fit every node; list only types of the same shape or run "
-                    f"'pulumi config rm fallbackInstanceTypes'")
+                    f"not fit every node", fix="list only types of the same shape or run "
+                    "'pulumi config rm fallbackInstanceTypes'")
         if len(set(self.instance_types)) != len(self.instance_types):
-            raise ClusterError(f"fallbackInstanceTypes {self.fallback_instance_types!r} repeats a type or instanceType; "
+            raise ClusterError(f"fallbackInstanceTypes {self.fallback_instance_types!r} repeats a type or instanceType", fix=
                                "list each other type once")
         if not 1 <= self.node_count <= MAX_NODES:
-            raise ClusterError(f"nodeCount {self.node_count} must be between 1 and {MAX_NODES}; "
+            raise ClusterError(f"nodeCount {self.node_count} must be between 1 and {MAX_NODES}", fix=
                                f"{_fix('nodeCount', '4')}")
         if self.max_spot_price:
             if not self.spot:
-                raise ClusterError("maxSpotPrice is set but spot is false; run 'pulumi config rm maxSpotPrice' "
+                raise ClusterError("maxSpotPrice is set but spot is false", fix="run 'pulumi config rm maxSpotPrice' "
                                    "or 'pulumi config set spot true'")
             if self.max_spot_price_usd is None or self.max_spot_price_usd <= 0:
-                raise ClusterError(f"maxSpotPrice {self.max_spot_price!r} must be a positive USD amount per node-hour; "
+                raise ClusterError(f"maxSpotPrice {self.max_spot_price!r} must be a positive USD amount per node-hour", fix=
                                    f"{_fix('maxSpotPrice', '2.50')} or remove it")
         if not MIN_ROOT_GIB <= self.root_volume_gib <= 16384:
-            raise ClusterError(f"rootVolumeGib {self.root_volume_gib} must be between {MIN_ROOT_GIB} and 16384; "
+            raise ClusterError(f"rootVolumeGib {self.root_volume_gib} must be between {MIN_ROOT_GIB} and 16384", fix=
                                f"{_fix('rootVolumeGib', '100')}")
         if not 1 <= self.checkpoint_retention_days <= 3650:
-            raise ClusterError(f"checkpointRetentionDays {self.checkpoint_retention_days} must be between 1 and 3650; "
+            raise ClusterError(f"checkpointRetentionDays {self.checkpoint_retention_days} must be between 1 and 3650", fix=
                                f"{_fix('checkpointRetentionDays', '14')}")
 
     def _check_image(self):
         if self.image not in IMAGE_MODES and not re.fullmatch(r"ami-[0-9a-f]{8}([0-9a-f]{9})?", self.image):
-            raise ClusterError(f"image {self.image!r} must be 'bake', 'base' or an AMI id like ami-0123456789abcdef0; "
+            raise ClusterError(f"image {self.image!r} must be 'bake', 'base' or an AMI id like ami-0123456789abcdef0", fix=
                                f"{_fix('image', 'bake')}")
         if self.ubuntu_version not in UBUNTU_VERSIONS:
-            raise ClusterError(f"ubuntuVersion {self.ubuntu_version!r} must be one of {', '.join(UBUNTU_VERSIONS)}; "
+            raise ClusterError(f"ubuntuVersion {self.ubuntu_version!r} must be one of {', '.join(UBUNTU_VERSIONS)}", fix=
                                f"{_fix('ubuntuVersion', UBUNTU_VERSIONS[0])}")
         if not re.fullmatch(r"[a-z][a-z0-9-]*\.[a-z0-9-]+", self.build_instance_type):
-            raise ClusterError(f"buildInstanceType {self.build_instance_type!r} is not an EC2 instance type; "
+            raise ClusterError(f"buildInstanceType {self.build_instance_type!r} is not an EC2 instance type", fix=
                                f"{_fix('buildInstanceType', 'c6i.2xlarge')}")
         from node_setup.profiles import load_profiles
 
         known = load_profiles()
         if self.profile not in known:
-            raise ClusterError(f"profile {self.profile!r} is not a software profile; use one of {', '.join(known)} "
+            raise ClusterError(f"profile {self.profile!r} is not a software profile", fix=f"use one of {', '.join(known)} "
                                f"({_fix('profile', next(iter(known)))})")
         need = tuple(int(x) for x in known[self.profile].python_min.split("."))
         have = UBUNTU_PYTHON[self.ubuntu_version]
         if self.image in IMAGE_MODES and have < need:
             raise ClusterError(f"ubuntuVersion {self.ubuntu_version} has Python {'.'.join(map(str, have))} but "
-                               f"profile {self.profile} needs {known[self.profile].python_min}; "
+                               f"profile {self.profile} needs {known[self.profile].python_min}", fix=
                                f"{_fix('ubuntuVersion', '24.04')}")
 
     def _check_head(self):
@@ -177,7 +177,7 @@ class ClusterSettings:
         if self.head_instance_type not in HEAD_USD_H:
             known = ", ".join(HEAD_USD_H)
             raise ClusterError(f"headInstanceType {self.head_instance_type!r} is not a head type this project knows "
-                               f"the price of ({known}); {_fix('headInstanceType', 't3.medium')}")
+                               f"the price of ({known})", fix=f"{_fix('headInstanceType', 't3.medium')}")
 
     # -- derived values -----------------------------------------------------------------------
     @property
@@ -227,11 +227,11 @@ def _parse(key: str, kind: str, raw):
         try:
             return int(text)
         except ValueError:
-            raise ClusterError(f"{key} {text!r} is not a whole number; {_fix(key, '<number>')}") from None
+            raise ClusterError(f"{key} {text!r} is not a whole number", fix=f"{_fix(key, '<number>')}") from None
     if kind == "bool":
         if text.lower() in ("true", "false"):
             return text.lower() == "true"
-        raise ClusterError(f"{key} {text!r} must be true or false; {_fix(key, 'true')}")
+        raise ClusterError(f"{key} {text!r} must be true or false", fix=f"{_fix(key, 'true')}")
     return text
 
 

@@ -53,11 +53,11 @@ def take(nodes: list[Node], run_id: str, say, runs_dir: Path | None = None) -> N
         if alive or (time.time() - since < STALE_S and not ended):
             where = ", ".join(f"{n} ({c} process(es))" for n, c in (alive or {}).items()) or "starting"
             raise ClusterError(f"run {other} holds this cluster ({where}, since "
-                               f"{time.strftime('%H:%M:%S', time.localtime(since))}); wait for it to end, end it "
+                               f"{time.strftime('%H:%M:%S', time.localtime(since))})", fix=f"wait for it to end, end it "
                                f"with 'fab stop {other}', or pass --concurrent")
         say(f"note: run {other} held the cluster but has no process left on any node: taking over its lock")
         release(nodes, other)
-    raise ClusterError(f"could not take the run lock {LOCK} on {nodes[0].name}; remove it by hand if no run is going")
+    raise ClusterError(f"could not take the run lock {LOCK} on {nodes[0].name}", fix="remove it by hand if no run is going")
 
 
 def _ended(summary: Path) -> bool:

@@ -1,5 +1,5 @@
 """Bringing a run's outputs home from node 0: the job's output_dir into runs/<id>/output/, complete
-checkpoints into runs/<id>/checkpoints/step-N/ (while the run goes on, and at its end), loss.png.
+checkpoints into runs/<id>/checkpoints/checkpoint-N/ (while the run goes on, and at its end), loss.png.
 """
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from pathlib import Path
 from cluster.node import Node
 from cluster.remote import connect, run
 from core.errors import ClusterError
-from training.paths import COMPLETE_MARKER, KEEP_CHECKPOINTS, RunPaths, checkpoint_step
+from training.paths import COMPLETE_MARKER, KEEP_CHECKPOINTS, RunPaths, checkpoint_name, checkpoint_step
 
 log = logging.getLogger(__name__)
 
@@ -68,9 +68,9 @@ def latest_remote_checkpoint(conn, remote_dir: str) -> tuple[int, str] | None:
     best = None
     for line in res.stdout.split():
         folder = line.rsplit("/", 1)[0]
-        step = folder.rsplit("checkpoint-", 1)[-1]
-        if step.isdigit() and (best is None or int(step) > best[0]):
-            best = (int(step), folder)
+        step = checkpoint_step(folder.rsplit("/", 1)[-1])
+        if step is not None and (best is None or step > best[0]):
+            best = (step, folder)
     return best
 
 
@@ -97,7 +97,7 @@ def fetch_checkpoint(node: Node, run_dir: Path, remote_dir: str, with_model: boo
         if not (dest / COMPLETE_MARKER).is_file():
             # The Trainer deletes all but its newest checkpoints; with frequent saves one can go while it
             # is being copied. A tree of hard links beside the output folder keeps its files for the copy.
-            snap = f"{remote_dir.rstrip('/')}.xc-home-step-{step}"
+            snap = f"{remote_dir.rstrip('/')}.xc-home-{checkpoint_name(step)}"
             q = shlex.quote
             run(conn, f"rm -rf {q(snap)} && cp -al {q(folder)} {q(snap)}", timeout=60)
             try:
@@ -109,7 +109,8 @@ def fetch_checkpoint(node: Node, run_dir: Path, remote_dir: str, with_model: boo
                         continue
                     _get(conn, f"{snap}/{rel}", partial / rel, size, say)
                 if not (partial / COMPLETE_MARKER).is_file():
-                    raise ClusterError(f"{node.name}: checkpoint-{step} lost its completion marker while copying")
+                    raise ClusterError(f"{node.name}: {checkpoint_name(step)} lost its completion marker while copying",
+                                       fix="run again with a larger --save-every (the Trainer deleted it mid-copy)")
                 shutil.rmtree(dest, ignore_errors=True)
                 partial.rename(dest)
             finally:

@@ -50,7 +50,7 @@ def probe(node: Node, time_bf16: bool = True) -> NodeFacts:
             raise ClusterError(f"{node.name}: {exc}") from None
         py = run(conn, f"{shlex.quote(node.python)} -c {shlex.quote(PROBE_PY)}")
         if not py.ok:
-            raise ClusterError(f"{node.name}: python {node.python} does not run; set the node up with 'fab setup'")
+            raise ClusterError(f"{node.name}: python {node.python} does not run", fix="set the node up with 'fab setup'")
         m = re.search(r"ccl=(\d) ipex=(\d) py=(\S+)", py.stdout)
         speedup, remembered = bf16_speedup(conn, node) if time_bf16 and topo.bf16 and not topo.amx else (None, False)
         return NodeFacts(node=node, home=home, topo=topo, has_ccl=m.group(1) == "1",
@@ -67,7 +67,7 @@ def bf16_speedup(conn, node: Node) -> tuple[float, bool]:
     m = re.search(r"bf16_speedup=([0-9.]+) remembered=([01])", res.stdout)
     if not res.ok or not m:
         raise ClusterError(f"{node.name}: timing bf16 against fp32 matmuls failed: "
-                           f"{(res.stderr or res.stdout).strip()[-200:]}; pass --precision bf16 or fp32 to skip it")
+                           f"{(res.stderr or res.stdout).strip()[-200:]}", fix="pass --precision bf16 or fp32 to skip it")
     return float(m.group(1)), m.group(2) == "1"
 
 
@@ -102,7 +102,7 @@ def master_port(node: Node, wanted: int | None) -> int:
 def resolve_backend(requested: str, facts: list[NodeFacts]) -> str:
     missing = [f.node.name for f in facts if not f.has_ccl]
     if requested == "ccl" and missing:
-        raise ClusterError(f"--backend ccl but oneccl_bindings_for_pytorch is missing on {', '.join(missing)}; "
+        raise ClusterError(f"--backend ccl but oneccl_bindings_for_pytorch is missing on {', '.join(missing)}", fix=
                            "run 'fab setup --profile oneccl' or use --backend gloo")
     if requested == "auto":
         return "gloo" if missing else "ccl"

@@ -103,9 +103,9 @@ def _parse_auto_int(value: str, flag: str) -> int | None:
     try:
         n = int(value)
     except ValueError:
-        raise ClusterError(f"{flag} {value!r} is not a number; use a positive integer or 'auto'") from None
+        raise ClusterError(f"{flag} {value!r} is not a number", fix="use a positive integer or 'auto'") from None
     if n < 1:
-        raise ClusterError(f"{flag} {n} must be at least 1; pass a positive integer or 'auto'")
+        raise ClusterError(f"{flag} {n} must be at least 1", fix="pass a positive integer or 'auto'")
     return n
 
 
@@ -115,32 +115,32 @@ def validate(req: TrainRequest) -> workdir.Workdir | None:
     if hidden and req.resume:
         names = ", ".join(hidden)
         raise ClusterError(f"--resume {req.resume['run_id']}: its record keeps {names} as {secrets.MASK} and your "
-                           f"environment has no value for it; export {hidden[0]} or pass --env {hidden[0]}=VALUE")
+                           f"environment has no value for it", fix=f"export {hidden[0]} or pass --env {hidden[0]}=VALUE")
     bundled = req.script is None and req.module is None
     if bundled and req.job not in launcher.JOBS:
-        raise ClusterError(f"--job {req.job!r} is not a bundled job; use one of: {', '.join(launcher.JOBS)} "
+        raise ClusterError(f"--job {req.job!r} is not a bundled job", fix=f"use one of: {', '.join(launcher.JOBS)} "
                            "(or --script PATH for your own)")
     wd = workdir.check(req.workdir, req.script, req.module, req.launcher, bundled)
     if req.script is not None and wd is None and not Path(req.script).is_file():
-        raise ClusterError(f"--script {req.script} does not exist; pass the path of your training script")
+        raise ClusterError(f"--script {req.script} does not exist", fix="pass the path of your training script")
     if req.backend not in BACKENDS:
-        raise ClusterError(f"--backend {req.backend!r} is not one of {', '.join(BACKENDS)}; pass one of them")
+        raise ClusterError(f"--backend {req.backend!r} is not one of {', '.join(BACKENDS)}", fix="pass one of them")
     if req.precision not in PRECISIONS:
-        raise ClusterError(f"--precision {req.precision!r} is not one of {', '.join(PRECISIONS)}; pass one of "
+        raise ClusterError(f"--precision {req.precision!r} is not one of {', '.join(PRECISIONS)}", fix="pass one of "
                            "them")
     if req.comm_hook not in LAUNCH_COMM_HOOKS:
-        raise ClusterError(f"--comm-hook {req.comm_hook!r} is not one of {', '.join(LAUNCH_COMM_HOOKS)}; pass one of "
+        raise ClusterError(f"--comm-hook {req.comm_hook!r} is not one of {', '.join(LAUNCH_COMM_HOOKS)}", fix="pass one of "
                            "them (none sends fp32 gradients)")
     try:
         spot.parse_save_every(req.save_every)
     except ValueError as exc:
-        raise ClusterError(f"--save-every: {exc}; e.g. --save-every 10m or --save-every 200") from None
+        raise ClusterError(f"--save-every: {exc}", fix="e.g. --save-every 10m or --save-every 200") from None
     try:
         spot.parse_poll(req.env.get(spot.POLL_ENV))
     except ValueError as exc:
-        raise ClusterError(f"--env {exc}; pass seconds between 0.1 and 60, e.g. --env {spot.POLL_ENV}=1") from None
+        raise ClusterError(f"--env {exc}", fix=f"pass seconds between 0.1 and 60, e.g. --env {spot.POLL_ENV}=1") from None
     if req.master_port is not None and not 1024 <= req.master_port <= 65535:
-        raise ClusterError(f"--master-port {req.master_port} is not a usable TCP port; use 1024..65535, or leave it "
+        raise ClusterError(f"--master-port {req.master_port} is not a usable TCP port", fix="use 1024..65535, or leave it "
                            "out to get a free one")
     if req.timeout_s < 1:
         raise ClusterError(f"--timeout {req.timeout_s} must be at least 1 second (default 300)")
@@ -149,7 +149,7 @@ def validate(req: TrainRequest) -> workdir.Workdir | None:
     files = local_files(req.args)
     for flag, path in files:
         if not Path(path).expanduser().is_file():
-            raise ClusterError(f"{flag} {path} does not exist; pass an existing data file (CSV, JSON or text)")
+            raise ClusterError(f"{flag} {path} does not exist", fix="pass an existing data file (CSV, JSON or text)")
     if bundled:
         jobdata.check(req.job, req.args, files)
     writable_dir(req.runs_dir, "the runs folder", "set XC_RUNS_DIR to a writable folder")
@@ -242,10 +242,10 @@ def fits(ppn: int, threads: int | None, facts: list[NodeFacts]) -> None:
     small = min(facts, key=lambda f: f.topo.physical_cores)
     cores, cpus = small.topo.physical_cores, small.topo.physical_cores * small.topo.threads_per_core
     if ppn > cores:
-        raise ClusterError(f"--ppn {ppn} is more ranks than the {cores} physical core(s) of {small.node.name}; "
+        raise ClusterError(f"--ppn {ppn} is more ranks than the {cores} physical core(s) of {small.node.name}", fix=
                            f"use --ppn {cores} or fewer")
     if threads is not None and threads * ppn > cpus:
-        raise ClusterError(f"--threads {threads} x --ppn {ppn} is more than the {cpus} CPU(s) of {small.node.name}; "
+        raise ClusterError(f"--threads {threads} x --ppn {ppn} is more than the {cpus} CPU(s) of {small.node.name}", fix=
                            f"use --threads {max(1, cpus // ppn)} or fewer")
 
 
@@ -313,7 +313,7 @@ def same_global_batch(args: list[str], old_world: int, new_world: int) -> tuple[
     global_batch = per_device * accum * old_world
     if global_batch % (per_device * new_world):
         raise ClusterError(f"--resume on {new_world} rank(s): the global batch {global_batch} ({per_device} x {accum} "
-                           f"x {old_world} ranks) is not a multiple of {per_device} x {new_world}; resume on a node "
+                           f"x {old_world} ranks) is not a multiple of {per_device} x {new_world}", fix="resume on a node "
                            "count that divides it")
     new_accum = global_batch // (per_device * new_world)
     note = (f"resuming on {new_world} rank(s) instead of {old_world}: gradient accumulation {accum} -> {new_accum} "

@@ -23,8 +23,8 @@ def _summary(run_id: str, run_dir: Path, runs_dir: Path, store: str | None) -> d
     summary = store_lib.read_summary(store, run_id) if store else None
     if summary is None:
         where = f" nor in the store {store}" if store else ""
-        raise NoRecord(f"--resume {run_id}: no readable {run_dir}/summary.json{where}; pass the id of a run "
-                       f"from 'fab runs'")
+        raise NoRecord(f"--resume {run_id}: no readable {run_dir}/summary.json{where}", fix="pass the id of a run "
+                       "from 'fab runs'")
     return records.RunRecord.from_json(summary).to_json()
 
 
@@ -44,7 +44,7 @@ def resume_request(run_id: str, runs_dir: Path, nodes: int | None = None, fetch_
     run_dir = RunPaths(run_id, runs_dir=runs_dir).home
     summary = _summary(run_id, run_dir, Path(runs_dir), store)
     if summary.get("status") == "ok":
-        raise ClusterError(f"--resume {run_id}: that run finished; its results are in {run_dir} (nothing to resume)")
+        raise ClusterError(f"--resume {run_id}: that run finished", fix=f"its results are in {run_dir} (nothing to resume)")
     request = summary.get("request")
     if not request:
         raise ClusterError(f"--resume {run_id}: it was recorded before runs could be resumed",
@@ -60,17 +60,17 @@ def resume_request(run_id: str, runs_dir: Path, nodes: int | None = None, fetch_
         if not home:
             where = records.RunRecord.from_json(summary).store or store
             in_where = f"{where}/{RunPaths(run_id).store_checkpoints} nor in " if where else ""
-            raise NoCheckpoint(f"--resume {run_id}: no complete checkpoint in {in_where}{run_dir}/checkpoints; start "
+            raise NoCheckpoint(f"--resume {run_id}: no complete checkpoint in {in_where}{run_dir}/checkpoints", fix="start "
                                "the run anew")
         (step, checkpoint), url = home[-1], None
         if not fetch_model_ok(checkpoint):
             raise ClusterError(f"--resume {run_id}: checkpoint {checkpoint.name} has no model weights (the run used "
-                               "--no-fetch-model); start the run anew")
+                               "--no-fetch-model)", fix="start the run anew")
     for path, digest in request.get("data", {}).items():
         if not Path(path).is_file():
-            raise ClusterError(f"--resume {run_id}: its data file {path} is gone; restore it or start anew")
+            raise ClusterError(f"--resume {run_id}: its data file {path} is gone", fix="restore it or start anew")
         if file_digest(path) != digest:
-            raise ClusterError(f"--resume {run_id}: its data file {path} changed since the run; a resumed run must "
+            raise ClusterError(f"--resume {run_id}: its data file {path} changed since the run", fix="a resumed run must "
                                "train on the same data (restore it or start anew)")
     args = list(request["args"])
     env = dict(request["env"])

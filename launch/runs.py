@@ -195,7 +195,7 @@ def _read_from(path: Path, offset: int) -> bytes:
 def _log_from_store(store: str, run_id: str, out: TextIO) -> bool:
     """The log.txt the store keeps of a run (one started from another machine); False when it has none."""
     summary = store_lib.read_summary(store, run_id)
-    text = store_lib.read_text(store, f"runs/{run_id}/log.txt")
+    text = store_lib.read_text(store, RunPaths(run_id).store_record("log.txt"))
     if summary is None or text is None:
         return False
     router = OutputRouter(detach.log_plan(RunRecord.from_json(summary)), out, io.StringIO())

@@ -21,7 +21,7 @@ RUN_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
 def check_run_id(run_id: str, runs_dir: Path) -> None:
     """A run id is a folder name under runs/: never a path (the record is written under it)."""
     if not RUN_ID.fullmatch(run_id or ""):
-        raise ClusterError(f"{run_id!r} is not a run id; pass the name of a run folder under {runs_dir}, e.g. "
+        raise ClusterError(f"{run_id!r} is not a run id", fix=f"pass the name of a run folder under {runs_dir}, e.g. "
                            "20261122-113856-glue-3b36")
 
 

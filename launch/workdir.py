@@ -106,7 +106,7 @@ def limit_mb() -> int:
     except ValueError:
         value = 0
     if value < 1:
-        raise ClusterError(f"{LIMIT_ENV}={text!r} is not a positive whole number of MiB; unset it or set e.g. "
+        raise ClusterError(f"{LIMIT_ENV}={text!r} is not a positive whole number of MiB", fix=f"unset it or set e.g. "
                            f"{LIMIT_ENV}=500")
     return value
 
@@ -238,14 +238,14 @@ def scan(path: str) -> Workdir:
     root = Path(path).expanduser()
     if not root.is_dir():
         what = "does not exist" if not root.exists() else "is not a folder"
-        raise ClusterError(f"--workdir {path} {what}; pass the folder of your project")
+        raise ClusterError(f"--workdir {path} {what}", fix="pass the folder of your project")
     limit = limit_mb()
     wd = Workdir(root.resolve(), path, list_files(root))
     if wd.size > limit * MiB:
         big = sorted(wd.files, key=lambda f: (wd.root / f).stat().st_size, reverse=True)[:3]
         names = ", ".join(f"{f} {_size((wd.root / f).stat().st_size)}" for f in big)
         raise ClusterError(f"--workdir {path} holds {_size(wd.size)} in {len(wd.files)} file(s) (limit {limit} MiB, "
-                           f"largest: {names}); add large files to .gitignore or raise the limit with "
+                           f"largest: {names})", fix=f"add large files to .gitignore or raise the limit with "
                            f"{LIMIT_ENV}={-(-wd.size // MiB)}")
     return wd
 
@@ -260,15 +260,15 @@ def check(workdir: str | None, script: str | None, module: str | None, launcher:
           ) -> Workdir | None:
     """Every own-code flag before anything starts; returns DIR scanned (None without --workdir)."""
     if launcher not in LAUNCHERS:
-        raise ClusterError(f"--launcher {launcher!r} is not one of {', '.join(LAUNCHERS)}; pass one of them")
+        raise ClusterError(f"--launcher {launcher!r} is not one of {', '.join(LAUNCHERS)}", fix="pass one of them")
     if bundled and (workdir or module or launcher != "python"):
         flag = "--workdir" if workdir else "--module" if module else "--launcher accelerate"
-        raise ClusterError(f"{flag} is for your own code, not a bundled job; pass --script FILE or --module NAME "
+        raise ClusterError(f"{flag} is for your own code, not a bundled job", fix="pass --script FILE or --module NAME "
                            "(or drop it)")
     if module is not None and not _MODULE.match(module):
-        raise ClusterError(f"--module {module!r} is not a dotted module name; pass e.g. --module mypkg.train")
+        raise ClusterError(f"--module {module!r} is not a dotted module name", fix="pass e.g. --module mypkg.train")
     if module and not workdir:
-        raise ClusterError(f"--module {module} runs a module of your project; pass its folder with --workdir DIR "
+        raise ClusterError(f"--module {module} runs a module of your project", fix="pass its folder with --workdir DIR "
                            "(or --script FILE for a single file)")
     if not workdir:
         return None
@@ -277,21 +277,21 @@ def check(workdir: str | None, script: str | None, module: str | None, launcher:
         if module_file(wd, module) is None:
             base = module.replace(".", "/")
             raise ClusterError(f"--module {module}: neither {base}.py nor {base}/__main__.py is among the files "
-                               f"--workdir {workdir} ships; pass a module inside it (a .gitignore'd file is not "
+                               f"--workdir {workdir} ships", fix="pass a module inside it (a .gitignore'd file is not "
                                "shipped)")
         return wd
     if not script:
-        raise ClusterError(f"--workdir {workdir} needs what to run in it; pass --script FILE (relative to it) or "
+        raise ClusterError(f"--workdir {workdir} needs what to run in it", fix="pass --script FILE (relative to it) or "
                            "--module NAME")
     target = (wd.root / script).resolve()
     if wd.root not in target.parents:
-        raise ClusterError(f"--script {script} is outside --workdir {workdir}; pass a path relative to it, e.g. "
+        raise ClusterError(f"--script {script} is outside --workdir {workdir}", fix="pass a path relative to it, e.g. "
                            "--script train.py")
     if relative_script(wd, script) not in wd.files:
         if target.is_file():
             raise ClusterError(f"--script {script} is in --workdir {workdir} but .gitignore leaves it out, so it is "
-                               "not shipped; un-ignore it or pass another file")
-        raise ClusterError(f"--script {script} does not exist in --workdir {workdir}; pass a file of your project "
+                               "not shipped", fix="un-ignore it or pass another file")
+        raise ClusterError(f"--script {script} does not exist in --workdir {workdir}", fix="pass a file of your project "
                            "relative to it")
     return wd
 

@@ -144,7 +144,7 @@ def torch_bound_mismatches(versions: dict[str, str], built_here: tuple[str, ...]
 
 def _parse(name: str, raw: dict, where: Path) -> Profile:
     def bad(what: str, fix: str) -> ClusterError:
-        return ClusterError(f"profile {name!r} in {where}: {what}; {fix}")
+        return ClusterError(f"profile {name!r} in {where}: {what}", fix=f"{fix}")
 
     unknown = set(raw) - _PROFILE_KEYS
     if unknown:
@@ -232,14 +232,14 @@ def load_profiles(path: Path | str | None = None) -> dict[str, Profile]:
     try:
         data = tomllib.loads(where.read_text())
     except (OSError, tomllib.TOMLDecodeError) as exc:
-        raise ClusterError(f"{where}: cannot read the profiles ({exc}); restore the file from git") from exc
+        raise ClusterError(f"{where}: cannot read the profiles ({exc})", fix="restore the file from git") from exc
     return {name: _parse(name, raw, where) for name, raw in data.get("profiles", {}).items()}
 
 
 def load_profile(name: str, path: Path | str | None = None) -> Profile:
     profiles = load_profiles(path)
     if name not in profiles:
-        raise ClusterError(f"unknown profile {name!r}: the profiles are {', '.join(sorted(profiles))}; "
+        raise ClusterError(f"unknown profile {name!r}: the profiles are {', '.join(sorted(profiles))}", fix=
                            "pass one of them with --profile")
     return profiles[name]
 
@@ -263,7 +263,7 @@ def venv_shell_word(venv: str) -> str:
     dedicated = in_home or venv.startswith("/")
     dedicated = dedicated and ".." not in parts and len(parts) >= (1 if in_home else 3)
     if not dedicated or any(ord(c) < 32 for c in venv):
-        raise ClusterError(f"venv path {venv!r} is not a dedicated directory; use an absolute path at least two "
+        raise ClusterError(f"venv path {venv!r} is not a dedicated directory", fix="use an absolute path at least two "
                            "levels deep (or ~/something), e.g. /opt/xeon-cluster/venv")
     if in_work_root:
         return '"${XC_HOME:?is not set: this venv path is for local-cluster nodes}"/' + shlex.quote(rest)

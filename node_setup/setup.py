@@ -238,7 +238,7 @@ def choose_profile(requested: str | None, carried: dict[str, str | None], venv_o
     if requested is None:
         if len(names) > 1:
             which = ", ".join(f"{n}: {c}" for n, c in carried.items() if c)
-            raise ClusterError(f"the nodes carry different profiles ({which}); pass --profile NAME (with --force "
+            raise ClusterError(f"the nodes carry different profiles ({which})", fix="pass --profile NAME (with --force "
                                "to replace the others)")
         if names:
             return names[0], "carried by the nodes"
@@ -247,7 +247,7 @@ def choose_profile(requested: str | None, carried: dict[str, str | None], venv_o
     if clash and not force:
         node, was = clash[0]
         raise ClusterError(f"{node} carries profile {was} in {venv_of(was)}, which --profile {requested} would "
-                           f"replace; pass --force to switch, or leave out --profile to keep {was}")
+                           f"replace", fix=f"pass --force to switch, or leave out --profile to keep {was}")
     return requested, "--force: replacing " + ", ".join(f"{c} on {n}" for n, c in clash) if clash else "--profile"
 
 
@@ -307,8 +307,8 @@ def setup_nodes(cluster: Cluster, nodes: list[Node], profile: str | profiles.Pro
     if failed:
         names = [r.node for r in failed]
         detail = "; ".join(f"{r.node}: {r.reason.removeprefix('error: ')}" for r in failed)
-        raise NodeFailure(f"setup failed on {', '.join(names)} of {len(results)} node(s): {detail}; fix that and "
-                          f"re-run 'fab setup --profile {p.name}' (logs: {logs})", names)
+        raise NodeFailure(f"setup failed on {', '.join(names)} of {len(results)} node(s): {detail}", names, fix=f"fix that and "
+                          f"re-run 'fab setup --profile {p.name}' (logs: {logs})")
     if keys_error:
         raise ClusterError(f"setup finished but the cluster key could not be installed: {keys_error}")
     say(out, out_lock, f"setup: {len(results)} node(s) on profile {p.name} and code {digest} in {wall:.1f} s")

@@ -68,10 +68,10 @@ def parse_sizes(text: str, available: int | None = None, cluster: str = "") -> l
         try:
             n = int(part)
         except ValueError:
-            raise ClusterError(f"--nodes {text!r}: {part!r} is not a node count; give a comma-separated list "
+            raise ClusterError(f"--nodes {text!r}: {part!r} is not a node count", fix="give a comma-separated list "
                                "of whole numbers such as 1,2,4") from None
         if n < 1:
-            raise ClusterError(f"--nodes {text!r}: {n} is below 1; every size needs at least one node")
+            raise ClusterError(f"--nodes {text!r}: {n} is below 1", fix="every size needs at least one node")
         sizes.append(n)
     sizes = sorted(set(sizes))
     if available is not None and sizes[-1] > available:
@@ -79,7 +79,7 @@ def parse_sizes(text: str, available: int | None = None, cluster: str = "") -> l
         fix = (f"run 'fab local-up --nodes {too_big[-1]}'" if cluster in ("", "local")
                else f"run 'pulumi up' with nodeCount={too_big[-1]}")
         raise ClusterError(f"--nodes {text!r}: {', '.join(map(str, too_big))} is more than the {available} node(s) "
-                           f"of cluster {cluster!r}; {fix} or drop it from the list")
+                           f"of cluster {cluster!r}", fix=f"{fix} or drop it from the list")
     return sizes
 
 
@@ -116,22 +116,22 @@ def check_comparable(runs: list[RunRecord]) -> None:
             if key == "train_file" and a and b:  # shipped copies differ in folder only
                 a, b = Path(a).name, Path(b).name
             if a != b:
-                raise ClusterError(f"{where} differ in {key} ({a} vs {b}); a scaling report compares one job "
+                raise ClusterError(f"{where} differ in {key} ({a} vs {b})", fix="a scaling report compares one job "
                                    "with identical model, data and flags: rerun them alike")
         flags = flag_values(other.summary.get("args", []))
         for flag in sorted(set(base_flags) | set(flags)):
             if base_flags.get(flag) != flags.get(flag):
                 raise ClusterError(f"{where} differ in {flag} ({_shown(base_flags.get(flag))} vs "
-                                   f"{_shown(flags.get(flag))}); a scaling report compares identical flags: "
+                                   f"{_shown(flags.get(flag))})", fix="a scaling report compares identical flags: "
                                    "rerun them alike")
         a_n, b_n = base.results.get("train", {}).get("samples"), other.results.get("train", {}).get("samples")
         if a_n != b_n:
-            raise ClusterError(f"{where} trained on {a_n} vs {b_n} samples; rerun them with the same data")
+            raise ClusterError(f"{where} trained on {a_n} vs {b_n} samples", fix="rerun them with the same data")
     sizes = [r.nodes for r in runs]
     if len(set(sizes)) != len(sizes):
-        raise ClusterError(f"two runs have the same node count ({sizes}); pass one run per cluster size")
+        raise ClusterError(f"two runs have the same node count ({sizes})", fix="pass one run per cluster size")
     if any("train" not in r.results for r in runs):
-        raise ClusterError("a run has no training figures (--do_train was off); a scaling report needs them")
+        raise ClusterError("a run has no training figures (--do_train was off)", fix="a scaling report needs them")
 
 
 def node_price(node: dict) -> float | None:
@@ -309,7 +309,7 @@ def bench(cluster: Cluster, sizes_text: str, template: TrainRequest, out: TextIO
 
     if template.script is not None:
         raise ClusterError("fab bench runs the bundled jobs (--job glue|qa|clm), whose results.json the report "
-                           "reads; drop --script")
+                           "reads", fix="drop --script")
     sizes = parse_sizes(sizes_text, len(cluster.nodes), cluster.spec)
     validate(template)  # a bad job or missing data fails before the first run
     label = template.job
@@ -344,11 +344,11 @@ def report_from_runs(run_ids: str, runs_dir: Path, command: str | None = None) -
     """A report over runs that already finished (`fab bench --runs ID,ID`), with the same checks."""
     ids = [x.strip() for x in run_ids.split(",") if x.strip()]
     if len(ids) < 2:
-        raise ClusterError(f"--runs {run_ids!r} names fewer than two runs; give at least two run ids, "
+        raise ClusterError(f"--runs {run_ids!r} names fewer than two runs", fix="give at least two run ids, "
                            "comma-separated")
     missing = [x for x in ids if not RunPaths(x, runs_dir=runs_dir).home.is_dir()]
     if missing:
-        raise ClusterError(f"--runs: no run {', '.join(missing)} in {runs_dir}; see the folder names there")
+        raise ClusterError(f"--runs: no run {', '.join(missing)} in {runs_dir}", fix="see the folder names there")
     runs = [load_run(RunPaths(x, runs_dir=runs_dir).home) for x in ids]
     bench_id = f"bench-{new_run_id('report')}"
     bench_dir = Path(runs_dir) / bench_id

@@ -58,7 +58,7 @@ def pod_size(instance_type: str) -> PodSize:
     from core.catalog import CATALOG
 
     if instance_type not in CATALOG:
-        raise ClusterError(f"--instance-type {instance_type!r} is not in the catalog; use one of "
+        raise ClusterError(f"--instance-type {instance_type!r} is not in the catalog", fix=f"use one of "
                            f"{', '.join(CATALOG)} or add a row to core/catalog.py")
     it = CATALOG[instance_type]
     cpu = it.vcpus - max(2, it.vcpus // 16)
@@ -69,25 +69,25 @@ def pod_size(instance_type: str) -> PodSize:
 
 def validate(req: KubeRequest) -> None:
     if req.job not in launcher.JOBS:
-        raise ClusterError(f"--job {req.job!r} is not a bundled job; use one of: {', '.join(launcher.JOBS)}")
+        raise ClusterError(f"--job {req.job!r} is not a bundled job", fix=f"use one of: {', '.join(launcher.JOBS)}")
     if req.nodes < 1:
-        raise ClusterError(f"--nodes {req.nodes} is below 1; a PyTorchJob needs at least its master")
+        raise ClusterError(f"--nodes {req.nodes} is below 1", fix="a PyTorchJob needs at least its master")
     name = req.name or default_name(req)
     if not re.fullmatch(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?", name):
-        raise ClusterError(f"--name {name!r} is not a Kubernetes name; use lower-case letters, digits and '-' "
+        raise ClusterError(f"--name {name!r} is not a Kubernetes name", fix="use lower-case letters, digits and '-' "
                            "(at most 63 characters)")
     if not re.fullmatch(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?", req.namespace):
-        raise ClusterError(f"--namespace {req.namespace!r} is not a Kubernetes namespace; use lower-case letters, "
+        raise ClusterError(f"--namespace {req.namespace!r} is not a Kubernetes namespace", fix="use lower-case letters, "
                            "digits and '-' (at most 63 characters)")
     if not re.fullmatch(r"[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?", req.pvc):
-        raise ClusterError(f"--pvc {req.pvc!r} is not a PersistentVolumeClaim name; use lower-case letters, digits, "
+        raise ClusterError(f"--pvc {req.pvc!r} is not a PersistentVolumeClaim name", fix="use lower-case letters, digits, "
                            "'-' and '.'")
     if not re.fullmatch(r"[A-Za-z0-9][\w.:/@-]*", req.image):
-        raise ClusterError(f"--image {req.image!r} is not an image reference; pass e.g. "
+        raise ClusterError(f"--image {req.image!r} is not an image reference", fix="pass e.g. "
                            "registry.example.com/xeon-cluster-train:latest")
     for flag in ("--output_dir",):
         if any(a == flag or a.startswith(flag + "=") for a in req.args):
-            raise ClusterError(f"{flag} is set by fab kube (under {MOUNT}/output/<name> on the PVC); drop it")
+            raise ClusterError(f"{flag} is set by fab kube (under {MOUNT}/output/<name> on the PVC)", fix="drop it")
     jobdata.check(req.job, req.args, [])  # the job's numbers; its data files are on the PVC, not here
 
 
@@ -136,7 +136,7 @@ def render_kube(req: KubeRequest, out_dir: Path) -> dict[str, Path]:
         probe.write_text("")
         probe.unlink()
     except OSError as exc:
-        raise ClusterError(f"--out {out_dir} is not a writable folder ({exc.strerror}); pass another with --out") from None
+        raise ClusterError(f"--out {out_dir} is not a writable folder ({exc.strerror})", fix="pass another with --out") from None
     manifest = render("pytorchjob.yaml.j2", name=name, namespace=req.namespace, job=req.job, nodes=req.nodes,
                       roles=roles, image=req.image, command=command, env=job_env(req, size, backend), cpu=size.cpu,
                       memory=size.memory, shm=size.shm, mount=MOUNT, pvc=req.pvc,

@@ -4,6 +4,7 @@ emulation ignores the s3:prefix condition that the role's listing depends on."""
 from __future__ import annotations
 
 import fnmatch
+import json
 import os
 import subprocess
 import sys
@@ -92,4 +93,5 @@ def test_the_program_a_node_runs_is_the_node_probe(aws_env, tmp_path):
     run = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120, env=clean,
                          cwd=tmp_path, check=False)
     line = next(ln for ln in run.stdout.splitlines() if ln.startswith(doctor_store.TAG))
-    assert line.split()[:2] == [doctor_store.TAG, "ok"], run.stdout + run.stderr
+    assert line.startswith(doctor_store.TAG + " ") and json.loads(line.split(" ", 1)[1])["ok"] is True, \
+        run.stdout + run.stderr

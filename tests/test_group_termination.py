@@ -79,7 +79,7 @@ def test_a_group_termination_checkpoints_exits_75_names_its_cause_and_resumes(cl
     summary = records.load(cluster2.runs / run_id).to_json()
     assert summary["status"] == "preempted" and summary["cause"] == "group termination", summary
     step = summary["preempted"]["step"]
-    ckpt = cluster2.runs.parent / "store" / "runs" / run_id / "checkpoints" / f"step-{step}"  # the local store
+    ckpt = cluster2.runs.parent / "store" / "runs" / run_id / "checkpoints" / f"checkpoint-{step}"  # the local store
     assert (ckpt / spot.COMPLETE_MARKER).is_file()
     assert not [ln for ln in imds.requests if "spot/instance-action" in ln[1] and ln[2] == 200]  # no spot notice
     assert processes_with_env(f"XC_RUN_ID={run_id}") == []
@@ -109,7 +109,7 @@ def test_a_rebalance_recommendation_checkpoints_while_the_run_goes_on(cluster2, 
     assert summary["status"] == "ok"
     total = json.loads((cluster2.runs / run_id / "output" / "trainer_state.json").read_text())["global_step"]
     assert total > step  # training went on after the checkpoint
-    ckpt = cluster2.runs.parent / "store" / "runs" / run_id / "checkpoints" / f"step-{step}"  # the local store
+    ckpt = cluster2.runs.parent / "store" / "runs" / run_id / "checkpoints" / f"checkpoint-{step}"  # the local store
     assert (ckpt / spot.COMPLETE_MARKER).is_file(), ckpt
 
 

@@ -121,3 +121,44 @@ def test_no_module_over_400_lines():
 def test_node_setup_holds_only_node_set_up():
     assert {p.name for p in (ROOT / "node_setup").iterdir() if p.suffix in (".py", ".toml")} == {
         "__init__.py", "profiles.py", "profiles.toml", "setup.py", "publish_host_keys.py"}  # the last: at first boot
+
+
+def _code_lines() -> list[tuple[str, int, str]]:
+    """(module, line number, line) of every project module and template outside tests/ and bench/."""
+    out = []
+    files = [(name, path) for name, path in modules().items()]
+    files += [(f"templates/{p.name}", p) for p in sorted((ROOT / "templates").glob("*.j2"))]
+    for name, path in files:
+        for i, line in enumerate(path.read_text().splitlines(), 1):
+            if not line.lstrip().startswith("#"):
+                out.append((name, i, line))
+    return out
+
+
+def test_one_module_writes_run_records():
+    """Only launch/records.py moves or saves a record (its named transitions also publish to the store)."""
+    writers = {m for m, _, line in _code_lines() if "._move(" in line or "._save(" in line}
+    assert writers <= {"launch.records"}, writers
+
+
+def test_a_runs_places_are_built_in_one_place():
+    """'<home>/runs/<id>', 'runs/{id}/...' and checkpoint folder names come from training/paths.py (RunPaths)."""
+    import re
+
+    builds = re.compile(r"""f["'][^"']*(/runs/\{|runs/\{|step-\{|checkpoint-\{)""")
+    places = {m for m, _, line in _code_lines() if builds.search(line)}
+    assert places == set(), places  # training/paths.py builds them from RUNS and _CHECKPOINT
+
+
+def test_the_store_url_is_looked_up_in_at_most_four_lines():
+    import re
+
+    lookups = [(m, i) for m, i, line in _code_lines()
+               if re.search(r"""(\.get\(|\[)(["']XC_STORE["']|STORE_ENV)""", line)]
+    assert len(lookups) <= 4, lookups
+
+
+def test_no_code_splits_an_errors_text():
+    """Errors carry what and fix as fields (core.errors.ClusterError, training.store.StoreError)."""
+    split = [(m, i) for m, i, line in _code_lines() if 'partition("; ")' in line or 'split("; ")' in line]
+    assert split == [], split

@@ -105,8 +105,8 @@ def test_errors_carry_what_and_fix_and_are_formatted_once():
     e = ClusterError("--nodes 6 but the cluster has 4 nodes", "lower --nodes")
     assert (e.what, e.fix) == ("--nodes 6 but the cluster has 4 nodes", "lower --nodes")
     assert format_error(e) == "error: --nodes 6 but the cluster has 4 nodes; lower --nodes"
-    legacy = ClusterError("x is wrong; do y; or z")  # one text: split once, where it is made
-    assert (legacy.what, legacy.fix, str(legacy)) == ("x is wrong", "do y; or z", "x is wrong; do y; or z")
+    text = ClusterError("x is wrong; do y")  # nothing splits text: a '; ' inside 'what' stays in 'what'
+    assert (text.what, text.fix, str(text)) == ("x is wrong; do y", "", "x is wrong; do y")
     p = Preempted("run a preempted", run_id="a", node="node1", fix="resume with 'fab train --resume a'")
     assert format_error(p) == "run a preempted; resume with 'fab train --resume a'" and p.exit_code == 75
 
@@ -203,7 +203,7 @@ def test_preempted_brings_its_checkpoint_home(tmp_path, monkeypatch):
     rec = records.load(tmp_path / "b" / "r1")
     assert rec.status == Status.PREEMPTED and rec.exit_code == 75 and rec.preempted["step"] == 20
     assert rec.cause == "spot interruption"
-    assert (tmp_path / "b" / "r1" / "checkpoints" / "step-20" / "model.safetensors").read_bytes() == b"w"
+    assert (tmp_path / "b" / "r1" / "checkpoints" / "checkpoint-20" / "model.safetensors").read_bytes() == b"w"
 
 
 def test_a_notice_whose_checkpoint_is_not_durable_resumes_from_the_previous_complete_one(tmp_path, monkeypatch):
@@ -307,7 +307,7 @@ def _resumable(runs: Path) -> None:
     request = {"job": "glue", "script": None, "args": ["--seed", "1"], "ppn": "1", "threads": "2", "backend": "gloo",
                "precision": "fp32", "env": {}, "save_every": "20", "pin": True, "timeout_s": 900, "data": {}}
     RunRecord("old", Status.PREEMPTED, request=request, world_size=2, nodes=[{}, {}])._save(d)
-    ck = _mk(d / "checkpoints" / "step-20")
+    ck = _mk(d / "checkpoints" / "checkpoint-20")
     (ck / "model.safetensors").write_bytes(b"w")
     (ck / spot.COMPLETE_MARKER).write_text("{}")
 
@@ -351,7 +351,7 @@ def test_a_script_run_resumes_with_its_own_code_and_refuses_changed_code(tmp_pat
                    "script_digest": None if wd else file_digest(script)}
         RunRecord(run_id, Status.PREEMPTED, request=request, world_size=2, nodes=[{}, {}],
                   workdir=workdir_lib.scan(wd).record() if wd else None)._save(d)
-        ck = _mk(d / "checkpoints" / "step-20")
+        ck = _mk(d / "checkpoints" / "checkpoint-20")
         (ck / "model.safetensors").write_bytes(b"w")
         (ck / spot.COMPLETE_MARKER).write_text("{}")
     req = resolve(TrainFlags(resume="wd"), tmp_path / "runs").req

@@ -20,6 +20,7 @@ from launch.records import RunRecord, RunResult, Status, load
 from launch.request import TrainRequest
 from launch.run import DEMO_ARGS
 from training import spot
+from training.paths import checkpoint_step
 
 
 def test_only_lost_nodes_and_preemptions_are_worth_a_restart():
@@ -55,7 +56,7 @@ def _fake_run(runs: Path, run_id: str, status: str, step: int | None, resumed_fr
     RunRecord(run_id, Status(status), request=request, world_size=2, nodes=[{}, {}],
               resumed_from={"run_id": resumed_from, "step": 1} if resumed_from else None)._save(d)
     if step is not None:
-        ck = d / "checkpoints" / f"step-{step}"
+        ck = d / "checkpoints" / f"checkpoint-{step}"
         ck.mkdir(parents=True)
         (ck / "model.safetensors").write_bytes(b"w")
         (ck / spot.COMPLETE_MARKER).write_text("{}")
@@ -123,8 +124,8 @@ def test_no_restart_left_ends_with_the_failure_and_the_wait_problem(tmp_path, mo
 def _home_steps(run_dir: Path) -> list[int]:
     """Complete checkpoints of the run in its store: the local folder beside runs/ (the nodes share the disk)."""
     folder = run_dir.parent.parent / "store" / "runs" / run_dir.name / "checkpoints"
-    return sorted(int(d.name[5:]) for d in folder.glob("step-*")
-                  if d.name[5:].isdigit() and (d / spot.COMPLETE_MARKER).is_file())
+    return sorted(checkpoint_step(d.name) for d in folder.glob("checkpoint-*")
+                  if checkpoint_step(d.name) is not None and (d / spot.COMPLETE_MARKER).is_file())
 
 
 # The resumed run must outlive the save of its first checkpoint into the store (the local store is beside runs/,

@@ -51,7 +51,7 @@ print("done", flush=True)
 
 
 def _store_ckpt(cluster, run_id: str, step: int) -> Path:
-    return cluster.runs.parent / "store" / "runs" / run_id / "checkpoints" / f"step-{step}"
+    return cluster.runs.parent / "store" / "runs" / run_id / "checkpoints" / f"checkpoint-{step}"
 
 
 def _notice(text: str) -> notice.Notice:

@@ -83,11 +83,13 @@ def test_save_every(value, expect):
 def test_home_checkpoints_skip_partial_transfers(tmp_path):
     from launch import outputs
 
-    for name, marker in (("step-5", True), ("step-9", False), ("step-7.partial", True)):
+    for name, marker in (("checkpoint-5", True), ("checkpoint-9", False), ("checkpoint-7.partial", True)):
         (tmp_path / "checkpoints" / name).mkdir(parents=True)
         if marker:
             (tmp_path / "checkpoints" / name / spot.COMPLETE_MARKER).write_text("{}")
-    assert [s for s, _ in outputs.home_checkpoints(tmp_path)] == [5]
+    (tmp_path / "checkpoints" / "step-3").mkdir()  # the name a home held before checkpoint-N: still read
+    (tmp_path / "checkpoints" / "step-3" / spot.COMPLETE_MARKER).write_text("{}")
+    assert [s for s, _ in outputs.home_checkpoints(tmp_path)] == [3, 5]
 
 
 ARGS = DEMO_ARGS  # 800 pairs x 2 epochs: enough steps for the model to learn, so accuracies compare
@@ -112,8 +114,8 @@ def test_notice_checkpoints_home_and_resume_finishes_like_an_uninterrupted_run(c
     assert m, last
     step = int(m.group(2))
     assert stopped_in < 120, f"{stopped_in:.0f}s from notice to checkpoint at home"
-    assert m.group(3) == f"{cluster2.runs.parent.as_uri()}/store/runs/{run_id}/checkpoints/step-{step}"
-    ckpt = cluster2.runs.parent / "store" / "runs" / run_id / "checkpoints" / f"step-{step}"  # the local store
+    assert m.group(3) == f"{cluster2.runs.parent.as_uri()}/store/runs/{run_id}/checkpoints/checkpoint-{step}"
+    ckpt = cluster2.runs.parent / "store" / "runs" / run_id / "checkpoints" / f"checkpoint-{step}"  # the local store
     assert (ckpt / spot.COMPLETE_MARKER).is_file() and (ckpt / "optimizer.pt").is_file()
     # every rank's RNG state came home with it, not only node 0's: the resume continues the same run
     assert (ckpt / "rng_state_0.pth").is_file() and (ckpt / "rng_state_1.pth").is_file()

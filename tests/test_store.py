@@ -45,16 +45,16 @@ def test_the_marker_name_is_spots():
 def test_a_checkpoint_goes_up_in_parallel_parts_and_counts_only_with_its_marker(s3, tmp_path):
     big = shared.CHUNK * 2 + 12345  # three parts
     url = shared.publish_checkpoint(_checkpoint(tmp_path / "checkpoint-10", 10, big), run_id="r1", url=s3)
-    assert url == f"{s3}/runs/r1/checkpoints/step-10"
+    assert url == f"{s3}/runs/r1/checkpoints/checkpoint-10"
     s3c = client("s3")
-    head = s3c.head_object(Bucket=BUCKET, Key="cl1/runs/r1/checkpoints/step-10/optimizer.pt")
+    head = s3c.head_object(Bucket=BUCKET, Key="cl1/runs/r1/checkpoints/checkpoint-10/optimizer.pt")
     assert head["ContentLength"] == big and head["ETag"].strip('"').endswith("-3")  # a multipart upload's ETag
     # a checkpoint whose marker never arrived (the node went mid-upload) does not count
     store = shared.open_store(s3)
-    shared.upload_tree(store, _checkpoint(tmp_path / "checkpoint-20", 20, complete=False), "runs/r1/checkpoints/step-20")
+    shared.upload_tree(store, _checkpoint(tmp_path / "checkpoint-20", 20, complete=False), "runs/r1/checkpoints/checkpoint-20")
     assert shared.complete_checkpoints(store, "r1") == [10]
     back = tmp_path / "back"
-    assert shared.download_tree(store, "runs/r1/checkpoints/step-10", back) == big + 2 + len('{"global_step": 10}')
+    assert shared.download_tree(store, "runs/r1/checkpoints/checkpoint-10", back) == big + 2 + len('{"global_step": 10}')
     assert (back / "optimizer.pt").read_bytes() == (tmp_path / "checkpoint-10" / "optimizer.pt").read_bytes()
 
 
@@ -68,7 +68,7 @@ def test_the_marker_is_written_last(tmp_path):
 
     folder = _checkpoint(tmp_path / "checkpoint-3", 3)
     (folder / "zz-last-by-name").write_text("x")
-    shared.upload_tree(Recorder((tmp_path / "st").as_uri()), folder, "runs/r/checkpoints/step-3")
+    shared.upload_tree(Recorder((tmp_path / "st").as_uri()), folder, "runs/r/checkpoints/checkpoint-3")
     assert order[-1] == spot.COMPLETE_MARKER and len(order) == 4
 
 
@@ -77,7 +77,7 @@ def test_only_the_newest_checkpoints_stay_in_the_store(s3, tmp_path):
         shared.publish_checkpoint(_checkpoint(tmp_path / f"checkpoint-{step}", step), run_id="r2", url=s3)
     store = shared.open_store(s3)
     assert shared.complete_checkpoints(store, "r2") == [10, 15]
-    assert not [e for e in store.list("runs/r2") if "/step-5/" in e.key]
+    assert not [e for e in store.list("runs/r2") if "/checkpoint-5/" in e.key]
 
 
 def test_the_publisher_uploads_in_the_background_from_a_snapshot(tmp_path):
@@ -90,28 +90,28 @@ def test_the_publisher_uploads_in_the_background_from_a_snapshot(tmp_path):
 
     shutil.rmtree(folder)  # the Trainer rotating its checkpoints away: the hard-linked snapshot stays
     assert pub.wait(60) and pub.durable == [7] and not pub.failed
-    assert (tmp_path / "store/runs/r3/checkpoints/step-7/optimizer.pt").stat().st_size == 5 << 20
+    assert (tmp_path / "store/runs/r3/checkpoints/checkpoint-7/optimizer.pt").stat().st_size == 5 << 20
     assert not list((tmp_path / "out").glob(".xc-store-*"))  # the snapshot is gone once uploaded
 
 
 def test_a_resume_takes_the_checkpoint_from_s3_onto_the_node(s3, tmp_path, monkeypatch):
     shared.publish_checkpoint(_checkpoint(tmp_path / "checkpoint-4", 4, big=3 << 20), run_id="r4", url=s3)
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setenv("XC_RESUME_URL", f"{s3}/runs/r4/checkpoints/step-4")
-    monkeypatch.setenv("XC_RESUME_FROM", "resume/step-4")
+    monkeypatch.setenv("XC_RESUME_URL", f"{s3}/runs/r4/checkpoints/checkpoint-4")
+    monkeypatch.setenv("XC_RESUME_FROM", "resume/checkpoint-4")
     monkeypatch.setenv("LOCAL_RANK", "0")
     got = shared.fetch_resume()
-    assert got == "resume/step-4" and spot.resume_from() == "resume/step-4"
-    assert spot.checkpoint_step(got) == 4 and (tmp_path / "resume/step-4/optimizer.pt").stat().st_size == 3 << 20
+    assert got == "resume/checkpoint-4" and spot.resume_from() == "resume/checkpoint-4"
+    assert spot.checkpoint_step(got) == 4 and (tmp_path / "resume/checkpoint-4/optimizer.pt").stat().st_size == 3 << 20
 
 
 def test_a_file_store_is_resumed_from_where_it_lies(tmp_path, monkeypatch):
     url = (tmp_path / "store").as_uri()
     shared.publish_checkpoint(_checkpoint(tmp_path / "checkpoint-2", 2), run_id="r5", url=url)
-    monkeypatch.setenv("XC_RESUME_URL", f"{url}/runs/r5/checkpoints/step-2")
-    monkeypatch.setenv("XC_RESUME_FROM", "resume/step-2")
-    assert shared.fetch_resume() == str(tmp_path / "store/runs/r5/checkpoints/step-2")
-    assert os.environ["XC_RESUME_FROM"] == str(tmp_path / "store/runs/r5/checkpoints/step-2")
+    monkeypatch.setenv("XC_RESUME_URL", f"{url}/runs/r5/checkpoints/checkpoint-2")
+    monkeypatch.setenv("XC_RESUME_FROM", "resume/checkpoint-2")
+    assert shared.fetch_resume() == str(tmp_path / "store/runs/r5/checkpoints/checkpoint-2")
+    assert os.environ["XC_RESUME_FROM"] == str(tmp_path / "store/runs/r5/checkpoints/checkpoint-2")
 
 
 def test_pull_brings_records_outputs_and_complete_checkpoints_with_progress(s3, tmp_path):
@@ -124,7 +124,7 @@ def test_pull_brings_records_outputs_and_complete_checkpoints_with_progress(s3, 
     (out / "model.safetensors").write_bytes(os.urandom(40 << 20))
     assert shared.publish_output(out, url=s3, run_id="r6") == 2 + (40 << 20)
     shared.publish_checkpoint(_checkpoint(tmp_path / "checkpoint-8", 8), run_id="r6", url=s3)
-    shared.upload_tree(store, _checkpoint(tmp_path / "checkpoint-9", 9, complete=False), "runs/r6/checkpoints/step-9")
+    shared.upload_tree(store, _checkpoint(tmp_path / "checkpoint-9", 9, complete=False), "runs/r6/checkpoints/checkpoint-9")
 
     lines: list[str] = []
     files, size = store_lib.pull(s3, "r6", tmp_path / "home", say=lines.append)
@@ -135,7 +135,7 @@ def test_pull_brings_records_outputs_and_complete_checkpoints_with_progress(s3, 
 
     store_lib.pull(s3, "r6", tmp_path / "ck", with_checkpoints=True, with_model=False)
     got = {p.relative_to(tmp_path / "ck").as_posix() for p in (tmp_path / "ck").rglob("*") if p.is_file()}
-    assert "checkpoints/step-8/xc-complete" in got and not any("step-9" in g for g in got)
+    assert "checkpoints/checkpoint-8/xc-complete" in got and not any("checkpoint-9" in g for g in got)
     assert "output/model.safetensors" not in got  # weights stayed in the store
 
     assert store_lib.store_runs(s3) == {"r6": {"run_id": "r6", "status": "ok", "job": "glue"}}
@@ -284,13 +284,13 @@ def test_resume_takes_the_record_and_checkpoint_from_the_store(tmp_path, monkeyp
     store.put_bytes("runs/r8/summary.json", json.dumps(summary).encode())  # started on another machine
     for step in (10, 20):
         shared.publish_checkpoint(_checkpoint(tmp_path / f"checkpoint-{step}", step), run_id="r8", url=url)
-    shared.upload_tree(store, _checkpoint(tmp_path / "checkpoint-30", 30, complete=False), "runs/r8/checkpoints/step-30")
+    shared.upload_tree(store, _checkpoint(tmp_path / "checkpoint-30", 30, complete=False), "runs/r8/checkpoints/checkpoint-30")
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "from-the-operator")
     req = resume.resume_request("r8", tmp_path / "runs", store=url)
-    assert req.resume == {"run_id": "r8", "step": 20, "checkpoint": None, "url": f"{url}/runs/r8/checkpoints/step-20",
+    assert req.resume == {"run_id": "r8", "step": 20, "checkpoint": None, "url": f"{url}/runs/r8/checkpoints/checkpoint-20",
                           "world_size": 2}
     assert req.env["AWS_SECRET_ACCESS_KEY"] == "from-the-operator"  # the record's *** filled in, never stored
     env = run_env(req, ["127.0.0.2", "127.0.0.3"])
-    assert env["XC_RESUME_URL"] == f"{url}/runs/r8/checkpoints/step-20" and env["XC_RESUME_FROM"] == "resume/step-20"
+    assert env["XC_RESUME_URL"] == f"{url}/runs/r8/checkpoints/checkpoint-20" and env["XC_RESUME_FROM"] == "resume/checkpoint-20"
     with pytest.raises(ClusterError, match="--resume r9: no readable .* nor in the store"):
         resume.resume_request("r9", tmp_path / "runs", store=url)

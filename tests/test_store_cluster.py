@@ -36,12 +36,12 @@ def test_preempted_to_s3_resumed_from_s3_and_pulled(cluster2, aws_env, small_mod
     assert f"store: {store} (--store)" in out.splitlines()[:3]  # the run's first lines name its store
     run_id = (cluster2.run_dirs() - before).pop()
     m = re.search(rf"preempted on node\d at step (\d+): checkpoint saved \({store}/runs/{run_id}/checkpoints/"
-                  rf"step-(\d+)\)", err)
+                  rf"checkpoint-(\d+)\)", err)
     assert m and m.group(1) == m.group(2), err[-2000:]
     step = int(m.group(1))
     assert re.search(rf"\[store\] checkpoint step {step} durable in {store}", out)
     keys = {o["Key"] for o in s3.list_objects_v2(Bucket=BUCKET, Prefix=f"cl/runs/{run_id}/")["Contents"]}
-    ckpt = f"cl/runs/{run_id}/checkpoints/step-{step}/"
+    ckpt = f"cl/runs/{run_id}/checkpoints/checkpoint-{step}/"
     for name in (spot.COMPLETE_MARKER, "optimizer.pt", "model.safetensors", "rng_state_0.pth", "rng_state_1.pth"):
         assert ckpt + name in keys, name
     assert f"cl/runs/{run_id}/summary.json" in keys and f"cl/runs/{run_id}/log.txt" in keys
@@ -59,7 +59,7 @@ def test_preempted_to_s3_resumed_from_s3_and_pulled(cluster2, aws_env, small_mod
     assert json.loads((cluster2.runs / resumed / "results.json").read_text())["resumed_from_step"] == step
     assert not home_ckpts.exists() and not (cluster2.runs / resumed / "checkpoints").exists()
     rsum = json.loads((cluster2.runs / resumed / "summary.json").read_text())
-    assert rsum["env"]["XC_RESUME_URL"] == f"{store}/runs/{run_id}/checkpoints/step-{step}"
+    assert rsum["env"]["XC_RESUME_URL"] == f"{store}/runs/{run_id}/checkpoints/checkpoint-{step}"
 
     # fab pull: the resumed run's records and outputs; the preempted run's checkpoint on request
     to = tmp_path / "pulled"
@@ -69,7 +69,7 @@ def test_preempted_to_s3_resumed_from_s3_and_pulled(cluster2, aws_env, small_mod
     for name in ("summary.json", "results.json", "log.txt", "output/model.safetensors", "output/trainer_state.json"):
         assert (to / name).is_file(), name
     ck = cluster2.fab("pull", run_id, "--store", store, "--checkpoints", "--to", str(tmp_path / "ck"), timeout=300)
-    assert ck.returncode == 0 and (tmp_path / "ck" / f"checkpoints/step-{step}" / spot.COMPLETE_MARKER).is_file()
+    assert ck.returncode == 0 and (tmp_path / "ck" / f"checkpoints/checkpoint-{step}" / spot.COMPLETE_MARKER).is_file()
 
     # a run recorded only in the store (started from another machine) still lists
     shutil.rmtree(cluster2.runs / resumed)

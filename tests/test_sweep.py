@@ -101,7 +101,7 @@ def plant(cluster: str) -> dict[str, str]:
     logs.create_log_group(logGroupName=ids["build-log"])
     ids["log"] = f"{cluster}-app"
     logs.create_log_group(logGroupName=ids["log"], tags={TAG_CLUSTER: cluster})
-    ids["bucket"] = plant_bucket(f"xc-{cluster}-store", cluster, [f"{cluster}/runs/r1/checkpoints/step-4/model.pt",
+    ids["bucket"] = plant_bucket(f"xc-{cluster}-store", cluster, [f"{cluster}/runs/r1/checkpoints/checkpoint-4/model.pt",
                                                                   f"{cluster}/runs/r1/summary.json",
                                                                   f"{cluster}/runs/r2/output/metrics.json"])
     return ids

@@ -1,13 +1,15 @@
 """What a rank reports when a run stops for a notice: one line, written and read only here.
 
 Rank 0 prints ``Notice.format()`` and every rank exits ``EXIT`` (75); fab reads it back with ``Notice.parse``.
-A run is preempted when both agree: the exit code is 75 and the line is there.
+A run is preempted when the line is there and the run did not end 0 (see launch.lifecycle for why not exactly 75).
 """
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass
-from typing import Iterable
+
+from training import paths
 
 TAG = "[preempted]"
 EXIT = 75  # EX_TEMPFAIL: try again later
@@ -47,4 +49,4 @@ class Notice:
 
 def checkpoint_name(step: int) -> str:
     """One name for a checkpoint on the node, at home and in the store (the Trainer's own)."""
-    return f"checkpoint-{step}"
+    return paths.checkpoint_name(step)

@@ -18,8 +18,8 @@ from pathlib import Path
 RUNS = "runs"
 COMPLETE_MARKER = "xc-complete"  # written last into a checkpoint folder: it is whole
 KEEP_CHECKPOINTS = 2  # complete checkpoints kept per run (home and store); the newest win
-_CHECKPOINT = "step-{}"  # one name for a checkpoint at home and in the store
-_CHECKPOINT_RE = re.compile(r"step-(\d+)")
+_CHECKPOINT = "checkpoint-{}"  # one name for a checkpoint on the node (the Trainer's), at home and in the store
+_CHECKPOINT_RE = re.compile(r"checkpoint-(\d+)")
 
 
 def checkpoint_name(step: int) -> str:
@@ -27,8 +27,8 @@ def checkpoint_name(step: int) -> str:
 
 
 def checkpoint_step(name: str) -> int | None:
-    """The step of a checkpoint folder's name (ours or the Trainer's checkpoint-N), else None."""
-    m = _CHECKPOINT_RE.fullmatch(name) or re.fullmatch(r"checkpoint-(\d+)", name)
+    """The step of a checkpoint folder's name, else None; step-N is what stores and homes held before."""
+    m = _CHECKPOINT_RE.fullmatch(name) or re.fullmatch(r"step-(\d+)", name)
     return int(m.group(1)) if m else None
 
 

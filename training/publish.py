@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 from training import store
+from training.paths import checkpoint_name
 
 log = logging.getLogger("training.store")
 DURABLE_TAG = "[store]"  # rank 0's line once a checkpoint counts in the store
@@ -104,7 +105,7 @@ def publisher_callback():
             self.publisher: Publisher | None = None
 
         def on_save(self, args, state, control, **kw):
-            folder = Path(args.output_dir) / f"checkpoint-{state.global_step}"
+            folder = Path(args.output_dir) / checkpoint_name(state.global_step)
             if state.is_world_process_zero and (folder / store.COMPLETE_MARKER).is_file():
                 if self.publisher is None:
                     self.publisher = Publisher(url, run_id)

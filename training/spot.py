@@ -22,7 +22,7 @@ import urllib.request
 from pathlib import Path
 
 from training import notice as _notice
-from training.paths import COMPLETE_MARKER
+from training.paths import COMPLETE_MARKER, checkpoint_name
 
 log = logging.getLogger("training.spot")
 
@@ -277,7 +277,7 @@ def spot_callback(watcher: NoticeWatcher | None = None, save_every: str | None =
 
         def on_save(self, args, state, control, **kw):
             self.last_save = time.monotonic()
-            folder = Path(args.output_dir) / f"checkpoint-{state.global_step}"
+            folder = Path(args.output_dir) / checkpoint_name(state.global_step)
             gather_rng_states(folder, state.is_world_process_zero)
             if state.is_world_process_zero and folder.is_dir():  # the Trainer has finished writing it: it counts
                 (folder / COMPLETE_MARKER).write_text(json.dumps({"step": state.global_step, "time": time.time()}))

@@ -3,7 +3,7 @@
 One URL names it: ``file:///folder`` (a folder every node shares: the local cluster's, the operator's disk)
 or ``s3://bucket/prefix`` (AWS, or any S3-compatible endpoint named by XC_S3_ENDPOINT_URL). Layout:
 
-    <store>/runs/<run-id>/checkpoints/step-N/   a checkpoint; it counts once COMPLETE_MARKER is in it (written last)
+    <store>/runs/<run-id>/checkpoints/checkpoint-N/   a checkpoint; it counts once COMPLETE_MARKER is in it (written last)
     <store>/runs/<run-id>/output/               the job's output_dir (model, metrics, trainer_state.json)
     <store>/runs/<run-id>/{summary,results}.json, log.txt   the run's records (the operator writes them)
 
@@ -41,7 +41,12 @@ def store_url() -> str | None:
 
 
 class StoreError(ValueError):
-    """What went wrong with the store and the fix, in one line (a job shows it as `error:`, as bad flags)."""
+    """What went wrong with the store, and the fix, kept apart (a job shows them as one `error:` line, as bad
+    flags; the operator's side turns them into a ClusterError with the same fields)."""
+
+    def __init__(self, what: str, fix: str = ""):
+        self.what, self.fix = what, fix
+        super().__init__(f"{what}; {fix}" if fix else what)
 
 
 @dataclass(frozen=True, order=True)
@@ -60,7 +65,7 @@ class FileStore:
     def __init__(self, url: str):
         parsed = urlparse(url)
         if parsed.netloc not in ("", "localhost"):
-            raise StoreError(f"store {url}: a file URL names a folder on this machine (file:///abs/path); "
+            raise StoreError(f"store {url}: a file URL names a folder on this machine (file:///abs/path)", fix=
                              "drop the host part")
         self.url, self.root = url.rstrip("/"), Path(unquote(parsed.path))
 
@@ -204,27 +209,27 @@ def open_store(url: str):
         return FileStore(url)
     if scheme == "s3":
         return S3Store(url)
-    raise StoreError(f"store {url!r} is neither file:///folder nor s3://bucket/prefix; pass one of those to --store "
+    raise StoreError(f"store {url!r} is neither file:///folder nor s3://bucket/prefix", fix="pass one of those to --store "
                      "(or XC_STORE)")
 
 
-def explain(exc: BaseException, url: str) -> str:
-    """One line: what failed with the store at url, and the fix (decided on the error's class and S3's code)."""
+def explain(exc: BaseException, url: str) -> StoreError:
+    """What failed with the store at url, and the fix (decided on the error's class and S3's code)."""
     name = type(exc).__name__
     if isinstance(exc, StoreError):
-        return str(exc)
+        return exc
     if isinstance(exc, ImportError):
-        return f"store {url}: {exc.name or 'boto3'} is not installed here; run 'fab setup' (every profile installs boto3)"
+        return StoreError(f"store {url}: {exc.name or 'boto3'} is not installed here", fix="run 'fab setup' (every profile installs boto3)")
     if isinstance(exc, OSError) and exc.errno == errno.ENOSPC:
-        return f"store {url}: no space left on device ({exc.filename or 'disk'}); free space there or pass --store elsewhere"
+        return StoreError(f"store {url}: no space left on device ({exc.filename or 'disk'})", fix="free space there or pass --store elsewhere")
     if isinstance(exc, PermissionError):
-        return f"store {url}: permission denied ({exc.filename}); make it writable or pass --store elsewhere"
+        return StoreError(f"store {url}: permission denied ({exc.filename})", fix="make it writable or pass --store elsewhere")
     if name in ("NoCredentialsError", "PartialCredentialsError"):
-        return (f"store {url}: no AWS credentials; export AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (or "
+        return StoreError(f"store {url}: no AWS credentials", fix="export AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (or "
                 "AWS_PROFILE); on AWS the nodes use the stack's instance profile ('pulumi up')")
     if name in ("EndpointConnectionError", "ConnectTimeoutError", "ReadTimeoutError", "ConnectionClosedError"):
         where = os.environ.get("XC_S3_ENDPOINT_URL") or "S3"
-        return (f"store {url} is unreachable ({where}: {name}); check the network and XC_S3_ENDPOINT_URL, or pass "
+        return StoreError(f"store {url} is unreachable ({where}: {name})", fix="check the network and XC_S3_ENDPOINT_URL, or pass "
                 "--store with a reachable store")
     response = getattr(exc, "response", None)
     if isinstance(response, dict) and "Error" in response:  # botocore's ClientError and its modelled subclasses
@@ -232,16 +237,16 @@ def explain(exc: BaseException, url: str) -> str:
         code = str(err.get("Code"))
         headers = response.get("ResponseMetadata", {}).get("HTTPHeaders", {})
         if code in ("NoSuchBucket", "404"):
-            return (f"store {url}: the bucket does not exist; create it ('pulumi up' makes the stack's) or pass "
+            return StoreError(f"store {url}: the bucket does not exist", fix="create it ('pulumi up' makes the stack's) or pass "
                     "--store s3://<an existing bucket>/<prefix>")
         if code in ("AccessDenied", "403", "AllAccessDisabled", "InvalidAccessKeyId", "SignatureDoesNotMatch"):
-            return (f"store {url}: access denied ({code}); allow s3:GetObject, s3:PutObject, s3:DeleteObject and "
+            return StoreError(f"store {url}: access denied ({code})", fix="allow s3:GetObject, s3:PutObject, s3:DeleteObject and "
                     "s3:ListBucket on it for these credentials (the stack's node role does)")
         if code in ("PermanentRedirect", "301", "AuthorizationHeaderMalformed", "IllegalLocationConstraintException"):
             region = headers.get("x-amz-bucket-region") or err.get("Region") or "another region"
-            return f"store {url}: the bucket is in {region}; export AWS_REGION={region} (or use a bucket in this region)"
-        return f"store {url}: S3 refused the request ({code}: {err.get('Message')}); check the bucket and its policy"
-    return f"store {url}: {name}: {exc}; check the store URL (--store / XC_STORE)"
+            return StoreError(f"store {url}: the bucket is in {region}", fix=f"export AWS_REGION={region} (or use a bucket in this region)")
+        return StoreError(f"store {url}: S3 refused the request ({code}: {err.get('Message')})", fix="check the bucket and its policy")
+    return StoreError(f"store {url}: {name}: {exc}", fix="check the store URL (--store / XC_STORE)")
 
 
 def check_region(store) -> None:
@@ -252,7 +257,7 @@ def check_region(store) -> None:
     actual = head.get("ResponseMetadata", {}).get("HTTPHeaders", {}).get("x-amz-bucket-region")
     mine = store.client.meta.region_name
     if actual and mine and actual != mine:
-        raise StoreError(f"store {store.url}: the bucket is in {actual} but AWS_REGION is {mine}; export "
+        raise StoreError(f"store {store.url}: the bucket is in {actual} but AWS_REGION is {mine}", fix=f"export "
                          f"AWS_REGION={actual} (or use a bucket in {mine})")
 
 
@@ -267,10 +272,10 @@ def probe(url: str) -> float:
         key, body = f".xc-probe/{uuid.uuid4().hex}", uuid.uuid4().bytes
         store.put_bytes(key, body)
         if store.get_bytes(key) != body:
-            raise StoreError(f"store {url}: a probe object read back differently; check the store's consistency")
+            raise StoreError(f"store {url}: a probe object read back differently", fix="check the store's consistency")
         store.delete(key)
     except Exception as exc:  # noqa: BLE001 - every failure becomes the one line that says the fix
-        raise StoreError(explain(exc, url)) from None
+        raise explain(exc, url) from None
     return time.monotonic() - started
 
 
@@ -333,7 +338,7 @@ def publish_checkpoint(path: str | os.PathLike, step: int | None = None, run_id:
         for old in complete_checkpoints(store, run_id)[:-KEEP_CHECKPOINTS]:
             store.delete_prefix(checkpoint_prefix(run_id, old))
     except Exception as exc:  # noqa: BLE001
-        raise StoreError(explain(exc, url)) from None
+        raise explain(exc, url) from None
     return f"{url}/{prefix}"
 
 
@@ -347,7 +352,7 @@ def fetch_resume(dest: str | os.PathLike | None = None) -> str | None:
     try:
         base, run_id, step = parse_checkpoint_url(source)
     except ValueError as exc:
-        raise StoreError(f"XC_RESUME_URL: {exc}; resume with 'fab train --resume RUN'") from None
+        raise StoreError(f"XC_RESUME_URL: {exc}", fix="resume with 'fab train --resume RUN'") from None
     key = RunPaths(run_id).store_checkpoint(step)
     store = open_store(base)
     if isinstance(store, FileStore):
@@ -361,9 +366,9 @@ def fetch_resume(dest: str | os.PathLike | None = None) -> str | None:
         try:
             got = download_tree(store, key, partial)
         except Exception as exc:  # noqa: BLE001
-            raise StoreError(explain(exc, base)) from None
+            raise explain(exc, base) from None
         if not (partial / COMPLETE_MARKER).is_file():
-            raise StoreError(f"XC_RESUME_URL {source} is not a complete checkpoint (no {COMPLETE_MARKER}); resume "
+            raise StoreError(f"XC_RESUME_URL {source} is not a complete checkpoint (no {COMPLETE_MARKER})", fix="resume "
                              "from another step")
         shutil.rmtree(target, ignore_errors=True)
         partial.rename(target)
@@ -388,4 +393,4 @@ def publish_output(output_dir: str | os.PathLike, url: str | None = None, run_id
         return upload_tree(open_store(url), Path(output_dir), RunPaths(run_id).store_output,
                            skip=lambda rel: rel.split("/", 1)[0].startswith(("checkpoint-", ".xc-")))
     except Exception as exc:  # noqa: BLE001
-        raise StoreError(explain(exc, url)) from None
+        raise explain(exc, url) from None
