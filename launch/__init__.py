@@ -1,2 +1,3 @@
-"""`fab train`: topology, the request and launch plan, staging, mpirun, the ranks' output, run records,
-clean-up, outputs and checkpoints home, --resume and --max-restarts."""
+"""`fab train`, in three rooms and one conductor: plan/ (flags -> request -> mpirun), ship/ (code, data and
+secrets out; output, checkpoints and records back), life/ (a run's record, its ending, detached runs, restarts
+and the supervisor). run.py stages, runs mpirun and hands what it saw to life.lifecycle.end."""

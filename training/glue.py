@@ -13,7 +13,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from training import common, dist, levers
+from training import common, dist, levers, timeline
 
 log = logging.getLogger("training.glue")
 
@@ -161,6 +161,7 @@ def write_predictions(trainer, predict_ds, output_dir: str, task: str | None, is
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     info = dist.setup()
+    timeline.start(info.is_main)
     common.setup_logging(info.is_main)
     started = time.monotonic()
 
@@ -173,11 +174,13 @@ def main(argv: list[str] | None = None) -> int:
         Trainer,
         default_data_collator,
     )
+    timeline.mark("imports", info.is_main)
 
     argv = common.job_argv(argv, info.precision)
     model_args, data_args, args = common.parse_job_args(argv, ModelArguments, DataArguments)
 
     raw = load_raw(data_args, model_args)
+    timeline.mark("data_loaded", info.is_main)
     key1, key2 = text_keys(raw, data_args)
     split = "train" if "train" in raw else "validation"
     label_feature = raw[split].features["label"]
@@ -202,6 +205,7 @@ def main(argv: list[str] | None = None) -> int:
         AutoModelForSequenceClassification.from_pretrained(model_path, config=config, cache_dir=model_args.cache_dir,
                                                            attn_implementation=attn))
     levers.apply(model, model_args, argv)
+    timeline.mark("model_loaded", info.is_main)
     label_to_id = None if is_regression or hasattr(label_feature, "names") else {v: i for i, v in enumerate(label_list)}
     padding = "max_length" if data_args.pad_to_max_length else False
 
@@ -216,6 +220,7 @@ def main(argv: list[str] | None = None) -> int:
 
     with args.main_process_first(desc="tokenizing"):
         data = raw.map(preprocess, batched=True, desc="tokenizing")
+    timeline.mark("tokenized", info.is_main)
     train_ds = data["train"] if args.do_train else None
     eval_ds = data["validation_matched" if data_args.task_name == "mnli" else "validation"] if args.do_eval else None
     train_ds = common.take(train_ds, data_args.max_train_samples)
@@ -244,7 +249,7 @@ def main(argv: list[str] | None = None) -> int:
     trainer = Trainer(model=model, args=args, train_dataset=train_ds, eval_dataset=eval_ds,
                       processing_class=tokenizer, data_collator=collator, optimizers=optimizers,
                       compute_metrics=compute_metrics_fn(data_args.task_name, is_regression, num_labels),
-                      callbacks=[common.progress_callback()])
+                      callbacks=[common.progress_callback(), *timeline.callbacks(info.is_main)])
     common.quiet_trainer(trainer)
     hook = dist.comm_hook(trainer)
     results: dict = {"job": "glue", "model": model_args.model_name_or_path, "task": data_args.task_name,

@@ -16,8 +16,9 @@ from cluster.resolve import Cluster
 from core.cli import writable_dir
 from core.constants import PROJECT_ROOT
 from core.errors import ClusterError
-from launch import jobdata, jobflags, launcher, secrets, topology, workdir
-from launch.probe import NodeFacts, master_port, probe, resolve_backend, resolve_precision
+from launch.ship import jobdata, secrets, workdir
+from launch.plan import jobflags, launcher, topology
+from launch.plan.probe import NodeFacts, master_port, probe, resolve_backend, resolve_precision
 from training import spot
 from training.dist import COMM_HOOKS
 from training.paths import checkpoint_name
@@ -84,9 +85,9 @@ class TrainRequest:
     restart_of: str | None = None  # the run this one resumes by itself (--max-restarts): it names this one
     save_every: str = spot.DEFAULT_SAVE_EVERY
     fetch_model: bool = True
-    resume: dict | None = None  # set by launch.resume: run_id, step, checkpoint (local folder)
+    resume: dict | None = None  # set by launch.life.resume: run_id, step, checkpoint (local folder)
     run_id: str | None = None
-    detach: bool = False  # return once the ranks run; launch.detach concludes the run later
+    detach: bool = False  # return once the ranks run; launch.life.detach concludes the run later
     # what validate() found (the scanned --workdir), so the plan does not check again; set by validate only
     checked: tuple | None = field(default=None, repr=False, compare=False)
     concurrent: bool = False  # run even while another run holds the cluster's lock  # chosen by the caller (doctor) so it can end the run by id; default: a new one

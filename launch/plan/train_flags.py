@@ -11,8 +11,8 @@ from pathlib import Path
 
 from core.cli import as_int, env_pairs, job_args, valueless_keys
 from core.errors import ClusterError
-from launch import resume as resume_lib
-from launch.request import TrainRequest
+from launch.life import resume as resume_lib
+from launch.plan.request import TrainRequest
 
 
 def _flag(help_text: str, default=None):

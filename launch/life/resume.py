@@ -9,8 +9,9 @@ from pathlib import Path
 
 from cluster import store as store_lib
 from core.errors import ClusterError, NoCheckpoint, NoRecord
-from launch import outputs, records, secrets
-from launch.request import TrainRequest, file_digest
+from launch.ship import outputs, secrets
+from launch.life import records
+from launch.plan.request import TrainRequest, file_digest
 from training.paths import RunPaths
 
 
@@ -93,7 +94,7 @@ def resume_request(run_id: str, runs_dir: Path, nodes: int | None = None, fetch_
 def same_code(run_id: str, request: dict, shipped: dict | None) -> None:
     """A resumed --script/--workdir run runs the code the run shipped: the folder's content hash (or the lone
     script's) must be what the record keeps."""
-    from launch import workdir as workdir_lib
+    from launch.ship import workdir as workdir_lib
 
     if request.get("workdir"):
         path = request["workdir"]

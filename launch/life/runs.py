@@ -1,6 +1,6 @@
 """`fab runs` (the runs under runs/, newest first) and `fab logs RUN [-f]` (a run's log with its
 [rank host] prefixes: live from node 0 while a detached run goes on, from runs/<id>/log.txt after).
-Both conclude a detached run they find ended (launch.detach)."""
+Both conclude a detached run they find ended (launch.life.detach)."""
 from __future__ import annotations
 
 import io
@@ -13,10 +13,10 @@ from typing import TextIO
 from cluster import store as store_lib
 from cluster.remote import connect
 from core.errors import ClusterError
-from launch import detach, lifecycle, records
-from launch.records import RunRecord, RunResult, Status, result_line
-from launch.stop import check_run_id
-from launch.stream import OutputRouter
+from launch.life import detach, lifecycle, records
+from launch.life.records import RunRecord, RunResult, Status, result_line
+from launch.life.stop import check_run_id
+from launch.ship.stream import OutputRouter
 from training.paths import RunPaths
 
 log = logging.getLogger(__name__)

@@ -20,11 +20,12 @@ from typing import TextIO
 from cluster.node import Node
 from cluster.remote import connect, run
 from core.errors import ClusterError
-from launch import lock, outputs, records, secrets
-from launch.cleanup import runs_alive, sweep
-from launch.lifecycle import Outcome, Run, end
-from launch.records import RunRecord, RunResult, Status
-from launch.stream import OutputRouter
+from launch.life import lock, records
+from launch.ship import outputs, secrets
+from launch.life.cleanup import runs_alive, sweep
+from launch.life.lifecycle import Outcome, Run, end
+from launch.life.records import RunRecord, RunResult, Status
+from launch.ship.stream import OutputRouter
 from training.paths import RunPaths, node_run_of
 
 log = logging.getLogger(__name__)
@@ -127,7 +128,7 @@ def is_running_detached(rec: RunRecord) -> bool:
 # -- ending ---------------------------------------------------------------------------------------
 def conclude(run_dir: Path, master: Node, out: TextIO | None) -> RunRecord:
     """If the detached run has ended on node 0: its log and outputs home, then the one ending every run
-    has (launch.lifecycle.end). Returns the record (still running while it runs)."""
+    has (launch.life.lifecycle.end). Returns the record (still running while it runs)."""
     rec = records.load(run_dir)
     if not is_running_detached(rec):
         return rec

@@ -1,9 +1,9 @@
 """The mpirun command line and environments for a run (pure: builds, never executes).
 
-Layout per node comes from launch.topology.derive_layout; what reaches the ranks is
+Layout per node comes from launch.plan.topology.derive_layout; what reaches the ranks is
 - global variables through `-genv` (mpirun runs with -genvnone so nothing else leaks in),
 - per-node variables (CPU lists, CCL worker affinity, malloc preload) in node_env.sh,
-- secret --env values in secrets.env (mode 0600, removed after the run; see launch.secrets),
+- secret --env values in secrets.env (mode 0600, removed after the run; see launch.ship.secrets),
 - pinning by rank.sh with taskset, because nodes may differ in their CPU sets.
 """
 from __future__ import annotations
@@ -24,7 +24,7 @@ JOBS = {
 @dataclass(frozen=True)
 class NodePlan:
     name: str
-    layout: object  # launch.topology.Layout
+    layout: object  # launch.plan.topology.Layout
     malloc: str | None = None
 
 
@@ -43,7 +43,7 @@ class LaunchPlan:
     pin: bool = True
     timeout_s: int = 300
     launcher: str = "python"  # or "accelerate": `accelerate launch` per rank (launch_words)
-    workdir: object = field(default=None, compare=False)  # launch.workdir.Workdir: --workdir, scanned and hashed
+    workdir: object = field(default=None, compare=False)  # launch.ship.workdir.Workdir: --workdir, scanned and hashed
 
     @property
     def ppn(self) -> int:

@@ -10,9 +10,9 @@ from pathlib import Path
 
 from cluster.resolve import Cluster
 from core.errors import ClusterError, NodeFailure
-from launch import lock, records
-from launch.cleanup import runs_alive, sweep
-from launch.records import Status
+from launch.life import lock, records
+from launch.life.cleanup import runs_alive, sweep
+from launch.life.records import Status
 from training.paths import RunPaths
 
 RUN_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")

@@ -15,7 +15,7 @@ from cluster.remote import connect, remote_home, run
 from cluster.resolve import Cluster
 from core.errors import ClusterError
 from core.report import CLUSTER, Report, Row
-from launch import topology
+from launch.plan import topology
 from node_setup import profiles
 from node_setup.setup import installed_versions
 

@@ -9,7 +9,7 @@
   Each run works in its own copy, `runs/<id>/work/`: its current directory, first on sys.path, so what a run
   writes never reaches the next run's project.
 - `--script FILE` is then a path inside DIR, `--module NAME` a module of DIR (`python -m NAME`), and
-  `--launcher accelerate` starts either through `accelerate launch` (see launch.launcher.launch_words).
+  `--launcher accelerate` starts either through `accelerate launch` (see launch.plan.launcher.launch_words).
 """
 from __future__ import annotations
 

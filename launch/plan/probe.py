@@ -10,7 +10,7 @@ from pathlib import Path
 from cluster.node import Node
 from cluster.remote import connect, remote_home, run
 from core.errors import ClusterError, PortHeld
-from launch import topology
+from launch.plan import topology
 
 MFU_PY = Path(__file__).resolve().parent.parent / "training" / "mfu.py"
 

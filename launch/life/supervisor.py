@@ -5,7 +5,7 @@ request on a pipe (secret --env values never touch a disk), waits until the firs
 the run id and returns. The supervisor writes its pid into every run record it runs (`supervisor`), so
 `fab runs`, `fab logs -f` and `fab stop` find it again; its own output goes to runs/.supervisors/<id>.log.
 
-Run as `python -m launch.supervisor` (stdin: the pickled job)."""
+Run as `python -m launch.life.supervisor` (stdin: the pickled job)."""
 from __future__ import annotations
 
 import dataclasses
@@ -23,9 +23,9 @@ from typing import TextIO
 from cluster.node import Node
 from core.constants import PROJECT_ROOT
 from core.errors import ClusterError
-from launch import records
-from launch.cleanup import runs_alive
-from launch.records import Status
+from launch.life import records
+from launch.life.cleanup import runs_alive
+from launch.life.records import Status
 from training.paths import RunPaths
 
 log = logging.getLogger(__name__)
@@ -41,7 +41,7 @@ def start(spec: str, req, max_restarts: int, restart_wait: float, out: TextIO) -
     log_path = folder / f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}.log"
     job = payload(spec, req, max_restarts, restart_wait)
     with log_path.open("wb") as sink:
-        proc = subprocess.Popen([sys.executable, "-m", "launch.supervisor"], cwd=PROJECT_ROOT, stdin=subprocess.PIPE,
+        proc = subprocess.Popen([sys.executable, "-m", "launch.life.supervisor"], cwd=PROJECT_ROOT, stdin=subprocess.PIPE,
                                 stdout=sink, stderr=subprocess.STDOUT, start_new_session=True)
     proc.stdin.write(job)
     proc.stdin.close()
@@ -95,8 +95,8 @@ def _ranks_running(run_dir: Path) -> bool:
 def main() -> int:
     from cluster.resolve import open_cluster
     from core.errors import format_error
-    from launch import restarts
-    from launch.records import result_line
+    from launch.life import restarts
+    from launch.life.records import result_line
 
     logging.basicConfig(level=logging.DEBUG if os.environ.get("XC_DEBUG") else logging.INFO, format="%(message)s",
                         stream=sys.stdout)

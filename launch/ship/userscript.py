@@ -18,7 +18,7 @@ from pathlib import Path
 
 from cluster.node import Node
 from cluster.remote import connect, fan_out, run
-from launch import jobflags
+from launch.plan import jobflags
 from training.paths import RunPaths
 
 log = logging.getLogger(__name__)

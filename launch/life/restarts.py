@@ -16,10 +16,10 @@ from cluster.node import Node
 from cluster.remote import connect, fan_out, run
 from cluster.resolve import Cluster, open_cluster
 from core.errors import ClusterError, NoCheckpoint, NodeFailure, Preempted
-from launch import records
-from launch import resume as resume_lib
-from launch.records import RunResult
-from launch.request import TrainRequest
+from launch.life import records
+from launch.life import resume as resume_lib
+from launch.life.records import RunResult
+from launch.plan.request import TrainRequest
 from launch.run import train
 from training import spot
 from training.paths import RunPaths

@@ -14,10 +14,11 @@ from cluster.node import Node
 from cluster.remote import connect, run
 from core.constants import HOME_EXPR
 from core.errors import ClusterError, Interrupted, NodeFailure, NodeLost, Preempted
-from launch import outputs, records, userscript
-from launch.cleanup import Sweep, runs_alive, sweep
-from launch.records import RunRecord, RunResult, Status, supervisor_alive
-from launch.stream import failed_rank
+from launch.ship import outputs, userscript
+from launch.life import records
+from launch.life.cleanup import Sweep, runs_alive, sweep
+from launch.life.records import RunRecord, RunResult, Status, supervisor_alive
+from launch.ship.stream import failed_rank
 from training import notice as notice_lib
 from training.notice import Notice
 from training.paths import RunPaths
@@ -96,7 +97,7 @@ def end(r: Run, o: Outcome, say) -> RunResult:
     if o.exit_code != 0:
         swept = r.sweep()
         if len(o.finished) != r.plan.world_size:  # the job did not publish its outputs itself
-            from launch import store_run
+            from launch.ship import store_run
 
             store_run.publish_outputs(r)
         node, reason = o.watch_failure or failed_rank(o.lines, r.plan)

@@ -7,7 +7,8 @@ import re
 import threading
 from typing import TextIO
 
-from launch import launcher, secrets
+from launch.plan import launcher
+from launch.ship import secrets
 from training.common import FINISHED_TAG
 
 log = logging.getLogger(__name__)
