@@ -22,14 +22,15 @@ from core.constants import DEFAULT_MASTER_PORT, MAX_NODES
 from core.errors import ClusterError
 from doctor import run as doctor_lib
 from doctor import status as status_lib
-from launch import records, store_run
-from launch import request as request_lib
-from launch import restarts as restarts_lib
 from launch import run as train_lib
-from launch import runs as runs_lib
-from launch import stop as stop_lib
-from launch import supervisor as supervisor_lib
-from launch import train_flags as flags_lib
+from launch.life import records
+from launch.life import restarts as restarts_lib
+from launch.life import runs as runs_lib
+from launch.life import stop as stop_lib
+from launch.life import supervisor as supervisor_lib
+from launch.plan import request as request_lib
+from launch.plan import train_flags as flags_lib
+from launch.ship import store_run
 from node_setup import profiles as profiles_lib
 from node_setup import setup as setup_lib
 from reports import bench as bench_lib
@@ -111,7 +112,7 @@ def keys(c, cluster=None):
           f"node 0 reaches every node with verified host keys ({res.ssh_dir}/config)")
 
 
-@task(**flags_lib.task_options())  # every flag and its help line: launch/train_flags.py's TrainFlags
+@task(**flags_lib.task_options())  # every flag and its help line: launch/plan/train_flags.py's TrainFlags
 @cli
 @flags_lib.takes_flags
 def train(c, flags: flags_lib.TrainFlags):

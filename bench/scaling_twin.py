@@ -49,7 +49,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 from glue_single_node import cpu_line
 
-from launch.request import DEFAULT_COMM_HOOK, resolve_comm_hook
+from launch.plan.request import DEFAULT_COMM_HOOK, resolve_comm_hook
 
 FAB = [str(ROOT / ".venv" / "bin" / "fab")] if (ROOT / ".venv" / "bin" / "fab").exists() else ["fab"]
 REF_PARAMS = 108_310_272 + 768 * 2 + 2  # bert-base-cased + a 2-label head

@@ -15,8 +15,8 @@ from cluster.remote import connect, run
 from cluster.resolve import Cluster
 from core.errors import ClusterError
 from core.report import CLUSTER, Row
-from launch import records
-from launch.request import TrainRequest, new_run_id
+from launch.life import records
+from launch.plan.request import TrainRequest, new_run_id
 from launch.run import cleanup, train
 
 log = logging.getLogger(__name__)

@@ -6,9 +6,9 @@ import logging
 from cluster.node import Node
 from core.report import CLUSTER, Row
 from doctor import checks
-from launch import topology
-from launch.cleanup import runs_alive
-from launch.preflight import Facts
+from launch.life.cleanup import runs_alive
+from launch.plan import topology
+from launch.plan.preflight import Facts
 from node_setup import profiles
 
 log = logging.getLogger(__name__)

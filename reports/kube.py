@@ -17,7 +17,8 @@ from cluster.shipping import PROJECT_ROOT
 from core.constants import REMOTE_VENV
 from core.errors import ClusterError
 from core.render import render
-from launch import jobdata, launcher
+from launch.plan import launcher
+from launch.ship import jobdata
 from node_setup import profiles
 
 log = logging.getLogger(__name__)
@@ -117,7 +118,7 @@ def job_env(req: KubeRequest, size: PodSize, backend: str) -> list[tuple[str, st
 def render_kube(req: KubeRequest, out_dir: Path) -> dict[str, Path]:
     """Write pytorchjob.yaml, Dockerfile, node_setup.sh and training/ into out_dir."""
     validate(req)
-    from launch.request import local_files
+    from launch.plan.request import local_files
 
     for flag, path in local_files(req.args):  # pods see the PVC and the image, not this machine
         if not path.startswith(MOUNT + "/"):

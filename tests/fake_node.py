@@ -41,11 +41,11 @@ class FakeNode:
 
     def answer(self, cmd: str) -> Result:
         self.commands.append(cmd)
-        if "kill -9" in cmd:  # launch.cleanup.sweep_script
+        if "kill -9" in cmd:  # launch.life.cleanup.sweep_script
             run_id = re.search(r"XC_RUN_ID=([^'\s]+)", cmd).group(1)
             n = self.procs.pop(run_id, 0)
             return Result("".join(f"killed {1000 + i}\n" for i in range(n)))
-        if "uniq -c" in cmd:  # launch.cleanup.RUNS_ALIVE
+        if "uniq -c" in cmd:  # launch.life.cleanup.RUNS_ALIVE
             return Result("".join(f"run {r} {n}\n" for r, n in self.procs.items() if n))
         m = re.fullmatch(r"cat (\S+)", cmd)
         if m:

@@ -17,7 +17,7 @@ from conftest import fab
 
 from cluster import store as store_lib
 from core.errors import ClusterError
-from launch import records
+from launch.life import records
 from node_setup import profiles
 from reports import bench, kube
 

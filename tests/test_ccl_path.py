@@ -15,7 +15,7 @@ import pytest
 from conftest import processes_with_env
 
 from doctor import collective as doctor
-from launch import cleanup, records
+from launch.life import cleanup, records
 from training import common, dist
 
 HAVE_CCL = importlib.util.find_spec("oneccl_bindings_for_pytorch") is not None

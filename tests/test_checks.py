@@ -156,7 +156,7 @@ def test_model_has_amx(model, expected):
 
 
 def test_recorded_probes_agree_with_the_model_rule():
-    from launch import topology
+    from launch.plan import topology
 
     for name, expected in [("c6i.16xlarge", False), ("r7iz.metal-16xl", True)]:
         topo = topology.parse((DATA / f"{name}.probe").read_text())
@@ -192,7 +192,7 @@ def test_doctor_report_names_failures_with_fixes_and_does_not_count_skips():
 def test_amx_expectation_prefers_the_instance_type_then_the_model_then_the_flags():
     from cluster.node import Node
     from doctor.rows import amx_expectation
-    from launch import topology
+    from launch.plan import topology
 
     icx = topology.parse((DATA / "c6i.16xlarge.probe").read_text())
     spr = topology.parse((DATA / "r7iz.metal-16xl.probe").read_text())

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from conftest import processes_with_cmdline, processes_with_env, start_cluster
 
-from launch import records
+from launch.life import records
 from launch.run import DEMO_ARGS
 
 pytestmark = pytest.mark.cluster
@@ -58,7 +58,7 @@ def test_the_probe_times_bf16_against_fp32_only_where_amx_does_not_settle_it(clu
     import dataclasses
 
     from cluster import local, remote
-    from launch import probe, topology
+    from launch.plan import probe, topology
     from training import mfu
 
     parse = topology.parse
@@ -454,7 +454,7 @@ def test_a_local_node_counts_only_its_own_clusters_runs(cluster2, tmp_path, monk
     """Local clusters share this machine's processes: a run on one is not 'on' another's nodes (doctor's runs
     row, fab status, the one-run-at-a-time lock all ask cleanup.runs_alive)."""
     from cluster.resolve import open_cluster
-    from launch.cleanup import runs_alive
+    from launch.life.cleanup import runs_alive
 
     quiet = tmp_path / "quiet.py"
     quiet.write_text("import time\nprint('started', flush=True)\ntime.sleep(600)\n")

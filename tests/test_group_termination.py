@@ -12,7 +12,7 @@ import pytest
 from conftest import processes_with_env
 from fake_imds import FakeIMDS
 
-from launch import records
+from launch.life import records
 from training import spot
 
 

@@ -6,7 +6,7 @@ import pytest
 
 from core.constants import HOME_EXPR
 from core.render import render
-from launch import launcher, topology
+from launch.plan import launcher, topology
 from training.paths import RunPaths
 
 DATA = Path(__file__).parent / "data"
@@ -162,7 +162,7 @@ def test_ccl_plan_sends_the_local_size_for_rank_sh_to_pair():
 
 
 def test_a_failed_rank_is_named_with_its_exceptions_own_line():
-    from launch.stream import failed_rank
+    from launch.ship.stream import failed_rank
 
     p = plan(nodes=2, ppn=1)
     lines = ["[0] [progress] step 1/10", "[1] Traceback (most recent call last):",
@@ -186,7 +186,7 @@ def test_a_failed_rank_is_named_with_its_exceptions_own_line():
 
 
 def test_gradients_go_on_the_wire_in_bf16_between_hosts_and_fp32_within_one():
-    from launch.request import TrainRequest, run_env
+    from launch.plan.request import TrainRequest, run_env
 
     hosts = ["10.0.1.5", "10.0.1.6"]
     # auto: bf16 between hosts (half the bytes on a real link), fp32 on loopback (bench/scaling_twin.py, README)

@@ -85,7 +85,7 @@ def cycles(g: dict[str, set[str]]) -> list[list[str]]:
 
 def test_the_import_walker_sees_a_cycle_when_there_is_one():
     g = graph()
-    assert "launch.request" in g["launch.run"]  # sees plain imports
+    assert "launch.plan.request" in g["launch.run"]  # sees plain imports
     assert "cluster.aws" in g["cluster.inventory"]  # and function-level ones
     assert cycles({**g, "core.errors": {"cluster.inventory"}})  # a planted back edge is found
 
@@ -136,9 +136,9 @@ def _code_lines() -> list[tuple[str, int, str]]:
 
 
 def test_one_module_writes_run_records():
-    """Only launch/records.py moves or saves a record (its named transitions also publish to the store)."""
+    """Only launch/life/records.py moves or saves a record (its named transitions also publish to the store)."""
     writers = {m for m, _, line in _code_lines() if "._move(" in line or "._save(" in line}
-    assert writers <= {"launch.records"}, writers
+    assert writers <= {"launch.life.records"}, writers
 
 
 def test_a_runs_places_are_built_in_one_place():

@@ -14,9 +14,10 @@ import pytest
 from fake_node import FakeCluster, FakeNode
 
 from core.errors import ClusterError, Interrupted, NodeFailure, NodeLost, Preempted, format_error
-from launch import cleanup, detach, lifecycle, outputs, records, stop, userscript
-from launch.lifecycle import Outcome, Run
-from launch.records import FAILURES, TERMINAL, BadTransition, RunRecord, Status
+from launch.life import cleanup, detach, lifecycle, records, stop
+from launch.life.lifecycle import Outcome, Run
+from launch.life.records import FAILURES, TERMINAL, BadTransition, RunRecord, Status
+from launch.ship import outputs, userscript
 from training import notice as notice_lib
 from training import spot
 from training.notice import GROUP, SPOT, Notice
@@ -313,7 +314,7 @@ def _resumable(runs: Path) -> None:
 
 
 def test_resume_keeps_recorded_values_only_for_flags_not_given(tmp_path):
-    from launch.train_flags import TrainFlags, resolve
+    from launch.plan.train_flags import TrainFlags, resolve
 
     _resumable(tmp_path)
     kept = resolve(TrainFlags(resume="old"), tmp_path).req
@@ -335,9 +336,9 @@ def test_resume_keeps_recorded_values_only_for_flags_not_given(tmp_path):
 def test_a_script_run_resumes_with_its_own_code_and_refuses_changed_code(tmp_path):
     """--resume (and so --max-restarts) takes --script/--workdir runs: the same script, folder and flags; a folder
     or script that changed since the run shipped it is refused with the fix."""
-    from launch import workdir as workdir_lib
-    from launch.request import file_digest
-    from launch.train_flags import TrainFlags, resolve
+    from launch.plan.request import file_digest
+    from launch.plan.train_flags import TrainFlags, resolve
+    from launch.ship import workdir as workdir_lib
 
     proj = _mk(tmp_path / "proj")
     (proj / "train.py").write_text("print('hi')\n")
@@ -369,7 +370,8 @@ def test_a_script_run_resumes_with_its_own_code_and_refuses_changed_code(tmp_pat
 
 
 def test_the_last_output_dir_wins_and_a_file_flag_without_a_value_is_one_line():
-    from launch import request, userscript
+    from launch.plan import request
+    from launch.ship import userscript
 
     assert userscript.output_flag(["--output_dir", "a", "--seed", "1", "--output_dir=b"]) == "b"  # argparse's rule
     assert userscript.output_flag(["--seed", "1"]) is None
@@ -379,7 +381,7 @@ def test_the_last_output_dir_wins_and_a_file_flag_without_a_value_is_one_line():
 
 
 def test_one_parser_reads_job_flags():
-    from launch import jobflags
+    from launch.plan import jobflags
 
     argv = ["--a", "1", "--b", "--c=x=y", "pos", "--a", "2", "--d"]
     assert jobflags.values(argv) == {"--a": "2", "--b": "", "--c": "x=y", "--d": ""}
@@ -392,8 +394,8 @@ def test_one_parser_reads_job_flags():
 def test_the_supervisors_job_crosses_a_pipe_even_with_a_scanned_workdir(tmp_path):
     import pickle
 
-    from launch import supervisor
-    from launch.request import TrainRequest, validate
+    from launch.life import supervisor
+    from launch.plan.request import TrainRequest, validate
 
     (tmp_path / "train.py").write_text("print(1)\n")
     req = TrainRequest(job=None, script="train.py", workdir=str(tmp_path), runs_dir=tmp_path / "runs",

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from cluster.node import Node
-from launch import probe, topology
+from launch.plan import probe, topology
 from training import dist, mfu
 
 ROOT = Path(__file__).resolve().parent.parent

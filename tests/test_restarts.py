@@ -15,9 +15,9 @@ from conftest import fab, processes_with_env, start_cluster
 from fake_imds import FakeIMDS
 
 from core.errors import ClusterError, NodeFailure, Preempted
-from launch import records, restarts
-from launch.records import RunRecord, RunResult, Status, load
-from launch.request import TrainRequest
+from launch.life import records, restarts
+from launch.life.records import RunRecord, RunResult, Status, load
+from launch.plan.request import TrainRequest
 from launch.run import DEMO_ARGS
 from training import spot
 from training.paths import checkpoint_step

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from conftest import processes_with_cmdline, processes_with_env
 
-from launch import records
+from launch.life import records
 
 pytestmark = pytest.mark.cluster
 

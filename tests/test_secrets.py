@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 from conftest import processes_with_cmdline
 
-from launch import records, secrets
+from launch.life import records
+from launch.ship import secrets
 
 pytestmark = pytest.mark.cluster
 

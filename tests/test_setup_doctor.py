@@ -13,7 +13,7 @@ import time
 import pytest
 from conftest import free_cluster_port, start_cluster
 
-from launch import records
+from launch.life import records
 from node_setup import profiles
 
 pytestmark = pytest.mark.cluster

@@ -10,7 +10,7 @@ import pytest
 from conftest import processes_with_env, progress_steps
 from fake_imds import FakeIMDS
 
-from launch import records
+from launch.life import records
 from launch.run import DEMO_ARGS
 from training import spot
 
@@ -81,7 +81,7 @@ def test_save_every(value, expect):
 
 
 def test_home_checkpoints_skip_partial_transfers(tmp_path):
-    from launch import outputs
+    from launch.ship import outputs
 
     for name, marker in (("checkpoint-5", True), ("checkpoint-9", False), ("checkpoint-7.partial", True)):
         (tmp_path / "checkpoints" / name).mkdir(parents=True)

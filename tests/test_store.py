@@ -163,7 +163,7 @@ def test_the_store_is_chosen_by_flag_env_config_then_the_local_folder(tmp_path, 
 
 
 def test_credentials_reach_the_ranks_only_as_secrets_off_aws(monkeypatch):
-    from launch import secrets
+    from launch.ship import secrets
 
     monkeypatch.setenv("AWS_ACCESS_KEY_ID", "AKIAEXAMPLEKEY")
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "verysecretvalue")
@@ -272,8 +272,8 @@ def test_a_full_disk_is_one_line_with_the_fix(s3, tiny_disk, tmp_path):
 
 
 def test_resume_takes_the_record_and_checkpoint_from_the_store(tmp_path, monkeypatch):
-    from launch import resume
-    from launch.request import run_env
+    from launch.life import resume
+    from launch.plan.request import run_env
 
     url = (tmp_path / "store").as_uri()
     request = {"job": "glue", "script": None, "args": ["--seed", "1"], "ppn": "auto", "threads": "auto",

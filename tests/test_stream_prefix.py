@@ -4,7 +4,7 @@ from __future__ import annotations
 import io
 from types import SimpleNamespace
 
-from launch.stream import OutputRouter
+from launch.ship.stream import OutputRouter
 
 
 def _router():

@@ -15,8 +15,8 @@ from conftest import fab, processes_with_env, progress_steps, start_cluster
 from fake_imds import FakeIMDS
 
 from cluster import store as store_lib
-from launch import records
-from launch.records import Status
+from launch.life import records
+from launch.life.records import Status
 
 
 def _wait(what: str, check, timeout: float, poll: float = 1.0):

@@ -3,7 +3,7 @@ from pathlib import Path
 
 import pytest
 
-from launch import topology
+from launch.plan import topology
 
 DATA = Path(__file__).parent / "data"
 

@@ -17,7 +17,9 @@ import pytest
 from core.constants import HOME_EXPR
 from core.errors import ClusterError
 from core.render import render
-from launch import launcher, records, workdir
+from launch.life import records
+from launch.plan import launcher
+from launch.ship import workdir
 from training.paths import RunPaths
 
 MiB = 1 << 20

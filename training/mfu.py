@@ -4,7 +4,7 @@ reaches on the same cores, at the model's FFN shape and the run's precision, mea
 right after training (so ranks sharing a node share it as they did while training).
 
 Also the bf16-over-fp32 matmul timing that `--precision auto` rests on where AVX512-BF16 and no AMX, kept
-per node (remembered_bf16_speedup); run as a script, this file prints it (launch/probe.py)."""
+per node (remembered_bf16_speedup); run as a script, this file prints it (launch/plan/probe.py)."""
 from __future__ import annotations
 
 import json

@@ -1,7 +1,7 @@
 """What a rank reports when a run stops for a notice: one line, written and read only here.
 
 Rank 0 prints ``Notice.format()`` and every rank exits ``EXIT`` (75); fab reads it back with ``Notice.parse``.
-A run is preempted when the line is there and the run did not end 0 (see launch.lifecycle for why not exactly 75).
+A run is preempted when the line is there and the run did not end 0 (see launch.life.lifecycle for why not exactly 75).
 """
 from __future__ import annotations
 

@@ -21,10 +21,10 @@ from cluster.node import Node
 from cluster.remote import connect, run
 from core.errors import ClusterError
 from launch.life import lock, records
-from launch.ship import outputs, secrets
 from launch.life.cleanup import runs_alive, sweep
 from launch.life.lifecycle import Outcome, Run, end
 from launch.life.records import RunRecord, RunResult, Status
+from launch.ship import outputs, secrets
 from launch.ship.stream import OutputRouter
 from training.paths import RunPaths, node_run_of
 

@@ -14,10 +14,10 @@ from cluster.node import Node
 from cluster.remote import connect, run
 from core.constants import HOME_EXPR
 from core.errors import ClusterError, Interrupted, NodeFailure, NodeLost, Preempted
-from launch.ship import outputs, userscript
 from launch.life import records
 from launch.life.cleanup import Sweep, runs_alive, sweep
 from launch.life.records import RunRecord, RunResult, Status, supervisor_alive
+from launch.ship import outputs, userscript
 from launch.ship.stream import failed_rank
 from training import notice as notice_lib
 from training.notice import Notice

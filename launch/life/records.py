@@ -255,8 +255,8 @@ class RunResult:
 def new_record(cluster, req, plan, facts, args: list[str]) -> RunRecord:
     """The record of a run about to start (status None until it is first written)."""
     from launch.plan import launcher
-    from launch.ship import secrets
     from launch.plan.request import file_digest, local_files
+    from launch.ship import secrets
 
     return RunRecord(
         run_id=plan.run_id, cluster=cluster.spec, nodes=[f.node.to_dict() for f in facts],

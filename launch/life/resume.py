@@ -9,9 +9,9 @@ from pathlib import Path
 
 from cluster import store as store_lib
 from core.errors import ClusterError, NoCheckpoint, NoRecord
-from launch.ship import outputs, secrets
 from launch.life import records
 from launch.plan.request import TrainRequest, file_digest
+from launch.ship import outputs, secrets
 from training.paths import RunPaths
 
 

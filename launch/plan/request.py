@@ -16,9 +16,9 @@ from cluster.resolve import Cluster
 from core.cli import writable_dir
 from core.constants import PROJECT_ROOT
 from core.errors import ClusterError
-from launch.ship import jobdata, secrets, workdir
 from launch.plan import jobflags, launcher, topology
 from launch.plan.probe import NodeFacts, master_port, probe, resolve_backend, resolve_precision
+from launch.ship import jobdata, secrets, workdir
 from training import spot
 from training.dist import COMM_HOOKS
 from training.paths import checkpoint_name

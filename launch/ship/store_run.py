@@ -6,8 +6,8 @@ import logging
 
 from cluster import store as store_lib
 from core.errors import ClusterError
-from launch.ship import secrets
 from launch.plan.request import TrainRequest
+from launch.ship import secrets
 from training.store import STORE_ENV
 
 log = logging.getLogger(__name__)
