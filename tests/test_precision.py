@@ -183,3 +183,8 @@ def test_the_precision_line_says_which_nodes_answered_from_their_cache(caplog):
     with caplog.at_level(logging.INFO):
         assert probe.resolve_precision("auto", [facts("n0", AVX512_BF16, 1.2), remembered]) == "bf16"
     assert "timed on n0 1.20x, n1 1.30x (remembered)" in caplog.text
+
+
+def test_the_probe_sends_training_mfu_py_which_exists():
+    # launch/plan/probe.py is two folders below the project root: a wrong parent made every probe fail on the nodes
+    assert probe.MFU_PY.is_file(), probe.MFU_PY

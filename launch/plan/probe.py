@@ -12,7 +12,7 @@ from cluster.remote import connect, remote_home, run
 from core.errors import ClusterError, PortHeld
 from launch.plan import topology
 
-MFU_PY = Path(__file__).resolve().parent.parent / "training" / "mfu.py"
+MFU_PY = Path(__file__).resolve().parents[2] / "training" / "mfu.py"
 
 log = logging.getLogger(__name__)
 
