@@ -99,7 +99,8 @@ def local_down(c):
           + (f"; network twin removed ({', '.join(removed)})" if removed else ""))
 
 
-@task(help={"cluster": "local | hosts:PATH | aws[:NAME] | pulumi[:STACK] (default: local)"})
+@task(help={"cluster": "local | hosts:PATH | aws[:NAME] | pulumi[:STACK] (default: the started local cluster, else "
+                        "the selected Pulumi stack)"})
 @cli
 def keys(c, cluster=None):
     """Per-cluster SSH key on every node; known_hosts and ssh config on node 0 (idempotent)."""

@@ -45,7 +45,7 @@ class ClusterSettings:
     ssh_user: str = "ubuntu"
     root_volume_gib: int = 100
     checkpoint_retention_days: int = 14  # the store's checkpoints/ expire after this many days
-    profile: str = "oneccl"
+    profile: str = "upstream"  # what make test runs; oneccl is the seeds' end-of-life stack
     image: str = "bake"  # bake | base | ami-...
     ubuntu_version: str = "24.04"
     build_instance_type: str = "c6i.2xlarge"

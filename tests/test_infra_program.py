@@ -96,7 +96,7 @@ def test_launch_template_requires_imdsv2_and_encrypts_root_and_the_group_buys_sp
     assert cloud_config.startswith("#cloud-config\n")
     parsed = yaml.safe_load(cloud_config)
     env = next(f["content"] for f in parsed["write_files"] if f["path"] == "/etc/xeon-cluster/cluster.env")
-    assert "XC_CLUSTER=dev\n" in env and "XC_PROFILE=oneccl\n" in env
+    assert "XC_CLUSTER=dev\n" in env and "XC_PROFILE=upstream\n" in env
     (ami_lookup,) = [c for c in run.mocks.calls if c[0] == "aws:ec2/getAmi:getAmi"]
     assert ami_lookup[1]["filters"] == [{"name": "image-id", "values": [BAKED_AMI]}]
 
@@ -136,7 +136,7 @@ def test_one_self_replacing_group_holds_the_nodes_in_one_zone_and_placement_grou
     assert {t["key"]: (t["value"], t["propagateAtLaunch"]) for t in asg["tags"]} == {
         "Name": ("bert-node", True), "xeon-cluster:cluster": ("bert", True), "xeon-cluster:stack": ("dev", True),
         "xeon-cluster:role": ("worker", True), "xeon-cluster:ssh-user": ("ubuntu", True),
-        "xeon-cluster:profile": ("oneccl", True)}
+        "xeon-cluster:profile": ("upstream", True)}
 
 
 @pytest.mark.parametrize("old, new", [("us-east-1a", "us-east-1b"), ("us-east-1a", "us-east-1c"),
@@ -227,7 +227,7 @@ def test_bake_mode_feeds_the_image_builder_ami_into_the_launch_template(program)
     run = program()
     m = run.mocks
     component = m.one("aws:imagebuilder/component:Component")
-    assert component.inputs["data"] == component_document("oneccl")
+    assert component.inputs["data"] == component_document("upstream")
     recipe = m.one("aws:imagebuilder/imageRecipe:ImageRecipe")
     assert recipe.inputs["parentImage"] == "ssm:/aws/service/canonical/ubuntu/server/24.04/stable/current/amd64/hvm/" \
                                            "ebs-gp3/ami-id"
@@ -257,7 +257,7 @@ def test_bake_mode_feeds_the_image_builder_ami_into_the_launch_template(program)
 
 
 def test_base_mode_uses_ubuntu_from_ssm_and_builds_no_image(program):
-    run = program(image="base", ubuntuVersion="22.04")
+    run = program(image="base", ubuntuVersion="22.04", profile="oneccl")  # 22.04 has Python 3.10: the old stack
     assert not [r for r in run.mocks.resources if r.type in IMAGE_BUILDER and not r.name.endswith(NOT_BUILD)]
     lookups = [c for c in run.mocks.calls if c[0] == "aws:ssm/getParameter:getParameter"]
     assert len(lookups) == 2  # the nodes' AMI and the head's, both Canonical's

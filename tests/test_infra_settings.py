@@ -90,7 +90,7 @@ def test_world_ssh_is_accepted_only_when_asked_for():
 
 
 def test_ubuntu_parameter_follows_the_release():
-    assert settings(ubuntuVersion="22.04").ubuntu_ami_parameter == \
+    assert settings(ubuntuVersion="22.04", profile="oneccl").ubuntu_ami_parameter == \
         "/aws/service/canonical/ubuntu/server/22.04/stable/current/amd64/hvm/ebs-gp2/ami-id"
     assert settings(ubuntuVersion="24.04").ubuntu_ami_parameter == \
         "/aws/service/canonical/ubuntu/server/24.04/stable/current/amd64/hvm/ebs-gp3/ami-id"
