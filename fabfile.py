@@ -56,10 +56,11 @@ def _cluster(c, cluster):
 @task(help={"nodes": "number of nodes (default 2)", "port": "sshd port on every node (default 2222)",
             "netns": "a network twin: each node in its own network namespace, linked to a bridge (root only)",
             "link": "with --netns: each link's rate, e.g. 3gbit or 500mbit (default: unshaped)",
-            "latency": "with --netns: each link's one-way delay, e.g. 50us or 1ms (needs the kernel's netem)"})
+            "latency": "with --netns: each link's one-way delay, e.g. 50us or 1ms (needs the kernel's netem)",
+            "no-head": "no head beside the nodes: detached runs' supervisors then run on this machine"})
 @cli
-def local_up(c, nodes="2", port=str(local_lib.DEFAULT_PORT), netns=False, link=None, latency=None):
-    """Start a local cluster: N sshd nodes on 127.0.0.2, 127.0.0.3, ... (the active cluster); --netns: 198.18.x.y."""
+def local_up(c, nodes="2", port=str(local_lib.DEFAULT_PORT), netns=False, link=None, latency=None, no_head=False):
+    """Start a local cluster: N sshd nodes on 127.0.0.2, 127.0.0.3, ... and its head on the next address."""
     count, port = as_int(nodes, "--nodes", 1, MAX_NODES), as_int(port, "--port", 1024, 65535)
     if netns:
         started = netns_lib.up(count, port=port, link=link, latency=latency)
@@ -67,9 +68,11 @@ def local_up(c, nodes="2", port=str(local_lib.DEFAULT_PORT), netns=False, link=N
         raise ClusterError("--link and --latency shape the links of a network twin", fix="add --netns (root only) or "
                            "leave them out")
     else:
-        started = local_lib.up(count, port=port)
+        started = local_lib.up(count, port=port, head=not no_head)
+    head = local_lib.head()
     print(f"local cluster up: {len(started)} node(s) on port {started[0].port}: "
-          + ", ".join(f"{n.name}={n.host}" for n in started) + netns_lib.up_line())
+          + ", ".join(f"{n.name}={n.host}" for n in started) + (f"; head={head.host}" if head else "")
+          + netns_lib.up_line())
 
 
 @task(help={"node": "the node whose link changes, e.g. node1", "cut": "take the link down: the node runs on, "
@@ -121,17 +124,17 @@ def train(c, flags: flags_lib.TrainFlags):
     cluster = _cluster(c, flags.cluster)
     chosen_store = store_lib.choose(flags.store, c.config, cluster)  # one resolver for every task
     r = flags_lib.resolve(flags, request_lib.RUNS, store=chosen_store.url)
-    store_run.apply(r.req, chosen_store, cluster)  # XC_STORE and credentials (as secrets)
-    request_lib.validate(r.req)  # every flag and data file before the cluster is asked anything
+    req = store_run.apply(r.req, chosen_store, cluster)  # XC_STORE and credentials (as secrets)
+    req = request_lib.validate(req)  # every flag and data file before the cluster is asked anything
     chosen = open_cluster(cluster)
     store_lib.check(chosen_store, chosen.spec)  # reachable and writable, before launch
     print(status_lib.cluster_line(chosen), flush=True)
     print(chosen_store.line(), flush=True)  # every run's first lines name its store
     runs_lib.reap_all(request_lib.RUNS)  # runs whose fab died: recorded abandoned before this one starts
     if r.supervised:
-        supervisor_lib.start(chosen.spec, r.req, r.max_restarts, r.restart_wait, sys.stdout)
+        supervisor_lib.start(chosen.spec, req, r.max_restarts, r.restart_wait, sys.stdout)
         return
-    result = restarts_lib.train_with_restarts(chosen, r.req, r.max_restarts, r.restart_wait)
+    result = restarts_lib.train_with_restarts(chosen, req, r.max_restarts, r.restart_wait)
     if not result.detached:
         print(records.result_line(result))
 
@@ -271,8 +274,7 @@ def bench(c, nodes=None, job="glue", runs=None, ppn="auto", threads="auto", back
                                      valueless=valueless_keys(env), timeout_s=as_int(timeout, "--timeout", 1), pin=not no_pin)
         bench_lib.parse_sizes(str(nodes))  # the flags and data before the cluster is asked anything
         chosen_store = store_lib.choose(None, c.config, _cluster(c, cluster))  # checkpoints where fab train keeps them
-        store_run.apply(req, chosen_store, _cluster(c, cluster))
-        request_lib.validate(req)
+        req = request_lib.validate(store_run.apply(req, chosen_store, _cluster(c, cluster)))
         chosen = open_cluster(_cluster(c, cluster))
         store_lib.check(chosen_store, chosen.spec)
         print(chosen_store.line(), flush=True)

@@ -6,6 +6,7 @@ only when named: it needs boto3).
 """
 from __future__ import annotations
 
+import dataclasses
 import getpass
 import logging
 import os
@@ -18,6 +19,7 @@ from core.constants import REMOTE_PYTHON
 from core.errors import ClusterError
 
 log = logging.getLogger(__name__)
+HEAD = "head"  # the name of a hosts file's head line
 
 def default_cluster() -> str:
     """XC_CLUSTER; else the local cluster when one is started; else the cluster of the Pulumi stack selected
@@ -63,12 +65,19 @@ def select(nodes: list[Node], count: int | None, cluster: str = "") -> list[Node
 
 
 def parse_hosts_file(path: str | Path) -> list[Node]:
-    """Parse a static hosts file.
+    """The training nodes of a static hosts file (its head, a line named ``head``, is not one of them)."""
+    return parse_hosts(path)[0]
+
+
+def parse_hosts(path: str | Path) -> tuple[list[Node], Node | None]:
+    """Parse a static hosts file: its nodes, and its head when a line is named ``head`` (it runs detached runs'
+    supervisors; without one the operator's machine does).
 
     One node per line, first line = node 0::
 
         # name  address  [private=ADDR] [user=NAME] [port=N] [python=PATH]
         node0   203.0.113.10  private=10.0.0.10  user=ubuntu
+        head    203.0.113.5   user=ubuntu
     """
     p = Path(path).expanduser()
     if not p.is_file():
@@ -115,7 +124,22 @@ def parse_hosts_file(path: str | Path) -> list[Node]:
         if other != n.name:
             raise ClusterError(f"{p}: {other} and {n.name} are the same machine ({n.host}:{n.port})", fix="list each "
                                "machine once")
-    return nodes
+    head = next((n for n in nodes if n.name == HEAD), None)
+    nodes = [dataclasses.replace(n, index=i) for i, n in enumerate(n for n in nodes if n.name != HEAD)]
+    return nodes, dataclasses.replace(head, labels={"role": HEAD}) if head else None
+
+
+def load_head(cluster: str | None = None) -> Node | None:
+    """The cluster's head, where detached runs' supervisors run; None: the operator's machine keeps that role
+    (a local cluster started with --no-head, a hosts file without a 'head' line, AWS until its discovery lands)."""
+    kind, _, arg = (cluster or default_cluster()).partition(":")
+    if kind == "local":
+        from cluster import local
+
+        return local.head(local.state_dir(arg or None))
+    if kind == "hosts" and arg:
+        return parse_hosts(arg)[1]
+    return None
 
 
 def _hosts_source(arg: str) -> list[Node]:

@@ -1,9 +1,7 @@
-"""The local cluster: N sshd processes on 127.0.0.2, 127.0.0.3, ... reached over real SSH.
+"""The local cluster: N sshd processes on 127.0.0.2, 127.0.0.3, ... reached over real SSH, and its head beside them.
 
-Every node has its own host key, sshd config, authorized_keys and work root, all under one
-project-local folder. Each sshd is pinned to its share of the CPUs so that a node's
-topology (as seen by the jobs) is its own.
-"""
+Every node has its own host key, sshd config, authorized_keys and work root under one project-local folder, and
+its sshd is pinned to its share of the CPUs so that a node's topology (as seen by the jobs) is its own."""
 from __future__ import annotations
 
 import getpass
@@ -14,6 +12,7 @@ import os
 import shutil
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -27,6 +26,7 @@ log = logging.getLogger(__name__)
 
 DEFAULT_PORT = 2222
 FIRST_ADDRESS = "127.0.0.2"
+HEAD = "head"  # the node beside the training nodes that runs detached runs' supervisors
 
 
 def state_dir(name: str | None = None) -> Path:
@@ -106,10 +106,12 @@ def nodes(state: Path | None = None, require_running: bool = True) -> list[Node]
 
 
 def up(count: int, port: int = DEFAULT_PORT, first_address: str = FIRST_ADDRESS,
-       state: Path | None = None, python: str | None = None, wrap=None, extra: dict | None = None) -> list[Node]:
-    """Start ``count`` sshd nodes; returns them. Refuses if a cluster of another size is up. ``wrap(i)``: the
-    command that runs node i's sshd elsewhere (cluster.netns: its own network namespace), ``extra``: more state."""
-    state = state or state_dir()
+       state: Path | None = None, python: str | None = None, wrap=None, extra: dict | None = None,
+       head: bool = False) -> list[Node]:
+    """Start ``count`` sshd nodes (and, with ``head``, a node named head beside them: not a training node; it runs
+    detached runs' supervisors); returns the training nodes. Refuses if a cluster of another size is up. ``wrap(i)``:
+    the command that runs node i's sshd elsewhere (cluster.netns: its own namespace; no head), ``extra``: more state."""
+    state, head = state or state_dir(), head and not wrap
     if not 1 <= count <= MAX_NODES:
         raise ClusterError(f"--nodes {count} is out of range", fix=f"a local cluster has 1..{MAX_NODES} nodes")
     if not 1024 <= port <= 65535:
@@ -125,7 +127,7 @@ def up(count: int, port: int = DEFAULT_PORT, first_address: str = FIRST_ADDRESS,
         return _restart_down(state, existing, python)
     sshd = sshd_binary()
     base = ipaddress.IPv4Address(first_address)
-    if not wrap and (not base.is_loopback or not (base + count - 1).is_loopback):
+    if not wrap and (not base.is_loopback or not (base + count - 1 + head).is_loopback):
         raise ClusterError("local nodes must live on 127.0.0.0/8", fix=f"{first_address} + {count} leaves it")
     user = getpass.getuser()
     writable_dir(state, "the local cluster's state folder", "set XC_STATE_DIR to a writable folder")
@@ -136,20 +138,21 @@ def up(count: int, port: int = DEFAULT_PORT, first_address: str = FIRST_ADDRESS,
         Path("/run/sshd").mkdir(mode=0o755, exist_ok=True)  # privilege separation dir
     started: list[dict] = []
     try:
-        for i in range(count):
+        for i in range(count + head):  # the head last, on the next address: node i stays 127.0.0.(2+i)
             started.append(_start_node(state, i, base, port, count, user, op_pub, sshd, python,
-                                       wrap(i) if wrap else []))
+                                       wrap(i) if wrap else [], HEAD if i == count else None))
     except BaseException:
         _stop([s["pid"] for s in started], [s["config"] for s in started])
         raise
     known_hosts(state).write_text("".join(_host_line(state, s) for s in started))
-    (state / "state.json").write_text(json.dumps({"port": port, "nodes": started, **(extra or {})}, indent=2))
+    top = {"head": started.pop()} if head else {}
+    (state / "state.json").write_text(json.dumps({"port": port, "nodes": started, **top, **(extra or {})}, indent=2))
     return [Node(**s["node"]) for s in started]
 
 
 def _start_node(state: Path, i: int, base: ipaddress.IPv4Address, port: int, count: int, user: str, op_pub: str,
-                sshd: str, python: str | None, wrap: list[str]) -> dict:
-    name = f"node{i}"
+                sshd: str, python: str | None, wrap: list[str], name: str | None = None) -> dict:
+    name = name or f"node{i}"
     address = str(base + i)
     node_dir = state / "nodes" / name
     (node_dir / "home").mkdir(parents=True, exist_ok=True)
@@ -171,9 +174,9 @@ def _start_node(state: Path, i: int, base: ipaddress.IPv4Address, port: int, cou
         preexec_fn=lambda c=cpus: os.sched_setaffinity(0, c),  # noqa: PLW1509 (no threads here yet)
     )
     node = Node(name=name, host=address, private_host=address, user=user, port=port, index=i,
-                home=str(node_dir / "home"), python=python or _default_python(),
+                home=str(node_dir / "home"), python=python or sys.executable,
                 labels={"local": True, "cpus": sorted(cpus), "identity": str(operator_key(state)),
-                        "known_hosts": str(known_hosts(state))})
+                        "known_hosts": str(known_hosts(state)), **({"role": HEAD} if name == HEAD else {})})
     entry = {"name": name, "pid": proc.pid, "config": str(config), "node": node.to_dict(), "wrap": wrap}
     try:
         _wait_listening(proc, address, port, log_file, name)
@@ -193,7 +196,7 @@ def _host_line(state: Path, entry: dict) -> str:
 def _restart_down(state: Path, data: dict, python: str | None) -> list[Node]:
     """Start the nodes of a running cluster whose sshd is gone, with their old address, port, host key
     and work folder, so that a run can come back to them (fab train --max-restarts)."""
-    entries = data["nodes"]
+    entries, count = _entries(data), len(data["nodes"])
     base = ipaddress.IPv4Address(entries[0]["node"]["host"])
     op_pub = operator_key(state).with_suffix(".pub").read_text()
     sshd = sshd_binary()
@@ -201,18 +204,26 @@ def _restart_down(state: Path, data: dict, python: str | None) -> list[Node]:
         if _alive(entry["pid"], entry["config"]):
             continue
         _kill_tree(entry)  # what the dead node's sessions left behind goes with it
-        fresh = _start_node(state, i, base, data["port"], len(entries), entry["node"]["user"], op_pub, sshd,
-                            python or entry["node"]["python"], entry.get("wrap", []))
-        entries[i] = fresh
+        fresh = _start_node(state, i, base, data["port"], count, entry["node"]["user"], op_pub, sshd,
+                            python or entry["node"]["python"], entry.get("wrap", []), entry["name"])
+        if i < count:
+            data["nodes"][i] = fresh
+        else:
+            data["head"] = fresh
         log.info("%s restarted", entry["name"])
     (state / "state.json").write_text(json.dumps(data, indent=2))
-    return [Node(**e["node"]) for e in entries]
+    return [Node(**e["node"]) for e in data["nodes"]]
 
 
-def _default_python() -> str:
-    import sys
+def _entries(data: dict) -> list[dict]:
+    """Every sshd of the cluster: its nodes, then its head (when it has one)."""
+    return data["nodes"] + ([data["head"]] if data.get("head") else [])
 
-    return sys.executable
+
+def head(state: Path | None = None) -> Node | None:
+    """The cluster's head (not a training node: it runs detached runs' supervisors), or None without one."""
+    data = _read_state(state or state_dir())
+    return Node(**data["head"]["node"]) if data and data.get("head") else None
 
 
 def _wait_listening(proc: subprocess.Popen, address: str, port: int, log_file: Path, name: str) -> None:
@@ -330,9 +341,9 @@ def kill_node(name: str, state: Path | None = None) -> int:
     data = _read_state(state)
     if not data:
         raise ClusterError("no local cluster is running", fix="start one with 'fab local-up --nodes 2'")
-    entry = next((e for e in data["nodes"] if e["name"] == name), None)
+    entry = next((e for e in _entries(data) if e["name"] == name), None)
     if entry is None:
-        raise ClusterError(f"no local node {name!r}", fix=f"the nodes are {', '.join(e['name'] for e in data['nodes'])}")
+        raise ClusterError(f"no local node {name!r}", fix=f"the nodes are {', '.join(e['name'] for e in _entries(data))}")
     return _kill_tree(entry)
 
 
@@ -349,7 +360,9 @@ def down(state: Path | None = None) -> int:
         return len(found)
     if not data:
         return 0
-    _stop([n["pid"] for n in data["nodes"]], [n["config"] for n in data["nodes"]])
+    if data.get("head"):  # its supervisors have sessions of their own
+        _kill_tree(data["head"])
+    _stop([n["pid"] for n in _entries(data)], [n["config"] for n in _entries(data)])
     (state / "state.json").unlink()
     return len(data["nodes"])
 
@@ -359,8 +372,8 @@ def _cmdlines() -> list[tuple[int, str]]:
     for f in Path("/proc").glob("[0-9]*/cmdline"):
         try:
             out.append((int(f.parent.name), f.read_bytes().replace(b"\0", b" ").decode(errors="replace")))
-        except OSError:
-            continue
+        except OSError:  # gone meanwhile
+            pass
     return out
 
 
@@ -370,7 +383,7 @@ def node_status(state: Path | None = None) -> list[dict]:
     if not data:
         raise ClusterError("no local cluster is running", fix="start one with 'fab local-up --nodes 2'")
     out = []
-    for entry in data["nodes"]:
+    for entry in _entries(data):
         running = _alive(entry["pid"], entry["config"])
         out.append({"name": entry["name"], "host": entry["node"]["host"], "port": entry["node"]["port"],
                     "pid": entry["pid"], "running": running, "since": _started(entry["pid"]) if running else None})

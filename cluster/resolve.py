@@ -6,15 +6,16 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from cluster import local
-from cluster.inventory import Node, default_cluster, load_nodes, select
+from cluster.inventory import Node, default_cluster, load_head, load_nodes, select
 from core.cli import writable_dir
 
 
 @dataclass(frozen=True)
 class Cluster:
     spec: str
-    nodes: tuple[Node, ...]
+    nodes: tuple[Node, ...]  # the training nodes, node 0 first: never the head
     state: Path
+    head: Node | None = None  # where detached runs' supervisors run; None: the operator's machine
 
     @property
     def name(self) -> str:
@@ -47,4 +48,4 @@ def open_cluster(spec: str | None = None, require_running: bool = True) -> Clust
         nodes = load_nodes(spec)
         state = local.state_dir().parent / state_name(spec, nodes)
     writable_dir(state, f"the state folder of cluster {spec!r}", "set XC_STATE_DIR to a writable folder", mode=0o700)
-    return Cluster(spec=spec, nodes=tuple(nodes), state=state)
+    return Cluster(spec=spec, nodes=tuple(nodes), state=state, head=load_head(spec))

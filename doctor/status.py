@@ -39,7 +39,8 @@ def local_rows(cluster: Cluster) -> tuple[list[tuple[str, ...]], float]:
     from cluster import local
 
     now = time.time()
-    rows = [(n["name"], f"{n['host']}:{n['port']}", "local sshd", "-", "running" if n["running"] else "DOWN",
+    rows = [(n["name"], f"{n['host']}:{n['port']}", "local sshd" + (" (head)" if n["name"] == local.HEAD else ""), "-",
+             "running" if n["running"] else "DOWN",
              uptime(now - n["since"] if n["since"] else None), "0.00") for n in local.node_status(cluster.state)]
     return rows, 0.0
 
@@ -80,7 +81,8 @@ def status(cluster: Cluster, check_runs: bool = True) -> tuple[list[str], bool]:
     elif kind in ("aws", "pulumi"):
         rows, total = aws_rows(cluster)
     else:
-        rows, total = [(n.name, f"{n.host}:{n.port}", "-", "-", "listed", "-", "-") for n in cluster.nodes], 0.0
+        rows, total = [(n.name, f"{n.host}:{n.port}", "-" if n is not cluster.head else "head", "-", "listed", "-", "-")
+                       for n in (*cluster.nodes, *filter(None, [cluster.head]))], 0.0
     lines = [cluster_line(cluster), *table(("node", "address/instance", "type", "market", "state", "uptime", "$/h"),
                                           rows)]
     lines.append(f"total: ${total:.2f}/h (${total * 730:,.0f} per month if left running)")
