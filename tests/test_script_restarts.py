@@ -1,0 +1,236 @@
+"""Issue 39's "done when" for a user's own Trainer script, unchanged, on a 2-node local cluster against the fake IMDS:
+a --workdir project (only the script) with its data files outside it, written as Hugging Face's run_glue.py is
+(its own argument dataclasses, info logging on the main process, train -> save_metrics/save_state -> evaluate).
+
+- a spot notice mid-run, `--detach --max-restarts 1`: the first run ends `preempted` with a complete checkpoint in the
+  store, the supervisor resumes it by itself once the notice is gone, the resumed run's log shows the Trainer
+  continuing from that checkpoint, and it ends `ok` with trainer_state.json's global_step the full run's step count
+  and all_results.json home;
+- the same for a group termination (target-lifecycle-state Terminated), attached (fab's own restart loop);
+- a rebalance recommendation: a checkpoint reaches the store while the run goes on, and the run ends `ok` unrestarted.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import signal
+import time
+from pathlib import Path
+
+import pytest
+from fake_imds import FakeIMDS
+from test_user_scripts import _csv
+
+from launch.life import records
+from launch.life.records import Status
+from training import notice
+
+pytestmark = [pytest.mark.cluster, pytest.mark.slow]
+
+# As run_glue.py is written (no spot code, no resume code of its own: resume_from_checkpoint stays None).
+GLUE_LIKE = '''
+import logging
+import sys
+from dataclasses import dataclass, field
+
+import datasets
+import transformers
+from datasets import load_dataset
+from transformers import (AutoModelForSequenceClassification, AutoTokenizer, DataCollatorWithPadding,
+                          HfArgumentParser, Trainer, TrainingArguments, set_seed)
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class ModelArguments:
+    model_name_or_path: str = field(default=None)
+
+
+@dataclass
+class DataTrainingArguments:
+    train_file: str = field(default=None)
+    validation_file: str = field(default=None)
+    max_seq_length: int = field(default=64)
+
+
+model_args, data_args, training_args = HfArgumentParser(
+    (ModelArguments, DataTrainingArguments, TrainingArguments)).parse_args_into_dataclasses()
+logging.basicConfig(format="%(asctime)s - %(levelname)s - %(name)s - %(message)s", handlers=[logging.StreamHandler(sys.stdout)])
+if training_args.should_log:
+    transformers.utils.logging.set_verbosity_info()
+log_level = training_args.get_process_log_level()
+logger.setLevel(log_level)
+datasets.utils.logging.set_verbosity(log_level)
+transformers.utils.logging.set_verbosity(log_level)
+set_seed(training_args.seed)
+
+raw = load_dataset("csv", data_files={"train": data_args.train_file, "validation": data_args.validation_file})
+tokenizer = AutoTokenizer.from_pretrained(model_args.model_name_or_path)
+model = AutoModelForSequenceClassification.from_pretrained(model_args.model_name_or_path, num_labels=2)
+encoded = raw.map(lambda b: tokenizer(b["sentence1"], b["sentence2"], truncation=True,
+                                      max_length=data_args.max_seq_length), batched=True)
+trainer = Trainer(model=model, args=training_args, train_dataset=encoded["train"], eval_dataset=encoded["validation"],
+                  data_collator=DataCollatorWithPadding(tokenizer), processing_class=tokenizer)
+train_result = trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
+metrics = train_result.metrics
+trainer.save_model()
+trainer.log_metrics("train", metrics)
+trainer.save_metrics("train", metrics)
+trainer.save_state()
+metrics = trainer.evaluate()
+trainer.log_metrics("eval", metrics)
+trainer.save_metrics("eval", metrics)
+'''
+
+ROWS, BATCH, EPOCHS = 400, 4, 3
+FULL_STEPS = math.ceil(ROWS / (BATCH * 2)) * EPOCHS  # 2 nodes, one rank each: 150
+
+
+def _project(tmp_path: Path) -> tuple[Path, list[str]]:
+    """The --workdir folder (the script alone) and the script's flags, its data files outside the folder."""
+    project = tmp_path / "glue"
+    project.mkdir()
+    (project / "run_glue.py").write_text(GLUE_LIKE)
+    data = tmp_path / "elsewhere"
+    return project, ["--train_file", str(_csv(data / "train.csv", ROWS)), "--validation_file", str(_csv(data / "val.csv", 16)),
+                     "--do_train", "--do_eval", "--per_device_train_batch_size", str(BATCH),
+                     "--num_train_epochs", str(EPOCHS), "--logging_steps", "5", "--seed", "42", "--report_to", "none",
+                     "--disable_tqdm", "True", "--output_dir", "out"]
+
+
+def _wait(what: str, check, timeout: float, poll: float = 1.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        got = check()
+        if got:
+            return got
+        time.sleep(poll)
+    raise AssertionError(f"not within {timeout:.0f}s: {what}")
+
+
+def _log(run_dir: Path) -> str:
+    try:
+        return (run_dir / "log.txt").read_text(errors="replace")
+    except OSError:
+        return ""
+
+
+def _store_ckpt(cluster, run_id: str, step: int) -> Path:
+    return cluster.runs.parent / "store" / "runs" / run_id / "checkpoints" / f"checkpoint-{step}"
+
+
+def _check_chain(cluster, first: str, cause: str) -> tuple[records.RunRecord, records.RunRecord]:
+    """The first run preempted with a complete checkpoint in the store; the run it restarted as continued from that
+    checkpoint to the full step count, ok, with its metrics home."""
+    one = records.load(cluster.runs / first)
+    assert one.status == Status.PREEMPTED and one.cause == cause, (one.status, one.cause, one.reason)
+    step = one.preempted["step"]
+    assert 5 <= step < FULL_STEPS, one.preempted
+    ckpt = _store_ckpt(cluster, first, step)
+    assert (ckpt / "xc-complete").is_file() and (ckpt / "optimizer.pt").is_file(), sorted(ckpt.parent.glob("*"))
+    assert (ckpt / "rng_state_0.pth").is_file() and (ckpt / "rng_state_1.pth").is_file()  # every rank's RNG
+    assert json.loads((ckpt / "trainer_state.json").read_text())["global_step"] == step
+    assert not (cluster.runs / first / "output" / "all_results.json").exists()  # the script stopped in train()
+    second = one.restarted_as
+    assert second, one
+    two = records.load(cluster.runs / second)
+    log = _log(cluster.runs / second)
+    assert two.status == Status.OK, (two.status, two.reason, log[-3000:])
+    assert two.resumed_from["run_id"] == first and two.resumed_from["step"] == step, two.resumed_from
+    # the Trainer itself says it continues from the checkpoint (not from step 0)
+    assert f"Resuming training from checkpoint with epoch {step * BATCH * 2 // ROWS} and global step {step}" in log, \
+        log[-3000:]
+    out = cluster.runs / second / "output"
+    state = json.loads((out / "trainer_state.json").read_text())
+    assert state["global_step"] == state["max_steps"] == FULL_STEPS, (state["global_step"], state["max_steps"])
+    logged = [e["step"] for e in state["log_history"] if "loss" in e]
+    assert logged and logged[-1] == FULL_STEPS and all(s > 0 for s in logged), logged
+    results = json.loads((out / "all_results.json").read_text())
+    assert "train_loss" in results and "eval_loss" in results, results
+    return one, two
+
+
+def test_an_unchanged_glue_script_detached_is_preempted_and_resumed_by_its_supervisor(cluster2, small_model, tmp_path):
+    project, flags = _project(tmp_path)
+    imds = FakeIMDS()
+    before = cluster2.run_dirs()
+    sup = None
+    running = cluster2.start("train", "--nodes", "2", "--detach", "--max-restarts", "1", "--restart-wait", "300",
+                             "--save-every", "0", "--workdir", str(project), "--script", "run_glue.py",
+                             *imds.train_env(), "--", "--model_name_or_path", small_model, *flags, merge=True)
+    try:
+        m = running.wait_for(re.compile(r"run (\S+) detached under its supervisor \(pid (\d+), up to 1 restart"), 600)
+        first = m.group(1)
+        assert running.finish(60).returncode == 0, running.stdout[-3000:]
+        sup = records.load(cluster2.runs / first).supervisor
+        _wait("the first run's first logged loss", lambda: "'loss'" in _log(cluster2.runs / first), 400, poll=0.5)
+        imds.interrupt()
+        _wait("the first run recorded restarting",
+              lambda: records.load(cluster2.runs / first).status == Status.RESTARTING, 300)
+        imds.clear()  # the node is 'replaced': no notice any more, so the supervisor resumes
+        second = _wait("the resumed run", lambda: records.load(cluster2.runs / first).restarted_as, 300)
+        _wait("the resumed run's end", lambda: (r := records.load_or_none(cluster2.runs / second)) and r.status.terminal,
+              600, poll=2)
+        _wait("the supervisor's exit", lambda: not records.supervisor_alive(sup), 60)
+    finally:
+        imds.close()
+        running.__exit__()
+        if sup and records.supervisor_alive(sup):
+            os.kill(sup["pid"], signal.SIGKILL)
+    assert {first, second} <= cluster2.run_dirs() - before
+    one, two = _check_chain(cluster2, first, notice.SPOT)
+    print(f"spot: preempted at step {one.preempted['step']}, resumed as {two.run_id}, ended ok at step {FULL_STEPS}")
+
+
+def test_an_unchanged_glue_script_survives_a_group_termination_and_restarts(cluster2, small_model, tmp_path):
+    project, flags = _project(tmp_path)
+    imds = FakeIMDS()
+    before = cluster2.run_dirs()
+    try:
+        with cluster2.start("train", "--nodes", "2", "--max-restarts", "1", "--restart-wait", "300", "--save-every", "0",
+                            "--workdir", str(project), "--script", "run_glue.py", *imds.train_env(), "--",
+                            "--model_name_or_path", small_model, *flags, merge=True) as running:
+            running.wait_for("'loss'", 400)
+            imds.terminate_by_group()
+            running.wait_for("restart 1 of 1:", 300)
+            imds.clear()
+            ended = running.finish(600)
+    finally:
+        imds.close()
+    assert ended.returncode == 0, ended.stdout[-3000:]
+    first = next(r for r in cluster2.run_dirs() - before if records.load(cluster2.runs / r).restarted_as)
+    one, two = _check_chain(cluster2, first, notice.GROUP)
+    print(f"group termination: preempted at step {one.preempted['step']}, resumed as {two.run_id}, ok")
+
+
+def test_a_rebalance_recommendation_saves_while_an_unchanged_glue_script_trains_on(cluster2, small_model, tmp_path):
+    project, flags = _project(tmp_path)
+    imds = FakeIMDS()
+    before = cluster2.run_dirs()
+    try:
+        with cluster2.start("train", "--nodes", "2", "--max-restarts", "1", "--save-every", "0",
+                            "--workdir", str(project), "--script", "run_glue.py", *imds.train_env(), "--",
+                            "--model_name_or_path", small_model, *flags, merge=True) as running:
+            running.wait_for("'loss'", 400)
+            run_id = (cluster2.run_dirs() - before).pop()
+            imds.recommend_rebalance()
+            step = int(running.wait_for(re.compile(r"\[rebalance\] step=(\d+): checkpoint now, training goes on"),
+                                        120).group(1))
+            ckpt = _store_ckpt(cluster2, run_id, step)
+            _wait("the rebalance checkpoint in the store", lambda: (ckpt / "xc-complete").is_file(), 120, poll=0.5)
+            assert running.proc.poll() is None  # it reached the store while the run went on
+            ended = running.finish(600)
+    finally:
+        imds.close()
+    assert ended.returncode == 0, ended.stdout[-3000:]
+    assert 5 <= step < FULL_STEPS and "restart 1 of 1" not in ended.stdout
+    assert cluster2.run_dirs() - before == {run_id}  # no second run
+    rec = records.load(cluster2.runs / run_id)
+    assert rec.status == Status.OK and rec.restarted_as is None and rec.preempted is None, rec
+    state = json.loads((cluster2.runs / run_id / "output" / "trainer_state.json").read_text())
+    assert state["global_step"] == FULL_STEPS
+    assert (cluster2.runs / run_id / "output" / "all_results.json").is_file()
+    assert json.loads((ckpt / "trainer_state.json").read_text())["global_step"] == step
