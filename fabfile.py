@@ -4,6 +4,7 @@ Job flags go after `--`:  fab train --nodes 4 --job glue -- --num_train_epochs 3
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 from pathlib import Path
@@ -16,6 +17,7 @@ from cluster import local as local_lib
 from cluster import netns as netns_lib
 from cluster import store as store_lib
 from cluster import sweep as sweep_lib
+from cluster.inventory import load_head
 from cluster.resolve import open_cluster
 from core.cli import as_int, cli, env_pairs, job_args, one_line_parse_errors, valueless_keys
 from core.constants import DEFAULT_MASTER_PORT, MAX_NODES
@@ -131,9 +133,8 @@ def train(c, flags: flags_lib.TrainFlags):
     print(status_lib.cluster_line(chosen), flush=True)
     print(chosen_store.line(), flush=True)  # every run's first lines name its store
     runs_lib.reap_all(request_lib.RUNS)  # runs whose fab died: recorded abandoned before this one starts
-    if r.supervised:
-        supervisor_lib.start(chosen.spec, req, r.max_restarts, r.restart_wait, sys.stdout)
-        return
+    if (r.supervised or req.detach) and supervisor_lib.detached(chosen, dataclasses.replace(r, req=req), sys.stdout):
+        return  # on the cluster's head when it has one, else here
     result = restarts_lib.train_with_restarts(chosen, req, r.max_restarts, r.restart_wait)
     if not result.detached:
         print(records.result_line(result))
@@ -147,7 +148,8 @@ def train(c, flags: flags_lib.TrainFlags):
 def logs(c, run, follow=False, store=None, cluster=None):
     """A run's log with [rank host] prefixes: live from node 0 while a detached run goes on, else runs/<id>/log.txt."""
     where = store_lib.choose(store, c.config, _cluster(c, cluster)).url  # a run from another machine
-    closing = runs_lib.show_log(request_lib.RUNS, run, bool(follow), sys.stdout, store=where)
+    closing = runs_lib.show_log(request_lib.RUNS, run, bool(follow), sys.stdout, store=where,
+                                head=load_head(_cluster(c, cluster)))
     if closing:
         print(closing)
 
@@ -157,7 +159,8 @@ def logs(c, run, follow=False, store=None, cluster=None):
 @cli
 def runs(c, store=None, cluster=None):
     """The runs under runs/ and in the cluster's store, newest first: id, job, nodes, status, wall, metric, samples/s."""
-    runs_lib.list_runs(request_lib.RUNS, sys.stdout, store=store_lib.choose(store, c.config, _cluster(c, cluster)).url)
+    runs_lib.list_runs(request_lib.RUNS, sys.stdout, store=store_lib.choose(store, c.config, _cluster(c, cluster)).url,
+                       head=load_head(_cluster(c, cluster)))  # asked only about a supervisor gone silent
 
 
 @task(help={"cluster": "local | hosts:PATH | aws[:NAME] | pulumi[:STACK] (default: the local cluster if started, "
@@ -179,7 +182,8 @@ def status(c, cluster=None, no_runs=False):
 def stop(c, run, cluster=None):
     """End RUN on every node (the clean-up a failure gets) and record it as stopped; frees the cluster."""
     stop_lib.check_run_id(run, request_lib.RUNS)  # before the cluster is asked anything
-    print(stop_lib.stop(open_cluster(_cluster(c, cluster)), run, request_lib.RUNS))
+    where = store_lib.choose(None, c.config, _cluster(c, cluster)).url  # a run a head's supervisor runs
+    print(stop_lib.stop(open_cluster(_cluster(c, cluster)), run, request_lib.RUNS, store=where))
 
 
 @task(help={"cluster": "aws[:NAME] | pulumi[:STACK] (default: the selected stack's cluster and region, else aws: "

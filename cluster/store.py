@@ -230,6 +230,11 @@ def publish_records(run_dir: Path, url: str | None) -> None:
         log.warning("the run's records did not reach the store: %s", explain(exc, url))
 
 
+def put_record(url: str, run_id: str, name: str, data: bytes) -> None:
+    """One record file of a run (the head's heartbeat.json) into its store; raises ClusterError."""
+    _guard(url, _store(url).put_bytes, RunPaths(run_id).store_record(name), data)
+
+
 def pull(url: str, run_id: str, dest: Path, with_checkpoints: bool = False, with_model: bool = True,
          say: Callable[[str], None] | None = None) -> tuple[int, int]:
     """A run's records and outputs (and, if asked, its complete checkpoints) from the store into dest, with

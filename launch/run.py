@@ -25,6 +25,7 @@ from launch.life import detach, lock, records
 from launch.life.cleanup import Sweep, sweep
 from launch.life.lifecycle import Outcome, Run, end
 from launch.life.records import RunResult, Status, new_record, result_line, this_process
+from launch.life.recovery import Recovery
 from launch.life.watchdog import Watchdog
 from launch.plan import launcher
 from launch.plan.preflight import preflight
@@ -126,10 +127,11 @@ def _run(cluster: Cluster, req: TrainRequest, plan: launcher.LaunchPlan, facts: 
         raise ClusterError(f"cannot create the run folder {r.run_dir}: {exc.strerror}",
                            "set XC_RUNS_DIR to a writable folder") from None
     say(f"run {plan.run_id}: results in {r.run_dir}")
+    recovery = Recovery.of_request(req)  # a restart: what it costs, from the run that ended to this one's first step
     if req.restart_of:  # the run that ended names the one that goes on for it
         records.resumed_as(RunPaths(req.restart_of, runs_dir=req.runs_dir).home, plan.run_id)
     if req.resume:
-        record.resumed_from = {"run_id": req.resume["run_id"], "step": req.resume["step"]}
+        record.resumed_from = {"run_id": req.resume.run_id, "step": req.resume.step}
     # who ends this run: this process (fab, or the supervisor of a detached run with restarts); a plain
     # detached run is ended by whichever fab looks after node 0's wrapper has finished
     record.supervisor = None if req.detach else this_process()
@@ -154,6 +156,8 @@ def _run(cluster: Cluster, req: TrainRequest, plan: launcher.LaunchPlan, facts: 
             r.remote_run, str(Path(mpirun).parent), launcher.shell_join(argv), master.node.python,
             f"{master.home}/code/{digest}", bool(plan.secret_env)), say)
     r.started()  # 'fab runs' lists it while it goes on
+    if recovery:
+        recovery.launched()
     say(f"launching {plan.world_size} rank(s) with mpirun on {master.node.name}")
     started = time.monotonic()
     exit_code = 1
@@ -162,7 +166,7 @@ def _run(cluster: Cluster, req: TrainRequest, plan: launcher.LaunchPlan, facts: 
         mirror = outputs.CheckpointMirror(master.node, r.run_dir, r.remote_output, req.fetch_model)
         mirror.start()
     with (r.run_dir / "log.txt").open("w") as log_file:
-        router = OutputRouter(plan, out, log_file)
+        router = OutputRouter(plan, out, log_file, on_line=recovery.hook(r.run_dir, record) if recovery else None)
         ctrl_c = CtrlC(nodes, plan.run_id, say)
         watch = Watchdog(nodes, plan.run_id, lambda: cleanup(nodes, plan.run_id))
         try:
@@ -193,7 +197,7 @@ def _run(cluster: Cluster, req: TrainRequest, plan: launcher.LaunchPlan, facts: 
             _bring_home(master, r.run_dir, r.remote_output, dataclasses.replace(req, fetch_model=False)
                         if ctrl_c.pressed else req, say)
     return end(r, Outcome(exit_code, router.lines, router.finished, time.monotonic() - started,
-                          watch.failure, bool(ctrl_c.pressed)), say)
+                          watch.failure, bool(ctrl_c.pressed), router.noticed_at), say)
 
 
 def _prepare(cluster: Cluster, req: TrainRequest, plan: launcher.LaunchPlan, facts: list[NodeFacts],
@@ -208,7 +212,7 @@ def _prepare(cluster: Cluster, req: TrainRequest, plan: launcher.LaunchPlan, fac
     digest = shipping.code_hash()
     tarball = shipping.code_tarball()
     hostfile = render("hostfile.j2", nodes=nodes)
-    resume = Path(req.resume["checkpoint"]) if req.resume and req.resume.get("checkpoint") else None  # [store]: None
+    resume = Path(req.resume.checkpoint) if req.resume and req.resume.checkpoint else None  # [store]: None
 
     def stage(node: Node):
         i = nodes.index(node)
@@ -276,8 +280,8 @@ def demo(nodes: int = 2, port: int | None = None, out: TextIO = sys.stdout) -> R
 
     req = TrainRequest(nodes=nodes, job="glue", args=list(DEMO_ARGS))
     store = store_run.store_lib.choose(None, None, "local")  # [store] XC_STORE, else the local folder: no server
-    store_run.apply(req, store, "local")
-    validate(req)  # an unwritable runs folder is refused before any sshd starts
+    req = store_run.apply(req, store, "local")
+    req = validate(req)  # an unwritable runs folder is refused before any sshd starts
     already = (local.state_dir() / "state.json").exists()
     local.up(nodes, **({"port": port} if port else {}))
     try:

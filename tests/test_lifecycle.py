@@ -4,6 +4,7 @@ preempted, interrupted), `fab stop` of a supervised run and the abandoned look, 
 (tests/fake_node.py) at the SSH boundary. Seconds, not minutes."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -322,7 +323,7 @@ def test_resume_keeps_recorded_values_only_for_flags_not_given(tmp_path):
     # a flag given at its default value still says what the user wants: it resets the recorded one
     reset = resolve(TrainFlags(resume="old", ppn="auto", timeout="300", backend="auto"), tmp_path).req
     assert (reset.ppn, reset.timeout_s, reset.backend, reset.threads) == ("auto", 300, "auto", "2")
-    assert reset.resume["step"] == 20 and reset.args == ["--seed", "1"]
+    assert reset.resume.step == 20 and reset.args == ["--seed", "1"]
     new = resolve(TrainFlags(job_args=["--seed", "2"]), tmp_path)
     assert (new.req.ppn, new.req.timeout_s, new.req.launcher, new.max_restarts, new.supervised) == \
         ("auto", 300, "python", 0, False)
@@ -357,7 +358,7 @@ def test_a_script_run_resumes_with_its_own_code_and_refuses_changed_code(tmp_pat
         (ck / spot.COMPLETE_MARKER).write_text("{}")
     req = resolve(TrainFlags(resume="wd"), tmp_path / "runs").req
     assert (req.script, req.workdir, req.launcher, req.args) == ("train.py", str(proj), "python", ["--output_dir", "out"])
-    assert req.resume["step"] == 20
+    assert req.resume.step == 20
     assert resolve(TrainFlags(resume="lone"), tmp_path / "runs").req.script == str(lone)
     (proj / "train.py").write_text("print('changed')\n")
     with pytest.raises(ClusterError) as exc:
@@ -400,8 +401,10 @@ def test_the_supervisors_job_crosses_a_pipe_even_with_a_scanned_workdir(tmp_path
     (tmp_path / "train.py").write_text("print(1)\n")
     req = TrainRequest(job=None, script="train.py", workdir=str(tmp_path), runs_dir=tmp_path / "runs",
                        env={"HF_TOKEN": "s3cret"}, valueless={"HF_TOKEN"})
-    validate(req)
+    req = validate(req)
     assert req.checked and req.checked[0] is not None  # plan_run will not scan --workdir again
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        req.env = {}  # resolved once: a step that needs another request makes one
     job = pickle.loads(supervisor.payload("local", req, 2, 60))
     assert job["req"].checked is None and job["req"].workdir == str(tmp_path) and job["max_restarts"] == 2
     assert job["req"].env == {"HF_TOKEN": "s3cret"}  # on the pipe only: fab writes no file with it

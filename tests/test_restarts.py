@@ -90,7 +90,7 @@ def test_restarts_resume_from_the_newest_checkpoint_along_the_resume_chain(tmp_p
     again = calls[1]
     # the run that was lost waits as 'restarting' and is resumed under a name of its own: the record says so
     assert again.restart_of == "b" and load(tmp_path / "b").restart["ended"] == "failed"
-    assert again.resume["run_id"] == "a" and again.resume["step"] == 20
+    assert again.resume.run_id == "a" and again.resume.step == 20
     assert again.args == ["--seed", "1"] and again.master_port == 29611
     assert "restart 1 of 1: run b lost node1" in "".join(lines)
 

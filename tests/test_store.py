@@ -273,7 +273,7 @@ def test_a_full_disk_is_one_line_with_the_fix(s3, tiny_disk, tmp_path):
 
 def test_resume_takes_the_record_and_checkpoint_from_the_store(tmp_path, monkeypatch):
     from launch.life import resume
-    from launch.plan.request import run_env
+    from launch.plan.request import Resume, run_env
 
     url = (tmp_path / "store").as_uri()
     request = {"job": "glue", "script": None, "args": ["--seed", "1"], "ppn": "auto", "threads": "auto",
@@ -287,8 +287,7 @@ def test_resume_takes_the_record_and_checkpoint_from_the_store(tmp_path, monkeyp
     shared.upload_tree(store, _checkpoint(tmp_path / "checkpoint-30", 30, complete=False), "runs/r8/checkpoints/checkpoint-30")
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "from-the-operator")
     req = resume.resume_request("r8", tmp_path / "runs", store=url)
-    assert req.resume == {"run_id": "r8", "step": 20, "checkpoint": None, "url": f"{url}/runs/r8/checkpoints/checkpoint-20",
-                          "world_size": 2}
+    assert req.resume == Resume("r8", 20, 2, None, f"{url}/runs/r8/checkpoints/checkpoint-20")
     assert req.env["AWS_SECRET_ACCESS_KEY"] == "from-the-operator"  # the record's *** filled in, never stored
     env = run_env(req, ["127.0.0.2", "127.0.0.3"])
     assert env["XC_RESUME_URL"] == f"{url}/runs/r8/checkpoints/checkpoint-20" and env["XC_RESUME_FROM"] == "resume/checkpoint-20"

@@ -100,6 +100,11 @@ class RunPaths:
         return f"{root.rstrip('/')}/{self.store_checkpoint(step)}"
 
 
+def runs_under(home: str | Path) -> Path:
+    """The runs folder under a machine's work root: what a head's supervisors write records into."""
+    return Path(home) / RUNS
+
+
 def parse_checkpoint_url(url: str) -> tuple[str, str, int]:
     """(store root, run id, step) of a checkpoint URL that RunPaths.store_url made."""
     m = re.fullmatch(rf"(.*)/{RUNS}/([^/]+)/checkpoints/([^/]+)/?", url)

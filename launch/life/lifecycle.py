@@ -79,6 +79,7 @@ class Outcome:
     wall_s: float = 0.0
     watch_failure: tuple[str, str] | None = None  # (node, reason) from the watchdog
     interrupted: bool = False
+    noticed_at: float | None = None  # when rank 0's notice line came by: where a restart's recovery_s starts
 
 
 def end(r: Run, o: Outcome, say) -> RunResult:
@@ -159,7 +160,8 @@ def _preempted(r: Run, o: Outcome, notice: Notice) -> None:
     if got is None or got[0] != step:
         step, ckpt = home[-1]
     r.write(Status.PREEMPTED, notice_lib.EXIT, o.wall_s, cause=cause,
-            preempted={"node": node, "rank": rank, "step": step, "checkpoint": str(ckpt)}, cleanup=swept.to_dict())
+            preempted={"node": node, "rank": rank, "step": step, "checkpoint": str(ckpt), "noticed_at": o.noticed_at},
+            cleanup=swept.to_dict())
     base = r.run_dir.parent.parent
     rel = ckpt.relative_to(base) if base in ckpt.parents else ckpt
     raise Preempted(f"run {r.run_id} preempted on {node} at step {step}: checkpoint saved ({rel})",
@@ -196,7 +198,7 @@ def _preempted_in_store(r: Run, o: Outcome, url: str, node: str, notice: Notice,
     where = r.paths.store_url(url, step)
     r.write(Status.PREEMPTED, notice_lib.EXIT, o.wall_s, cause=cause,
             preempted={"node": node, "rank": rank, "step": step, "checkpoint": where, "notice_step": noticed,
-                       "durable": durable}, cleanup=swept.to_dict(),
+                       "durable": durable, "noticed_at": o.noticed_at}, cleanup=swept.to_dict(),
             reason=None if durable else f"the notice's checkpoint (step {noticed}) did not become durable in the "
                                         f"store; resume uses the previous complete one (step {step})")
     said = "checkpoint saved" if durable else f"the notice's checkpoint was not durable; resume takes step {step}"

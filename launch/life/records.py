@@ -113,6 +113,7 @@ class RunRecord:
     restart: dict | None = None  # {"attempt", "of", "ended": status, "why"} while restarting
     restarted_as: str | None = None
     abandoned: dict | None = None  # what the look that found it abandoned saw
+    recovery: dict | None = None  # a resumed run: seconds from the notice to its first optimizer step, by phase
     extra: dict = field(default_factory=dict)  # keys this version does not know, kept as they were
 
     # -- the one way a status changes (the named transitions below call it; no other module does) -------------
@@ -200,8 +201,11 @@ def _start_time(pid: int) -> str | None:
 
 
 def this_process() -> dict:
-    """What identifies this process later: pid, host and its start time (so a reused pid is not taken for it)."""
-    return {"pid": os.getpid(), "host": socket.gethostname(), "start": _start_time(os.getpid())}
+    """What identifies this process later: pid, host and its start time (so a reused pid is not taken for it); a
+    supervisor on a head adds the head's name and its chain's first run id (its XC_SUPERVISOR)."""
+    on_head = {"head": os.environ["XC_HEAD"], "chain": os.environ.get("XC_SUPERVISOR")} \
+        if os.environ.get("XC_HEAD") else {}
+    return {"pid": os.getpid(), "host": socket.gethostname(), "start": _start_time(os.getpid()), **on_head}
 
 
 def supervisor_alive(sup: dict | None) -> bool | None:
@@ -322,7 +326,8 @@ def restarting(run_dir: Path, attempt: int, of: int, why: str) -> RunRecord:
     """A preempted or failed run whose supervisor waits for nodes to resume it."""
     record = load(run_dir)
     ended_as = record.status
-    record._move(Status.RESTARTING, restart={"attempt": attempt, "of": of, "ended": str(ended_as), "why": why})
+    record._move(Status.RESTARTING, restart={"attempt": attempt, "of": of, "ended": str(ended_as), "why": why,
+                                             "at": time.time()})
     return _commit(run_dir, record)
 
 
@@ -341,6 +346,12 @@ def resumed_as(run_dir: Path, next_run: str) -> RunRecord:
     """The run that ended names the one that goes on for it."""
     record = load(run_dir)
     record._move(_back(record), restarted_as=next_run, restart=None)
+    return _commit(run_dir, record)
+
+
+def recovered(run_dir: Path, record: RunRecord, recovery: dict) -> RunRecord:
+    """A resumed run took its first optimizer step: what the recovery cost (its status does not change)."""
+    record.recovery = recovery
     return _commit(run_dir, record)
 
 

@@ -21,7 +21,7 @@ from launch.life import resume as resume_lib
 from launch.life.records import RunResult
 from launch.plan.request import TrainRequest
 from launch.run import train
-from training import spot
+from training import spot, timeline
 from training.paths import RunPaths
 
 POLL_S = 5.0
@@ -101,10 +101,8 @@ def next_request(run_id: str, req: TrainRequest, say) -> TrainRequest:
                 say(f"no checkpoint of {run_id} came home before it ended: starting it again from step 0")
                 return req
             current = earlier
-    nxt.master_port = req.master_port
-    nxt.env.update({k: v for k, v in req.env.items() if k in nxt.env})  # the records hold *** for secrets
-    nxt.valueless |= req.valueless
-    return nxt
+    return dataclasses.replace(nxt, master_port=req.master_port, valueless=nxt.valueless | req.valueless,
+                               env={**nxt.env, **{k: v for k, v in req.env.items() if k in nxt.env}})  # *** in records
 
 
 def train_with_restarts(cluster: Cluster, req: TrainRequest, max_restarts: int = 0, restart_wait: float = 600,
@@ -138,7 +136,8 @@ def train_with_restarts(cluster: Cluster, req: TrainRequest, max_restarts: int =
             except ClusterError as wait_exc:
                 records.restart_given_up(run_dir)
                 raise type(exc)(f"{wait_exc.text}; {exc.what}", fix=exc.fix, **_same(exc)) from None
-            req = dataclasses.replace(next_request(exc.run_id, req, say), restart_of=exc.run_id)
+            nxt = next_request(exc.run_id, req, say)  # rank 0 marks its first step: where recovery_s ends
+            req = dataclasses.replace(nxt, restart_of=exc.run_id, run_id=None, env={**nxt.env, timeline.ENV: "1"})
             cluster = open_cluster(cluster.spec)  # a replaced node has a new address: discover them anew
 
 

@@ -10,7 +10,7 @@ from pathlib import Path
 from cluster import store as store_lib
 from core.errors import ClusterError, NoCheckpoint, NoRecord
 from launch.life import records
-from launch.plan.request import TrainRequest, file_digest
+from launch.plan.request import Resume, TrainRequest, file_digest
 from launch.ship import outputs, secrets
 from training.paths import RunPaths
 
@@ -87,8 +87,8 @@ def resume_request(run_id: str, runs_dir: Path, nodes: int | None = None, fetch_
         comm_hook=request.get("comm_hook", "none"),  # records before --comm-hook sent fp32
         save_every=request["save_every"], pin=request["pin"], timeout_s=request["timeout_s"], runs_dir=runs_dir,
         fetch_model=fetch_model,
-        resume={"run_id": run_id, "step": step, "checkpoint": str(checkpoint) if checkpoint else None, "url": url,
-                "world_size": old_world})
+        resume=Resume(run_id=run_id, step=step, world_size=old_world, checkpoint=str(checkpoint) if checkpoint
+                      else None, url=url))
 
 
 def same_code(run_id: str, request: dict, shipped: dict | None) -> None:

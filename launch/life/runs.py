@@ -11,9 +11,11 @@ from pathlib import Path
 from typing import TextIO
 
 from cluster import store as store_lib
+from cluster.node import Node
 from cluster.remote import connect
 from core.errors import ClusterError
 from launch.life import detach, lifecycle, records
+from launch.life import head as head_lib
 from launch.life.records import RunRecord, RunResult, Status, result_line
 from launch.life.stop import check_run_id
 from launch.ship.stream import OutputRouter
@@ -84,35 +86,59 @@ def _row(rec: RunRecord, where: str = "home") -> tuple[str, ...]:
             f"{sps:.1f}" if isinstance(sps, (int, float)) else "-", where)
 
 
-def list_runs(runs_dir: Path, out: TextIO, store: str | None = None) -> int:
-    """Print one row per run, newest first, with the store's runs not at home (started from another machine,
-    or pulled nowhere yet) marked 'store'; returns how many."""
-    rows = [_row(rec) for rec in look_all(runs_dir)]
+def list_runs(runs_dir: Path, out: TextIO, store: str | None = None, head: Node | None = None) -> int:
+    """Print one row per run, newest first, with the store's runs not at home (started from another machine or
+    by a head's supervisor, or pulled nowhere yet) marked 'store'; then what each restart cost and what the look
+    at a head's silent supervisor found. Returns how many."""
+    recs = [(rec, "home") for rec in look_all(runs_dir)]
+    notes = []
     if store:
-        home = {r[0] for r in rows}
+        home = {r.run_id for r, _ in recs}
         try:
             remote = store_lib.store_runs(store)
         except ClusterError as exc:  # the store unreachable: the runs at home still list
             log.warning("%s", exc)
             remote = {}
-        rows += [_row(RunRecord.from_json(summary), "store") for run_id, summary in remote.items() if run_id not in home]
-        rows.sort(key=lambda r: r[0], reverse=True)
-    if not rows:
+        for run_id, summary in remote.items():
+            if run_id not in home:
+                rec, note = head_lib.judge(RunRecord.from_json(summary), store, head, runs_dir)
+                recs.append((rec, "store"))
+                notes += [f"run {run_id}: {note}"] if note else []
+        recs.sort(key=lambda r: r[0].run_id, reverse=True)
+    if not recs:
         out.write(f"no runs in {runs_dir}; start one with 'fab train'\n")
         return 0
+    rows = [_row(rec, where) for rec, where in recs]
     header = ("run", "job", "nodes", "status", "wall", "metric", "samples/s", "where")
     widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
     out.writelines("  ".join(v.ljust(w) for v, w in zip(row, widths)).rstrip() + "\n" for row in [header, *rows])
+    out.writelines(line + "\n" for line in [*filter(None, (recovery_line(r) for r, _ in recs)), *notes])
     return len(rows)
 
 
+def recovery_line(rec: RunRecord) -> str | None:
+    """What a restart cost: from the notice (or the loss) to the resumed run's first optimizer step, by phase."""
+    c = rec.recovery
+    if not c:
+        return None
+    phases = ", ".join(f"{label} {c[k]:.1f}s" for k, label in (("ending_s", "ending"), ("waiting_s", "waiting for nodes"),
+                                                              ("staging_s", "staging"), ("startup_s", "start-up"))
+                       if isinstance(c.get(k), (int, float)))
+    redone = c.get("steps_redone")
+    return (f"recovery {c.get('of', '?')} -> {rec.run_id}: recovery_s={c['recovery_s']:.1f} from the "
+            f"{c.get('from', 'notice')} to the first optimizer step ({phases}); steps_redone="
+            f"{redone if redone is not None else '?'}")
+
+
 def show_log(runs_dir: Path, run_id: str, follow: bool, out: TextIO, poll_s: float = 1.0,
-             store: str | None = None) -> str | None:
+             store: str | None = None, head: Node | None = None) -> str | None:
     """Print the run's log; with follow, until the run ends (a detached run is then concluded; a supervised
     run is followed through its restarts). Returns a closing line when following, else None. A run not at
     home is read from the store."""
     check_run_id(run_id, runs_dir)
     run_dir = RunPaths(run_id, runs_dir=runs_dir).home
+    if not run_dir.is_dir() and store and follow and store_lib.read_summary(store, run_id):
+        return _follow_store(store, run_id, out, poll_s, head, Path(runs_dir))
     if not run_dir.is_dir() and store and _log_from_store(store, run_id, out):
         return None
     if not run_dir.is_dir():
@@ -202,3 +228,31 @@ def _log_from_store(store: str, run_id: str, out: TextIO) -> bool:
     router.write(text)
     router.flush_rest()
     return True
+
+
+def _follow_store(store: str, run_id: str, out: TextIO, poll_s: float, head: Node | None, runs_dir: Path) -> str:
+    """Follow a run the store records (a head's supervisor publishes its log.txt every few seconds): on to the
+    run it restarted as, until the chain's last run has ended (or its silent supervisor is confirmed gone)."""
+    key = RunPaths(run_id).store_record("log.txt")
+    while True:
+        rec = RunRecord.from_json(store_lib.read_summary(store, run_id) or {"run_id": run_id})
+        router, shown, last = OutputRouter(detach.log_plan(rec), out, io.StringIO()), 0, False
+        while True:
+            text = store_lib.read_text(store, key) or ""
+            whole = text[:text.rfind("\n") + 1]
+            router.write(whole[shown:])
+            shown = max(shown, len(whole))
+            if last:
+                break
+            rec, _ = head_lib.judge(RunRecord.from_json(store_lib.read_summary(store, run_id) or rec.to_json()),
+                                    store, head, runs_dir)
+            last = bool(rec.restarted_as) or (rec.status is not None and rec.status.terminal)
+            time.sleep(poll_s)  # once more after the end: the log is published after the record
+        router.flush_rest()
+        if not rec.restarted_as:
+            return (result_line(RunResult(rec.run_id, Path(store), 0, float(rec.wall_s or 0), None))
+                    if rec.status == Status.OK else f"run {rec.run_id} {rec.status}: {rec.reason or 'see the log above'}")
+        out.write(f"run {rec.run_id} {rec.status}; resumed as run {rec.restarted_as}\n")
+        run_id, key = rec.restarted_as, RunPaths(rec.restarted_as).store_record("log.txt")
+        while store_lib.read_summary(store, run_id) is None:
+            time.sleep(poll_s)

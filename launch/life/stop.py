@@ -25,15 +25,17 @@ def check_run_id(run_id: str, runs_dir: Path) -> None:
                            "20261122-113856-glue-3b36")
 
 
-def stop(cluster: Cluster, run_id: str, runs_dir: Path) -> str:
+def stop(cluster: Cluster, run_id: str, runs_dir: Path, store: str | None = None) -> str:
+    """A run not under runs_dir (its supervisor runs on the head) is read from the store, its supervisor ended on
+    the head, and its stopped record saved here and published to the store."""
     check_run_id(run_id, runs_dir)
-    run_id = latest(Path(runs_dir), run_id)  # a supervised run goes on under the id it was resumed as
+    run_id = latest(Path(runs_dir), run_id, store)  # a supervised run goes on under the id it was resumed as
     nodes = list(cluster.nodes)
     run_dir = RunPaths(run_id, runs_dir=runs_dir).home
-    rec = records.load_or_none(run_dir)
-    killed = _end_supervisor(rec)
+    rec = _record(run_dir, run_id, store)
+    killed = _end_on_head(cluster, rec) or _end_supervisor(rec)
     alive = runs_alive(nodes).get(run_id)
-    if not alive and not run_dir.is_dir():  # a mistyped id gets no folder of its own
+    if not alive and rec is None:  # a mistyped id gets no folder of its own
         raise ClusterError(f"no run {run_id}: no folder in {runs_dir} and no process of it on the nodes",
                            f"pass an id from 'ls {runs_dir}' or from the runs row of 'fab doctor'")
     swept = sweep(nodes, run_id)
@@ -45,18 +47,40 @@ def stop(cluster: Cluster, run_id: str, runs_dir: Path) -> str:
         records.stopped(run_dir, rec, swept.to_dict())
     if not swept.clean:
         raise NodeFailure(f"run {run_id}: {swept.claim()}", sorted({*swept.left, *swept.unchecked}), fix="")
-    sup = f"its supervisor (pid {rec.supervisor['pid']}) ended; " if killed else ""
+    sup = (f"its supervisor (pid {rec.supervisor['pid']}" + (f" on the head {rec.supervisor['head']}"
+           if rec.supervisor.get("head") else "") + ") ended; ") if killed else ""
     if alive:
         where = ", ".join(f"{n} ({c})" for n, c in alive.items())
         return f"run {run_id} stopped: {sup}killed its processes on {where}; {swept.claim()}"
     return f"run {run_id} had no process on the nodes; {sup}{swept.claim()}"
 
 
-def latest(runs_dir: Path, run_id: str) -> str:
+def _record(run_dir: Path, run_id: str, store: str | None) -> records.RunRecord | None:
+    """The run's record at home, else the store's copy (a run a head's supervisor ran)."""
+    rec = records.load_or_none(run_dir)
+    if rec is None and store:
+        from cluster import store as store_lib
+
+        summary = store_lib.read_summary(store, run_id)
+        rec = records.RunRecord.from_json(summary) if summary else None
+    return rec
+
+
+def _end_on_head(cluster: Cluster, rec: records.RunRecord | None) -> bool:
+    """SIGTERM to the run's supervisor on the cluster's head, found by its XC_SUPERVISOR; True if one ended."""
+    sup = (rec.supervisor if rec else None) or {}
+    if not sup.get("head") or cluster.head is None or cluster.head.name != sup["head"]:
+        return False
+    from launch.life import head
+
+    return bool(head.end_on(cluster.head, sup.get("chain") or rec.run_id))
+
+
+def latest(runs_dir: Path, run_id: str, store: str | None = None) -> str:
     """The last run of a resume chain that run_id starts (run_id itself when it was not resumed)."""
     seen = {run_id}
     while True:
-        rec = records.load_or_none(RunPaths(run_id, runs_dir=runs_dir).home)
+        rec = _record(RunPaths(run_id, runs_dir=runs_dir).home, run_id, store)
         if rec is None or not rec.restarted_as or rec.restarted_as in seen:
             return run_id
         run_id = rec.restarted_as

@@ -8,11 +8,14 @@ the run id and returns. The supervisor writes its pid into every run record it r
 Run as `python -m launch.life.supervisor` (stdin: the pickled job)."""
 from __future__ import annotations
 
+import base64
 import dataclasses
+import io
 import logging
 import os
 import pickle
 import re
+import shlex
 import signal
 import subprocess
 import sys
@@ -23,9 +26,10 @@ from typing import TextIO
 from cluster.node import Node
 from core.constants import PROJECT_ROOT
 from core.errors import ClusterError
-from launch.life import records
+from launch.life import head, records
 from launch.life.cleanup import runs_alive
 from launch.life.records import Status
+from launch.plan.request import new_run_id
 from training.paths import RunPaths
 
 log = logging.getLogger(__name__)
@@ -34,7 +38,60 @@ START_TIMEOUT_S = 900  # staging, probing and the ranks' start on a loaded machi
 FOLDER = ".supervisors"
 
 
-def start(spec: str, req, max_restarts: int, restart_wait: float, out: TextIO) -> str:
+def detached(cluster, r, out: TextIO) -> bool:
+    """`fab train --detach`: on a cluster with a head every detached run is supervised there (--max-restarts 0
+    included); without one this machine keeps the role (one line says so): a supervised run's supervisor starts
+    here, a plain detached run is left to the caller (node 0's wrapper). True when the run was started."""
+    if head.runs_on_head(cluster.head):
+        start_on_head(cluster, r.req, r.max_restarts, r.restart_wait, out)
+        return True
+    out.write(head.no_head_line(cluster.spec, cluster.head) + "\n")
+    if r.supervised:
+        start(cluster.spec, r.req, r.max_restarts, r.restart_wait, out)
+    return r.supervised
+
+
+def start_on_head(cluster, req, max_restarts: int, restart_wait: float, out: TextIO) -> str:
+    """Start the run's supervisor on the cluster's head, over SSH, and return once its first run's ranks run:
+    the resolved request goes as one base64 line on the session's stdin (secrets stay in memory, on both ends);
+    on the head `--on-head` starts it in a session of its own with XC_SUPERVISOR=<run id>, shows the plan lines
+    here, and ends. Nothing of the run is left on this machine."""
+    from cluster.remote import connect
+
+    label = "script" if req.script or req.module else req.job
+    req = dataclasses.replace(req, run_id=req.run_id or new_run_id(label), detach=False)
+    job = base64.b64encode(payload(cluster.spec, req, max_restarts, restart_wait)).decode()
+    env = {head.HEAD_ENV: cluster.head.name, **{k: os.environ[k] for k in ("XC_STATE_DIR", "XC_DEBUG", "XC_HEARTBEAT_S",
+                                                                           "XC_PUBLISH_S") if os.environ.get(k)}}
+    command = (f"cd {shlex.quote(str(PROJECT_ROOT))} && exec env "
+               + " ".join(shlex.quote(f"{k}={v}") for k, v in env.items())
+               + f" {shlex.quote(cluster.head.python)} -m launch.life.supervisor --on-head")
+    with connect(cluster.head) as conn:
+        res = conn.run(command, warn=True, pty=False, hide=False, in_stream=io.StringIO(job + "\n"), out_stream=out,
+                       err_stream=out)
+    if res.exited != 0:
+        raise ClusterError(f"run {req.run_id}: its supervisor did not start on the head {cluster.head.name} "
+                           f"(exit {res.exited})", fix="see the lines above; 'fab status' shows the head")
+    return req.run_id
+
+
+def on_head() -> int:
+    """On the head: the job from stdin's one line; the runs under this machine's work root; the supervisor started
+    with XC_SUPERVISOR=<run id> (start below), its plan lines printed until its ranks run."""
+    from core.errors import format_error
+
+    job = pickle.loads(base64.b64decode(sys.stdin.readline()))
+    req = dataclasses.replace(job["req"], runs_dir=head.runs_here())
+    os.environ["XC_RUNS_DIR"] = str(req.runs_dir)
+    try:
+        start(job["spec"], req, job["max_restarts"], job["restart_wait"], sys.stdout, env={head.ENV: req.run_id})
+    except ClusterError as exc:
+        sys.stdout.write(format_error(exc) + "\n")
+        return exc.exit_code
+    return 0
+
+
+def start(spec: str, req, max_restarts: int, restart_wait: float, out: TextIO, env: dict | None = None) -> str:
     """Start the supervisor; return once the first run's ranks all run (its id), or raise what stopped it."""
     folder = Path(req.runs_dir) / FOLDER
     folder.mkdir(parents=True, exist_ok=True)
@@ -42,7 +99,8 @@ def start(spec: str, req, max_restarts: int, restart_wait: float, out: TextIO) -
     job = payload(spec, req, max_restarts, restart_wait)
     with log_path.open("wb") as sink:
         proc = subprocess.Popen([sys.executable, "-m", "launch.life.supervisor"], cwd=PROJECT_ROOT, stdin=subprocess.PIPE,
-                                stdout=sink, stderr=subprocess.STDOUT, start_new_session=True)
+                                stdout=sink, stderr=subprocess.STDOUT, start_new_session=True,
+                                env={**os.environ, **(env or {})})
     proc.stdin.write(job)
     proc.stdin.close()
     deadline = time.monotonic() + START_TIMEOUT_S
@@ -59,7 +117,8 @@ def start(spec: str, req, max_restarts: int, restart_wait: float, out: TextIO) -
                 run_id = m.group(1) if m else None
         out.flush()
         if run_id and _ranks_running(RunPaths(run_id, runs_dir=req.runs_dir).home):
-            out.write(f"run {run_id} detached under its supervisor (pid {proc.pid}, up to {max_restarts} restart(s)): "
+            where = f" on the head {os.environ[head.HEAD_ENV]}" if os.environ.get(head.HEAD_ENV) else ""
+            out.write(f"run {run_id} detached under its supervisor{where} (pid {proc.pid}, up to {max_restarts} restart(s)): "
                       f"follow it with 'fab logs {run_id} -f', list runs with 'fab runs', end it with "
                       f"'fab stop {run_id}'\n")
             return run_id
@@ -103,8 +162,12 @@ def main() -> int:
     for noisy in ("paramiko", "invoke", "fabric", "botocore", "boto3"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
     signal.signal(signal.SIGHUP, signal.SIG_IGN)  # a closed terminal is no reason to end
+    if sys.argv[1:] == ["--on-head"]:
+        return on_head()
     job = pickle.loads(sys.stdin.buffer.read())
     sys.stdin.close()
+    if os.environ.get(head.ENV):  # on a head: its records, log and heartbeat reach the store while it lives
+        head.Beat(os.environ[head.ENV], job["req"].runs_dir, job["req"].store).start()
     try:
         result = restarts.train_with_restarts(open_cluster(job["spec"]), job["req"], job["max_restarts"],
                                               job["restart_wait"])

@@ -62,8 +62,23 @@ def _loopback(host: str) -> bool:
         return host == "localhost"
 
 
-@dataclass
+@dataclass(frozen=True)
+class Resume:
+    """Where a resumed run continues from: the run, its checkpoint's step, and the checkpoint (a folder at home
+    for runs recorded before the store, else its URL in the store), and the world size it was saved on."""
+
+    run_id: str
+    step: int
+    world_size: int
+    checkpoint: str | None = None
+    url: str | None = None
+
+
+@dataclass(frozen=True)
 class TrainRequest:
+    """What one run does, resolved once from the flags (launch.plan.train_flags) or a record; never changed
+    after: a step that needs another request makes one (dataclasses.replace)."""
+
     nodes: int | None = None
     job: str | None = "glue"
     script: str | None = None
@@ -85,7 +100,7 @@ class TrainRequest:
     restart_of: str | None = None  # the run this one resumes by itself (--max-restarts): it names this one
     save_every: str = spot.DEFAULT_SAVE_EVERY
     fetch_model: bool = True
-    resume: dict | None = None  # set by launch.life.resume: run_id, step, checkpoint (local folder)
+    resume: Resume | None = None  # set by launch.life.resume
     run_id: str | None = None
     detach: bool = False  # return once the ranks run; launch.life.detach concludes the run later
     # what validate() found (the scanned --workdir), so the plan does not check again; set by validate only
@@ -110,12 +125,13 @@ def _parse_auto_int(value: str, flag: str) -> int | None:
     return n
 
 
-def validate(req: TrainRequest) -> workdir.Workdir | None:
-    """Every flag and data file, before the cluster is asked anything; returns --workdir scanned."""
+def validate(req: TrainRequest) -> TrainRequest:
+    """Every flag and data file, before the cluster is asked anything; returns the request with what it found
+    (the scanned --workdir) in `checked`."""
     hidden = sorted(k for k, v in req.env.items() if v == secrets.MASK)
     if hidden and req.resume:
         names = ", ".join(hidden)
-        raise ClusterError(f"--resume {req.resume['run_id']}: its record keeps {names} as {secrets.MASK} and your "
+        raise ClusterError(f"--resume {req.resume.run_id}: its record keeps {names} as {secrets.MASK} and your "
                            f"environment has no value for it", fix=f"export {hidden[0]} or pass --env {hidden[0]}=VALUE")
     bundled = req.script is None and req.module is None
     if bundled and req.job not in launcher.JOBS:
@@ -144,7 +160,8 @@ def validate(req: TrainRequest) -> workdir.Workdir | None:
         raise ClusterError(f"--master-port {req.master_port} is not a usable TCP port", fix="use 1024..65535, or leave it "
                            "out to get a free one")
     if req.timeout_s < 1:
-        raise ClusterError(f"--timeout {req.timeout_s} must be at least 1 second (default 300)")
+        raise ClusterError(f"--timeout {req.timeout_s} must be at least 1 second", fix="pass --timeout 1 or more "
+                           "(default 300)")
     _parse_auto_int(req.ppn, "--ppn")
     _parse_auto_int(req.threads, "--threads")
     files = local_files(req.args)
@@ -154,8 +171,7 @@ def validate(req: TrainRequest) -> workdir.Workdir | None:
     if bundled:
         jobdata.check(req.job, req.args, files)
     writable_dir(req.runs_dir, "the runs folder", "set XC_RUNS_DIR to a writable folder")
-    req.checked = (wd,)  # the one validation: plan_run reads it instead of scanning again
-    return wd
+    return dataclasses.replace(req, checked=(wd,))  # the one validation: plan_run reads it, not scanning again
 
 
 def local_files(args: list[str]) -> list[tuple[str, str]]:
@@ -194,7 +210,7 @@ def new_run_id(label: str) -> str:
 def plan_run(cluster: Cluster, req: TrainRequest, say
              ) -> tuple[launcher.LaunchPlan, list[NodeFacts], list[str], dict, TrainRequest]:
     """The plan for the nodes probed; also the request as the run goes on with it (a copy: never changed in place)."""
-    wd = req.checked[0] if req.checked else validate(req)
+    wd = (req.checked or validate(req).checked)[0]
     if req.module and req.script is None:  # own code from here on: the run keys its bundled-job steps on script
         req = dataclasses.replace(req, script=workdir.module_file(wd, req.module))
     nodes = cluster.first(req.nodes)
@@ -215,7 +231,7 @@ def plan_run(cluster: Cluster, req: TrainRequest, say
     args, ship = rewrite_files(req.args, "../data" if wd is not None else "data")  # the rank's cwd: work/ or not
     if req.resume:
         world = ppn * len(node_plans)
-        args, note = same_global_batch(args, int(req.resume["world_size"]), world)
+        args, note = same_global_batch(args, req.resume.world_size, world)
         if note:
             say(note)
     if req.script:
@@ -254,9 +270,9 @@ def run_env(req: TrainRequest, hosts: list[str]) -> dict[str, str]:
     """The ranks' spot contract (training.spot) and wire precision, under the user's --env."""
     env = {"XC_SAVE_EVERY": req.save_every, "XC_COMM_HOOK": resolve_comm_hook(req.comm_hook, hosts)}
     if req.resume:
-        env["XC_RESUME_FROM"] = f"resume/{checkpoint_name(req.resume['step'])}"
-        if req.resume.get("url"):  # [store] each node takes the checkpoint from the store (training.store)
-            env["XC_RESUME_URL"] = req.resume["url"]
+        env["XC_RESUME_FROM"] = f"resume/{checkpoint_name(req.resume.step)}"
+        if req.resume.url:  # [store] each node takes the checkpoint from the store (training.store)
+            env["XC_RESUME_URL"] = req.resume.url
     return {**env, **req.env}
 
 

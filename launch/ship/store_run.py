@@ -2,6 +2,7 @@
 rests on the checkpoint the nodes wrote there (cluster.store, training.store)."""
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 from cluster import store as store_lib
@@ -13,15 +14,17 @@ from training.store import STORE_ENV
 log = logging.getLogger(__name__)
 
 
-def apply(req: TrainRequest, choice: store_lib.Choice, spec: str | None = None) -> None:
-    """The store's variables into the ranks' environment: the URL and endpoint as chosen now; credentials
-    where the request has none of its own (--env wins; a resumed record's *** is filled in)."""
-    for key, value in store_lib.rank_env(choice, spec).items():
-        if key == STORE_ENV or key not in req.env or req.env[key] == secrets.MASK:
-            req.env[key] = value
+def apply(req: TrainRequest, choice: store_lib.Choice, spec: str | None = None) -> TrainRequest:
+    """The request with the store's variables in the ranks' environment: the URL and endpoint as chosen now;
+    credentials where the request has none of its own (--env wins; a resumed record's *** is filled in)."""
+    env, wanted = dict(req.env), store_lib.rank_env(choice, spec)
+    for key, value in wanted.items():
+        if key == STORE_ENV or key not in env or env[key] == secrets.MASK:
+            env[key] = value
     for key in ("XC_S3_ENDPOINT_URL",):  # a resumed record's endpoint that no longer applies
-        if key in req.env and key not in store_lib.rank_env(choice, spec):
-            req.env.pop(key)
+        if key in env and key not in wanted:
+            env.pop(key)
+    return dataclasses.replace(req, env=env)
 
 
 def has_checkpoint(req: TrainRequest, run_id: str) -> bool:

@@ -5,11 +5,13 @@ import io
 import logging
 import re
 import threading
+import time
 from typing import TextIO
 
 from launch.plan import launcher
 from launch.ship import secrets
 from training.common import FINISHED_TAG
+from training.notice import TAG as NOTICE_TAG
 
 log = logging.getLogger(__name__)
 
@@ -20,8 +22,10 @@ class OutputRouter(io.TextIOBase):
     RANK_LINE = re.compile(r"^\[(\d+)\] ?(.*)$")
     CHUNK_TAG = re.compile(r"\[(\d+)\] ?")
 
-    def __init__(self, plan: launcher.LaunchPlan, out: TextIO, log_file: TextIO):
+    def __init__(self, plan: launcher.LaunchPlan, out: TextIO, log_file: TextIO, on_line=None):
         self.plan, self.out, self.log_file = plan, out, log_file
+        self.on_line = on_line  # called with each of rank 0's lines (a resumed run's recovery figures)
+        self.noticed_at: float | None = None  # when rank 0's typed notice line came by (Unix seconds)
         self.buffer = ""
         self.partial: dict[int, str] = {}  # a rank's text written without its newline yet
         self.lock = threading.Lock()
@@ -77,6 +81,11 @@ class OutputRouter(io.TextIOBase):
             text = m.group(2)
             if text.startswith(FINISHED_TAG):
                 self.finished.add(rank)
+            if rank == 0:
+                if self.noticed_at is None and text.startswith(NOTICE_TAG):
+                    self.noticed_at = time.time()
+                if self.on_line is not None:
+                    self.on_line(text)
             shown = f"[{rank} {host}] {text}"
             if self.tty and text.startswith("[progress]"):
                 self.out.write("\r\x1b[K" + shown)

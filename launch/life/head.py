@@ -1,0 +1,186 @@
+"""The head: the machine next to the nodes that runs detached runs' supervisors (issue 40), so that recovery
+never needs the operator's machine. A supervisor there carries XC_SUPERVISOR=<its chain's first run id> in its
+environment (how `fab stop` and the liveness check find it over SSH), publishes the records and log.txt of the
+runs it runs to the store every few seconds, and a heartbeat (runs/<id>/heartbeat.json) every 30 s; `fab runs`,
+`fab logs` and `fab stop` read the store, so any operator machine with access to it and to the head sees the same.
+
+A local cluster's head shares this folder and its venv: the supervisor is started over SSH in a session of its
+own (setsid). An AWS head would run it as a systemd unit: `systemd_argv` builds that command; it is not run here.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shlex
+import socket
+import threading
+import time
+from pathlib import Path
+
+from cluster import store as store_lib
+from cluster.node import Node
+from cluster.remote import connect, run
+from core.constants import REMOTE_HOME
+from core.errors import ClusterError
+from launch.life import records
+from launch.life.records import RunRecord, Status
+from training.paths import RunPaths, runs_under
+
+log = logging.getLogger(__name__)
+
+ENV = "XC_SUPERVISOR"  # the chain's first run id, in the supervisor's environment
+HEAD_ENV = "XC_HEAD"  # the head's name, in the supervisor's environment (records.this_process reads it)
+HEARTBEAT = "heartbeat.json"
+STALE_BEATS = 4  # a heartbeat older than this many intervals is stale
+
+
+def heartbeat_s() -> float:
+    return float(os.environ.get("XC_HEARTBEAT_S") or 30)
+
+
+def publish_s() -> float:
+    """How often a running run's log.txt (and record) reaches the store between transitions."""
+    return float(os.environ.get("XC_PUBLISH_S") or 5)
+
+
+def runs_here() -> Path:
+    """The runs folder of this machine's work root: where a head's supervisors keep their runs."""
+    return runs_under(os.environ.get("XC_HOME") or Path.home() / REMOTE_HOME)
+
+
+def runs_on_head(head: Node | None) -> bool:
+    """Whether detached runs' supervisors run on this head: a local head shares this project folder and venv; a
+    hosts file's head would need the project shipped to it first (not built), and then this machine keeps the role."""
+    return head is not None and bool(head.labels.get("local"))
+
+
+def no_head_line(spec: str, head: Node | None) -> str:
+    why = (f"its head {head.name} has no copy of the project to run a supervisor" if head is not None
+           else "it has no head")
+    return (f"note: cluster {spec}: {why}, so this machine ends and recovers the detached run: keep it on and "
+            "online ('fab local-up' starts a local head)")
+
+
+# -- on the head: the heartbeat and the log, published while the supervisor lives -------------------------------
+class Beat(threading.Thread):
+    """Every publish_s: the records and log.txt of every run this process supervises that still goes on; every
+    heartbeat_s: runs/<id>/heartbeat.json for those runs and the chain's first run."""
+
+    def __init__(self, chain: str, runs_dir: Path, url: str | None):
+        super().__init__(name="heartbeat", daemon=True)
+        self.chain, self.runs_dir, self.url = chain, Path(runs_dir), url
+        self.stopping = threading.Event()
+
+    def mine(self) -> list[RunRecord]:
+        out = []
+        for folder in sorted(self.runs_dir.iterdir()) if self.runs_dir.is_dir() else []:
+            rec = records.load_or_none(folder) if (folder / "summary.json").is_file() else None
+            if rec and (rec.supervisor or {}).get("pid") == os.getpid() and not rec.status.terminal:
+                out.append(rec)
+        return out
+
+    def beat(self, current: list[RunRecord]) -> None:
+        data = json.dumps({"at": time.time(), "pid": os.getpid(), "host": socket.gethostname(),
+                           "head": os.environ.get(HEAD_ENV), "chain": self.chain, "interval_s": heartbeat_s(),
+                           "current": [r.run_id for r in current]}).encode()
+        for run_id in {self.chain, *(r.run_id for r in current)}:
+            store_lib.put_record(self.url, run_id, HEARTBEAT, data)
+
+    def run(self) -> None:
+        last_beat = 0.0
+        while not self.stopping.is_set():
+            try:
+                current = self.mine()
+                for rec in current:
+                    store_lib.publish_records(RunPaths(rec.run_id, runs_dir=self.runs_dir).home, self.url)
+                if time.monotonic() - last_beat >= heartbeat_s():
+                    self.beat(current)
+                    last_beat = time.monotonic()
+            except Exception as exc:  # noqa: BLE001 - a store hiccup never ends the supervisor
+                log.debug("heartbeat: %s", exc)
+            self.stopping.wait(publish_s())
+
+
+# -- from the operator: finding, judging and ending a supervisor on the head -----------------------------------
+def pids_command(chain: str) -> str:
+    """Shell: the pids of processes whose environment holds XC_SUPERVISOR=<chain> (NUL-separated entries)."""
+    return (f"grep -lzx {shlex.quote(f'{ENV}={chain}')} /proc/[0-9]*/environ 2>/dev/null | cut -d/ -f3; true")
+
+
+def supervisors_on(head: Node, chain: str) -> list[int] | None:
+    """The head's processes carrying XC_SUPERVISOR=<chain>; None when the head does not answer."""
+    try:
+        with connect(head) as conn:
+            res = run(conn, pids_command(chain), timeout=30)
+    except ClusterError as exc:
+        log.warning("the head %s did not answer: %s", head.name, exc.what)
+        return None
+    return [int(w) for w in res.stdout.split() if w.isdigit()] if res.ok else None
+
+
+def end_on(head: Node, chain: str, wait_s: float = 15.0) -> list[int]:
+    """SIGTERM to the supervisor of chain on the head (so it starts no restart), then wait for it to be gone;
+    returns the pids it had. Raises ClusterError when the head does not answer."""
+    pids = supervisors_on(head, chain)
+    if pids is None:
+        raise ClusterError(f"the head {head.name} did not answer: the supervisor of {chain} may still run there",
+                           fix=f"check the head ('fab status'), then run 'fab stop {chain}' again")
+    if pids:
+        words = " ".join(map(str, pids))
+        with connect(head) as conn:
+            run(conn, f"kill -TERM {words} 2>/dev/null; for i in $(seq {int(wait_s * 10)}); do "
+                      f"alive=; for p in {words}; do [ -e /proc/$p ] && alive=1; done; [ -z \"$alive\" ] && break; "
+                      "sleep 0.1; done; true", timeout=wait_s + 30)
+    return pids
+
+
+def heartbeat(url: str, chain: str) -> dict | None:
+    try:
+        text = store_lib.read_text(url, RunPaths(chain).store_record(HEARTBEAT))
+        return json.loads(text) if text else None
+    except (ClusterError, ValueError):
+        return None
+
+
+def judge(rec: RunRecord, url: str, head: Node | None, runs_dir: Path, now: float | None = None
+          ) -> tuple[RunRecord, str]:
+    """A store record of a run a head's supervisor ends, as it stands: (record, note). A heartbeat older than
+    STALE_BEATS intervals is reported; the run is recorded abandoned only when the head confirms that no process
+    carries its XC_SUPERVISOR."""
+    sup = rec.supervisor or {}
+    if rec.status not in (Status.RUNNING, Status.RESTARTING) or not sup.get("head"):
+        return rec, ""
+    chain = sup.get("chain") or rec.run_id
+    beat = heartbeat(url, chain)
+    at = float(beat["at"]) if beat else float(rec.started_at or 0)
+    interval = float(beat.get("interval_s", heartbeat_s())) if beat else heartbeat_s()
+    age = (now or time.time()) - at
+    if age <= STALE_BEATS * interval:
+        return rec, ""
+    said = f"no heartbeat from its supervisor on {sup['head']} for {age:.0f}s"
+    if head is None or head.name != sup["head"]:
+        return rec, f"{said}; its head is not this cluster's, so it is not judged from here"
+    found = supervisors_on(head, chain)
+    if found is None:
+        return rec, f"{said}; the head did not answer, so it is not recorded abandoned"
+    if found:
+        return rec, f"{said}, but the head still runs it (pid {', '.join(map(str, found))})"
+    records.abandoned(RunPaths(rec.run_id, runs_dir=runs_dir).home, rec,
+                      {"found": f"no process with {ENV}={chain} on the head {head.name}; {said}", "unchecked": {}})
+    return rec, f"{said}; the head runs no supervisor of it: recorded abandoned"
+
+
+def systemd_argv(run_id: str, python: str, project: str, env: dict[str, str]) -> list[str]:
+    """What an AWS head would run instead of setsid (built and tested, not run here): a transient unit per
+    chain, restarted if the supervisor crashes, stopped by `systemctl stop xc-run-<id>` (SIGTERM, as fab stop
+    sends). The job on its stdin would carry no secret values: on AWS the head's role reads them from SSM
+    Parameter Store under the cluster's path. A transient unit does not survive a reboot of the head."""
+    return ["systemd-run", "--unit", unit(run_id), "--collect", "--property=Restart=on-failure",
+            "--property=KillMode=mixed", f"--working-directory={project}",
+            *(f"--setenv={k}={v}" for k, v in sorted({**env, ENV: run_id}.items())),
+            python, "-m", "launch.life.supervisor"]
+
+
+def unit(run_id: str) -> str:
+    return f"xc-run-{run_id}"
