@@ -25,8 +25,8 @@ FAB = [sys.executable, "-m", "fabric"]
 # and a long file that starts last is the whole suite's tail. Every other file keeps its place after these.
 LONG_FILES = ("test_cluster.py", "test_jobs.py", "test_spot.py", "test_restarts.py", "test_store_cluster.py",
               "test_group_termination.py", "test_loss_scale.py", "test_runs.py", "test_supervisor.py",
-              "test_bench_kube.py", "test_setup_doctor.py", "test_slow_login.py", "test_workdir.py",
-              "test_user_scripts.py", "test_netns.py", "test_ccl_path.py")
+              "test_script_restarts.py", "test_script_notices.py", "test_bench_kube.py", "test_setup_doctor.py",
+              "test_slow_login.py", "test_workdir.py", "test_user_scripts.py", "test_netns.py", "test_ccl_path.py")
 
 
 def pytest_collection_modifyitems(config, items):
@@ -201,9 +201,12 @@ class LocalCluster:
         return {p.name for p in self.runs.iterdir()} if self.runs.exists() else set()
 
 
-def start_cluster(tmp: Path, nodes: int) -> LocalCluster:
-    lc = LocalCluster(tmp / "state", tmp / "runs", nodes, free_cluster_port(nodes))
-    fab("local-up", "--nodes", str(nodes), "--port", str(lc.port), env=lc.env, check=True, timeout=60)
+def start_cluster(tmp: Path, nodes: int, head: bool = False) -> LocalCluster:
+    """A local cluster of `nodes` nodes; with `head`, its head too (detached runs' supervisors then run there).
+    Without, this machine keeps that role, as for a hosts file without a head: the path most tests check."""
+    lc = LocalCluster(tmp / "state", tmp / "runs", nodes, free_cluster_port(nodes + head))
+    fab("local-up", "--nodes", str(nodes), "--port", str(lc.port), *([] if head else ["--no-head"]), env=lc.env,
+        check=True, timeout=60)
     return lc
 
 
