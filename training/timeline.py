@@ -37,7 +37,8 @@ def start(is_main: bool) -> None:
 
 
 def callbacks(is_main: bool) -> list:
-    """A TrainerCallback marking train_begin and first_step (the end of step 1: its optimizer step done)."""
+    """A TrainerCallback marking train_begin and first_step (the end of this process's first optimizer step: step 1,
+    or the first after a checkpoint it resumed from)."""
     if not enabled(is_main):
         return []
     from transformers import TrainerCallback
@@ -46,8 +47,11 @@ def callbacks(is_main: bool) -> list:
         def on_train_begin(self, args, state, control, **kw):
             mark("train_begin")
 
+        marked = False
+
         def on_step_end(self, args, state, control, **kw):
-            if state.global_step == 1:
+            if not self.marked:
+                self.marked = True
                 mark("first_step")
 
     return [FirstStep()]

@@ -1,0 +1,165 @@
+"""The head (issue 40): on a real 2-node local cluster with its head, a detached `--max-restarts 1` run's supervisor
+runs in the head's session (XC_SUPERVISOR=<run id>, started through the head's sshd, none on this side); with the
+operator's runs/ moved away a spot notice (fake IMDS) is recovered by the head, `fab runs` shows the chain ending ok
+from the store with what the restart cost, `fab logs` shows the resumed run's progress, nothing is left running,
+and the run's secret is in no file in clear. Without a cluster: a hosts file's head, the AWS head's systemd
+command (built, not run), and the look that records a silent supervisor abandoned only on the head's word."""
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import time
+from pathlib import Path
+
+import pytest
+from conftest import fab, processes_with_env, progress_steps, start_cluster
+from fake_imds import FakeIMDS
+
+from cluster import store as store_lib
+from cluster.inventory import parse_hosts
+from cluster.node import Node
+from launch.life import head as head_lib
+from launch.life import records
+from launch.life.records import RunRecord, Status
+from training.paths import RunPaths
+
+SECRET = "hushhush-4711-not-in-any-file"
+
+
+def _wait(what: str, check, timeout: float, poll: float = 1.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        got = check()
+        if got:
+            return got
+        time.sleep(poll)
+    raise AssertionError(f"not within {timeout:.0f}s: {what}")
+
+
+def _environ(pid: int) -> list[bytes]:
+    try:
+        return Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    except OSError:
+        return []
+
+
+@pytest.mark.cluster
+@pytest.mark.slow
+def test_the_head_supervises_a_detached_run_and_recovers_it_with_the_operators_runs_gone(tmp_path, small_model):
+    lc = start_cluster(tmp_path, 2, head=True)  # own cluster: it needs its head
+    store = f"file://{tmp_path / 'store'}"
+    env = {"MYSECRET": SECRET, "XC_STORE": store, "XC_PUBLISH_S": "1", "XC_HEARTBEAT_S": "5"}
+    imds = FakeIMDS()
+    head_home = lc.state / "nodes" / "head" / "home"
+    first = second = None
+    try:
+        with lc.start("train", "--nodes", "2", "--detach", "--max-restarts", "1", "--restart-wait", "300",
+                      "--save-every", "20", "--env", "MYSECRET", *imds.train_env(), "--",
+                      *FakeIMDS.short_args(small_model), env=env, merge=True) as running:
+            m = running.wait_for(re.compile(r"run (\S+) detached under its supervisor on the head head \(pid (\d+), "
+                                            r"up to 1 restart"), 600)
+            first, pid = m.group(1), int(m.group(2))
+            ended = running.finish(60)
+        assert ended.returncode == 0, ended.stdout[-3000:]
+        # the supervisor: in the head's session, started through the head's sshd; nothing of it on this side
+        assert processes_with_env(f"XC_SUPERVISOR={first}") == [pid]
+        assert os.getsid(pid) == pid and os.getsid(pid) != os.getsid(0)
+        assert f"XC_HOME={head_home}".encode() in _environ(pid) and b"XC_NODE=head" in _environ(pid)
+        assert (head_home / "runs" / first / "summary.json").is_file()
+        if lc.runs.exists():  # this machine keeps nothing of the run: move whatever is there away
+            shutil.move(lc.runs, tmp_path / "operator-runs-moved-away")
+        log_key = RunPaths(first).store_record("log.txt")
+        _wait("training steps of the first run, read from the store",
+              lambda: max(progress_steps(store_lib.read_text(store, log_key) or ""), default=0) >= 10, 400)
+        beat = json.loads(store_lib.read_text(store, RunPaths(first).store_record(head_lib.HEARTBEAT)))
+        assert beat["pid"] == pid and beat["head"] == "head" and first in beat["current"]
+        imds.interrupt()  # a spot notice: the run checkpoints and ends; the head's supervisor waits
+        _wait("the first run restarting, in the store",
+              lambda: store_lib.read_summary(store, first)["status"] == "restarting", 300)
+        imds.clear()
+        second = _wait("the resumed run", lambda: store_lib.read_summary(store, first).get("restarted_as"), 300)
+        done = _wait("the resumed run's end", lambda: (s := store_lib.read_summary(store, second)) and
+                     Status(s["status"]).terminal and s, 600, poll=2)
+        _wait("the supervisor's exit", lambda: not processes_with_env(f"XC_SUPERVISOR={first}"), 60)
+        listed = lc.fab("runs", timeout=120, env=env)
+        follow = lc.fab("logs", first, "-f", timeout=120, env=env)
+        shown = lc.fab("logs", second, timeout=120, env=env)
+    finally:
+        imds.close()
+        for p in processes_with_env(f"XC_SUPERVISOR={first}") if first else []:
+            os.kill(p, 9)
+        fab("local-down", env=lc.env, timeout=60)
+    assert done["status"] == "ok", done.get("reason")
+    assert not (lc.runs / first).exists() and not (lc.runs / second).exists()
+    rows = listed.stdout
+    assert re.search(rf"^{second}\s+glue\s+2\s+ok\s.*\sstore$", rows, re.MULTILINE), rows
+    assert re.search(rf"^{first}\s+glue\s+2\s+preempted -> {second}\s.*\sstore$", rows, re.MULTILINE), rows
+    m = re.search(rf"^recovery {first} -> {second}: recovery_s=([\d.]+) from the notice .*waiting for nodes "
+                  r"([\d.]+)s, staging ([\d.]+)s, start-up ([\d.]+)s\); steps_redone=(\d+)$", rows, re.MULTILINE)
+    assert m, rows
+    cost = RunRecord.from_json(store_lib.read_summary(store, second)).recovery
+    parts = cost["ending_s"] + cost["waiting_s"] + cost["staging_s"] + cost["startup_s"]
+    assert cost["first_step_by"] == "mark" and abs(parts - cost["recovery_s"]) < 0.01 and cost["recovery_s"] > 0
+    pre = RunRecord.from_json(store_lib.read_summary(store, first)).preempted
+    assert cost["steps_redone"] == pre["notice_step"] - pre["step"] and cost["resumed_step"] == pre["step"]
+    # fab logs, from the store: the resumed run's progress goes on from the checkpoint; -f follows the chain
+    assert shown.returncode == 0 and min(progress_steps(shown.stdout)) > pre["step"], shown.stdout[-2000:]
+    assert follow.returncode == 0 and f"run {first} preempted; resumed as run {second}" in follow.stdout
+    assert follow.stdout.strip().splitlines()[-1].startswith(f"run {second} finished in ")
+    assert processes_with_env(f"XC_RUN_ID={first}") == [] and processes_with_env(f"XC_RUN_ID={second}") == []
+    # the secret reached the ranks (the job ran with it) but no file in clear: head, nodes, operator, store
+    for path in [*tmp_path.rglob("*")]:
+        if path.is_file() and not path.is_symlink():
+            assert SECRET.encode() not in path.read_bytes(), path
+
+
+def test_a_hosts_file_may_name_a_head_which_is_no_training_node(tmp_path):
+    hosts = tmp_path / "hosts"
+    hosts.write_text("head 10.0.0.5 user=ubuntu\nnode0 10.0.0.10\nnode1 10.0.0.11\n")
+    nodes, head = parse_hosts(hosts)
+    assert [(n.name, n.index) for n in nodes] == [("node0", 0), ("node1", 1)]
+    assert head.name == "head" and head.host == "10.0.0.5" and head.labels == {"role": "head"}
+    assert not head_lib.runs_on_head(head)  # no copy of the project there: this machine keeps the role, and says so
+    assert "this machine ends and recovers the detached run" in head_lib.no_head_line("hosts:x", head)
+    bare = tmp_path / "bare"
+    bare.write_text("node0 10.0.0.10\n")
+    assert parse_hosts(bare)[1] is None
+
+
+def test_an_aws_heads_systemd_unit_is_built_with_the_chains_id(tmp_path):
+    """Built and checked here, not run: no systemd on the local head (a process in its own session instead)."""
+    argv = head_lib.systemd_argv("20260101-000000-glue-abcd", "/opt/xeon-cluster/venv/bin/python", "/opt/xc",
+                                 {"XC_HEAD": "head"})
+    assert argv[:4] == ["systemd-run", "--unit", "xc-run-20260101-000000-glue-abcd", "--collect"]
+    assert "--property=Restart=on-failure" in argv and "--working-directory=/opt/xc" in argv
+    assert "--setenv=XC_SUPERVISOR=20260101-000000-glue-abcd" in argv and "--setenv=XC_HEAD=head" in argv
+    assert argv[-3:] == ["/opt/xeon-cluster/venv/bin/python", "-m", "launch.life.supervisor"]
+    assert "XC_SUPERVISOR=20260101-000000-glue-abcd" in head_lib.pids_command("20260101-000000-glue-abcd")
+
+
+def test_a_silent_supervisor_is_abandoned_only_when_the_head_confirms_it_gone(tmp_path, monkeypatch):
+    store = f"file://{tmp_path / 'store'}"
+    head = Node(name="head", host="127.0.0.9", private_host="127.0.0.9", user="me", labels={"local": True})
+    rec = RunRecord(run_id="20260101-000000-glue-abcd", status=Status.RUNNING, env={"XC_STORE": store},
+                    started_at=time.time() - 1000, supervisor={"pid": 1, "host": "h", "head": "head",
+                                                                "chain": "20260101-000000-glue-abcd"})
+    store_lib.put_record(store, rec.run_id, head_lib.HEARTBEAT, json.dumps({"at": time.time() - 10,
+                                                                            "interval_s": 30}).encode())
+    asked = []
+    monkeypatch.setattr(head_lib, "supervisors_on", lambda h, chain: asked.append(chain) or [])
+    assert head_lib.judge(rec, store, head, tmp_path / "runs") == (rec, "")  # a fresh heartbeat: not asked
+    assert asked == []
+    store_lib.put_record(store, rec.run_id, head_lib.HEARTBEAT, json.dumps({"at": time.time() - 200,
+                                                                            "interval_s": 30}).encode())
+    monkeypatch.setattr(head_lib, "supervisors_on", lambda h, chain: None)  # the head does not answer
+    _, note = head_lib.judge(rec, store, head, tmp_path / "runs")
+    assert "did not answer" in note and rec.status == Status.RUNNING
+    monkeypatch.setattr(head_lib, "supervisors_on", lambda h, chain: [4242])  # it lives, only silent
+    assert "still runs it" in head_lib.judge(rec, store, head, tmp_path / "runs")[1]
+    monkeypatch.setattr(head_lib, "supervisors_on", lambda h, chain: [])  # the head confirms: none
+    _, note = head_lib.judge(rec, store, head, tmp_path / "runs")
+    assert "recorded abandoned" in note
+    assert store_lib.read_summary(store, rec.run_id)["status"] == "abandoned"
+    assert records.load(tmp_path / "runs" / rec.run_id).abandoned["was"] == "running"
