@@ -25,8 +25,8 @@ FAB = [sys.executable, "-m", "fabric"]
 # and a long file that starts last is the whole suite's tail. Every other file keeps its place after these.
 LONG_FILES = ("test_cluster.py", "test_jobs.py", "test_spot.py", "test_restarts.py", "test_store_cluster.py",
               "test_group_termination.py", "test_loss_scale.py", "test_runs.py", "test_supervisor.py",
-              "test_bench_kube.py", "test_setup_doctor.py", "test_slow_login.py", "test_workdir.py",
-              "test_user_scripts.py", "test_netns.py", "test_ccl_path.py")
+              "test_script_restarts.py", "test_script_notices.py", "test_bench_kube.py", "test_setup_doctor.py",
+              "test_slow_login.py", "test_workdir.py", "test_user_scripts.py", "test_netns.py", "test_ccl_path.py")
 
 
 def pytest_collection_modifyitems(config, items):
