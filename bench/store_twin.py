@@ -30,6 +30,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from training.paths import RunPaths
+
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
@@ -123,7 +125,7 @@ def node_main(work: Path) -> None:
             elif cmd[0] == "resume-store":
                 st = store.open_store(cmd[1])
                 steps = store.complete_checkpoints(st, "twin")
-                got = store.download_tree(st, store.checkpoint_prefix("twin", steps[-1]), work / "resume-store")
+                got = store.download_tree(st, RunPaths("twin").store_checkpoint(steps[-1]), work / "resume-store")
                 f.write(f"received {got}\n".encode())
             f.flush()
 

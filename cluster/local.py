@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 from cluster.node import Node
+from core import procs
 from core.cli import writable_dir
 from core.constants import MAX_NODES, PROJECT_ROOT
 from core.errors import ClusterError
@@ -285,7 +286,7 @@ def _stop(pids: list[int], markers: list[str]) -> list[int]:
             victims.append(pid)
             victims.extend(_children(pid))
     _signal_and_wait(victims, signal.SIGTERM)
-    _signal_and_wait([p for p in victims if _exists(p)], signal.SIGKILL, wait_s=0)
+    _signal_and_wait([p for p in victims if procs.exists(p)], signal.SIGKILL, wait_s=0)
     return victims
 
 
@@ -297,22 +298,8 @@ def _signal_and_wait(pids: list[int], sig: int, wait_s: float = 5) -> None:
         except ProcessLookupError:
             pass
     deadline = time.monotonic() + wait_s
-    while time.monotonic() < deadline and any(_exists(p) for p in pids):
+    while time.monotonic() < deadline and any(procs.exists(p) for p in pids):
         time.sleep(0.05)
-
-
-def _exists(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    stat = Path(f"/proc/{pid}/stat")
-    try:
-        return stat.read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 def _node_pids(entry: dict) -> list[int]:

@@ -3,11 +3,9 @@ with the credentials its ranks would get (in a 0600 file removed right after, ne
 only what the node role allows (infra.store.node_statements): objects and listing under the cluster's prefix."""
 from __future__ import annotations
 
-import inspect
 import io
 import json
 import shlex
-import time
 import uuid
 
 from cluster import shipping
@@ -16,47 +14,20 @@ from cluster.node import Node
 from cluster.remote import connect, fan_out, remote_home, run
 from core.errors import ClusterError
 from core.report import CLUSTER, Row
-from training.store import S3Store, StoreError, explain, open_store
 
 TAG = "xc-store-probe"
-PROBE_PREFIX = ".xc-probe/"  # under the store's prefix, where the node role may write and delete
-
-
-def node_probe(url: str) -> float:
-    """Runs on the node (its source follows training/store.py's in the program): list under the prefix, then
-    write, read back and delete a probe object; returns the seconds. Not HeadBucket, which needs s3:ListBucket
-    without a prefix condition, which the node role has not. Raises StoreError with the one line."""
-    started = time.monotonic()
-    try:
-        store = open_store(url)
-        if isinstance(store, S3Store):
-            reply = store.client.list_objects_v2(Bucket=store.bucket, Prefix=store.key(PROBE_PREFIX), MaxKeys=1)
-            actual = reply.get("ResponseMetadata", {}).get("HTTPHeaders", {}).get("x-amz-bucket-region")
-            mine = store.client.meta.region_name
-            if actual and mine and actual != mine:  # S3 redirects, but every byte would cross regions
-                raise StoreError(f"store {url}: the bucket is in {actual} but AWS_REGION is {mine}", fix=f"export "
-                                 f"AWS_REGION={actual} (or use a bucket in {mine})")
-        key, body = f"{PROBE_PREFIX}{uuid.uuid4().hex}", uuid.uuid4().bytes
-        store.put_bytes(key, body)
-        if store.get_bytes(key) != body:
-            raise StoreError(f"store {url}: a probe object read back differently", fix="check the store's consistency")
-        store.delete(key)
-    except Exception as exc:  # noqa: BLE001 - every failure becomes the one line that says the fix
-        raise explain(exc, url) from None
-    return time.monotonic() - started
 
 
 def program(url: str, env: dict[str, str]) -> str:
     """training/store.py (and what it imports) inside the program, then the probe: the node needs only python and
     boto3, not the shipped code."""
     return shipping.standalone(
-        "import time, uuid\nfrom training.store import S3Store, StoreError, explain, open_store\n"
-        f"PROBE_PREFIX = {PROBE_PREFIX!r}\n\n\n"
-        + inspect.getsource(node_probe) + "\n\nimport os as _os\n"
+        "from training.store import StoreError, probe\n"
+        "import os as _os\n"
         f"_os.environ.update({env!r})\n"
         "import json as _json\n"
         "try:\n"
-        f"    print({TAG!r}, _json.dumps({{'ok': True, 'seconds': round(node_probe({url!r}), 3)}}))\n"
+        f"    print({TAG!r}, _json.dumps({{'ok': True, 'seconds': round(probe({url!r}), 3)}}))\n"
         "except StoreError as _exc:\n"
         f"    print({TAG!r}, _json.dumps({{'ok': False, 'what': _exc.what, 'fix': _exc.fix}}))\n")
 

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 from fake_node import FakeCluster, FakeNode
 
+from core import procs
 from core.errors import ClusterError, Interrupted, NodeFailure, NodeLost, Preempted, format_error
 from launch.life import cleanup, detach, lifecycle, records, stop
 from launch.life.lifecycle import Outcome, Run
@@ -22,6 +23,7 @@ from launch.ship import outputs, userscript
 from training import notice as notice_lib
 from training import spot
 from training.notice import GROUP, SPOT, Notice
+from training.paths import RunPaths
 
 HOME = "/h"
 
@@ -214,8 +216,8 @@ def test_a_notice_whose_checkpoint_is_not_durable_resumes_from_the_previous_comp
     url = f"file://{tmp_path / 'store'}"
     store = training_store.open_store(url)
     for step in (10, 20):  # 20 is the notice's: its upload never finished, so it has no marker
-        store.put_bytes(f"{training_store.checkpoint_prefix('r1', step)}/model.safetensors", b"w")
-    store.put_bytes(f"{training_store.checkpoint_prefix('r1', 10)}/{spot.COMPLETE_MARKER}", b"{}")
+        store.put_bytes(f"{RunPaths('r1').store_checkpoint(step)}/model.safetensors", b"w")
+    store.put_bytes(f"{RunPaths('r1').store_checkpoint(10)}/{spot.COMPLETE_MARKER}", b"{}")
     r = _run(tmp_path, monkeypatch, FakeNode("node0"), FakeNode("node1"))
     r.record.env["XC_STORE"] = url
     notice = "[0] " + Notice(GROUP, rank=1, step=20, checkpoint="checkpoint-20", durable=False).format()
@@ -247,7 +249,7 @@ def test_interrupted_is_recorded_with_what_is_left(tmp_path, monkeypatch):
 # -- runs nobody ends ----------------------------------------------------------------------------------
 def _dead_process() -> dict:
     p = subprocess.Popen([sys.executable, "-c", "pass"])
-    sup = {"pid": p.pid, "host": records.this_process()["host"], "start": records._start_time(p.pid) or "0"}
+    sup = {"pid": p.pid, "host": records.this_process()["host"], "start": procs.start_time(p.pid) or "0"}
     p.wait()
     return sup
 
@@ -280,7 +282,7 @@ def test_stop_ends_the_supervisor_then_the_ranks(tmp_path, monkeypatch):
     sup = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], start_new_session=True)
     try:
         r.record.supervisor = {"pid": sup.pid, "host": records.this_process()["host"],
-                               "start": records._start_time(sup.pid)}
+                               "start": procs.start_time(sup.pid)}
         r.record._save(r.run_dir)
         line = stop.stop(fc, "r1", tmp_path)
         assert sup.wait(timeout=5) == -15  # SIGTERM: it starts no restart

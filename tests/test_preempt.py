@@ -20,6 +20,7 @@ from moto_fixture import aws_env, client, moto_server  # noqa: F401
 
 from training import notice, preempt, publish, spot
 from training import store as shared
+from training.paths import RunPaths
 
 ROOT = Path(__file__).resolve().parent.parent
 BUCKET = "xc-preempt"
@@ -227,7 +228,7 @@ def test_an_unchanged_trainer_script_stops_on_a_notice_and_resumes_through_the_h
     assert said and said.cause == notice.SPOT and said.durable and 1 <= said.step < 12, first.stdout[-2000:]
     assert "done" not in first.stdout
     assert shared.complete_checkpoints(shared.open_store(store_url), "r1") == [said.step]
-    resume_url = f"{store_url}/{shared.checkpoint_prefix('r1', said.step)}"
+    resume_url = f"{store_url}/{RunPaths('r1').store_checkpoint(said.step)}"
     second = subprocess.run([sys.executable, str(script), str(tmp_path / "out2")], env={**env, "XC_RESUME_URL": resume_url},
                             capture_output=True, text=True, timeout=300, check=False)
     assert second.returncode == 0 and "done" in second.stdout, second.stderr[-3000:]

@@ -1,11 +1,8 @@
 """The cluster's store: where a run keeps what must outlive a node (checkpoints, outputs, records).
 
 One URL names it: ``file:///folder`` (a folder every node shares: the local cluster's, the operator's disk)
-or ``s3://bucket/prefix`` (AWS, or any S3-compatible endpoint named by XC_S3_ENDPOINT_URL). Layout:
-
-    <store>/runs/<run-id>/checkpoints/checkpoint-N/   a checkpoint; it counts once COMPLETE_MARKER is in it (written last)
-    <store>/runs/<run-id>/output/               the job's output_dir (model, metrics, trainer_state.json)
-    <store>/runs/<run-id>/{summary,results}.json, log.txt   the run's records (the operator writes them)
+or ``s3://bucket/prefix`` (AWS, or any S3-compatible endpoint named by XC_S3_ENDPOINT_URL). Its layout is
+training/paths.py's RunPaths; a checkpoint counts once COMPLETE_MARKER is in it (written last).
 
 Contract with the operator through the ranks' environment: XC_STORE (the URL), XC_S3_ENDPOINT_URL,
 XC_RUN_ID, XC_RESUME_URL (a checkpoint in the store to resume from). Credentials: the node's instance
@@ -53,10 +50,6 @@ class StoreError(ValueError):
 class Entry:
     key: str  # relative to the store's root
     size: int
-
-
-def checkpoint_prefix(run_id: str, step: int) -> str:
-    return RunPaths(run_id).store_checkpoint(step)
 
 
 class FileStore:
@@ -249,12 +242,22 @@ def explain(exc: BaseException, url: str) -> StoreError:
     return StoreError(f"store {url}: {name}: {exc}", fix="check the store URL (--store / XC_STORE)")
 
 
+PROBE_PREFIX = ".xc-probe/"  # under the store's prefix, where the node role may write and delete
+
+
 def check_region(store) -> None:
-    """A bucket in another region than the client's: S3 redirects, but every byte then crosses regions."""
+    """A bucket in another region than the client's: S3 redirects, but every byte then crosses regions. HeadBucket
+    says where it is; where it is refused (it needs s3:ListBucket without a prefix condition, which the node role
+    has not) ListObjectsV2 under the store's prefix, which the node role allows, asks instead."""
     if not isinstance(store, S3Store):
         return
-    head = store.client.head_bucket(Bucket=store.bucket)
-    actual = head.get("ResponseMetadata", {}).get("HTTPHeaders", {}).get("x-amz-bucket-region")
+    try:
+        reply = store.client.head_bucket(Bucket=store.bucket)
+    except Exception as exc:  # S3's own error code decides
+        if str(getattr(exc, "response", {}).get("Error", {}).get("Code")) not in ("403", "AccessDenied"):
+            raise
+        reply = store.client.list_objects_v2(Bucket=store.bucket, Prefix=store.key(PROBE_PREFIX), MaxKeys=1)
+    actual = reply.get("ResponseMetadata", {}).get("HTTPHeaders", {}).get("x-amz-bucket-region")
     mine = store.client.meta.region_name
     if actual and mine and actual != mine:
         raise StoreError(f"store {store.url}: the bucket is in {actual} but AWS_REGION is {mine}", fix=f"export "
@@ -262,14 +265,14 @@ def check_region(store) -> None:
 
 
 def probe(url: str) -> float:
-    """Write, read back and delete one small object; returns the seconds it took. Raises StoreError."""
+    """List under the prefix, then write, read back and delete one small object: only what the node role
+    allows, so the operator's check and every node's (fab doctor) are the same. Returns the seconds it took.
+    Raises StoreError."""
     started = time.monotonic()
     try:
         store = open_store(url)
-        if isinstance(store, S3Store):
-            store.client.head_bucket(Bucket=store.bucket)
-            check_region(store)
-        key, body = f".xc-probe/{uuid.uuid4().hex}", uuid.uuid4().bytes
+        check_region(store)
+        key, body = f"{PROBE_PREFIX}{uuid.uuid4().hex}", uuid.uuid4().bytes
         store.put_bytes(key, body)
         if store.get_bytes(key) != body:
             raise StoreError(f"store {url}: a probe object read back differently", fix="check the store's consistency")
@@ -333,10 +336,10 @@ def publish_checkpoint(path: str | os.PathLike, step: int | None = None, run_id:
         step = int(m.group(1)) if m else 0
     try:
         store = open_store(url)
-        prefix = checkpoint_prefix(run_id, step)
+        prefix = RunPaths(run_id).store_checkpoint(step)
         upload_tree(store, folder, prefix)
         for old in complete_checkpoints(store, run_id)[:-KEEP_CHECKPOINTS]:
-            store.delete_prefix(checkpoint_prefix(run_id, old))
+            store.delete_prefix(RunPaths(run_id).store_checkpoint(old))
     except Exception as exc:  # noqa: BLE001
         raise explain(exc, url) from None
     return f"{url}/{prefix}"

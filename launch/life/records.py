@@ -15,6 +15,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from core import procs
 from core.errors import ClusterError, NoRecord
 from training.store import STORE_ENV
 
@@ -191,21 +192,12 @@ def load_or_none(run_dir: Path) -> RunRecord | None:
 
 
 # -- the process that ends a run ---------------------------------------------------------------------
-def _start_time(pid: int) -> str | None:
-    """The process's start time (clock ticks after boot); None when it is gone or a zombie."""
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except (OSError, IndexError):
-        return None
-    return None if fields[0] == "Z" or len(fields) < 20 else fields[19]
-
-
 def this_process() -> dict:
     """What identifies this process later: pid, host and its start time (so a reused pid is not taken for it); a
     supervisor on a head adds the head's name and its chain's first run id (its XC_SUPERVISOR)."""
     on_head = {"head": os.environ["XC_HEAD"], "chain": os.environ.get("XC_SUPERVISOR")} \
         if os.environ.get("XC_HEAD") else {}
-    return {"pid": os.getpid(), "host": socket.gethostname(), "start": _start_time(os.getpid()), **on_head}
+    return {"pid": os.getpid(), "host": socket.gethostname(), "start": procs.start_time(os.getpid()), **on_head}
 
 
 def supervisor_alive(sup: dict | None) -> bool | None:
@@ -216,14 +208,8 @@ def supervisor_alive(sup: dict | None) -> bool | None:
     if pid <= 0:
         return None
     if not Path("/proc/self/stat").is_file():  # no /proc (macOS): the pid alone, without the reuse check
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return False
-        except PermissionError:
-            return True
-        return True
-    start = _start_time(pid)
+        return procs.exists(pid)
+    start = procs.start_time(pid)
     return start is not None and (sup.get("start") is None or start == sup.get("start"))
 
 
