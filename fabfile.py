@@ -132,6 +132,9 @@ def train(c, flags: flags_lib.TrainFlags):
     store_lib.check(chosen_store, chosen.spec)  # reachable and writable, before launch
     print(status_lib.cluster_line(chosen), flush=True)
     print(chosen_store.line(), flush=True)  # every run's first lines name its store
+    whose = store_lib.credentials_line(chosen_store, chosen.spec)  # off AWS: the operator's own credentials
+    if whose:
+        print(whose, flush=True)
     runs_lib.reap_all(request_lib.RUNS)  # runs whose fab died: recorded abandoned before this one starts
     if (r.supervised or req.detach) and supervisor_lib.detached(chosen, dataclasses.replace(r, req=req), sys.stdout):
         return  # on the cluster's head when it has one, else here

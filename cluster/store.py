@@ -169,6 +169,34 @@ def operator_credentials() -> dict[str, str]:
     return out
 
 
+def credentials_line(choice: Choice, spec: str | None = None) -> str | None:
+    """Off AWS an s3 store's ranks hold the operator's own credentials: whose, and until when, in one line for
+    the run's first lines (None where the nodes use their instance role, or the store is a folder)."""
+    if not choice.url.startswith("s3:") or _aws_kind(spec or choice.spec):
+        return None
+    try:
+        import boto3
+
+        session = boto3.session.Session()
+        creds = session.get_credentials()
+        if creds is None:
+            return None
+        sts = session.client("sts", endpoint_url=os.environ.get("XC_AWS_ENDPOINT_URL") or None)
+        who = sts.get_caller_identity()["Arn"]
+    except Exception as exc:  # noqa: BLE001 - a line that informs, never a reason to stop the run
+        log.debug("could not tell whose credentials the nodes get: %s", exc)
+        return "store credentials: the nodes get this machine's AWS credentials (whose, STS could not say)"
+    expiry = getattr(creds, "_expiry_time", None)  # botocore's refreshable credentials (SSO, assumed roles)
+    if expiry is not None:
+        until = f"temporary, until {expiry.strftime('%Y-%m-%d %H:%M %Z').strip()}: a run outliving them loses the store"
+    elif creds.get_frozen_credentials().token:
+        until = "temporary (a session token of unknown expiry): a run outliving it loses the store"
+    else:
+        until = "a long-lived access key, which does not expire: prefer a role with a short session"
+    return (f"store credentials: the nodes get {who}'s ({until}); they travel as run secrets, never on a command "
+            "line or in a record")
+
+
 # -- reading it ----------------------------------------------------------------------------------
 def _store(url: str):
     try:

@@ -293,3 +293,17 @@ def test_resume_takes_the_record_and_checkpoint_from_the_store(tmp_path, monkeyp
     assert env["XC_RESUME_URL"] == f"{url}/runs/r8/checkpoints/checkpoint-20" and env["XC_RESUME_FROM"] == "resume/checkpoint-20"
     with pytest.raises(ClusterError, match="--resume r9: no readable .* nor in the store"):
         resume.resume_request("r9", tmp_path / "runs", store=url)
+
+
+def test_off_aws_the_run_says_whose_credentials_the_nodes_hold_and_until_when(s3, monkeypatch):
+    """A local or hosts cluster with an s3 store gets the operator's credentials: the run's first lines say whose
+    (STS, over moto's HTTP) and that a static key never expires or a session token does; on AWS nodes, or with a
+    folder store, nothing is said (the nodes use their own role, or no credentials)."""
+    choice = store_lib.Choice(s3, "--store")
+    line = store_lib.credentials_line(choice, "local")
+    assert line.startswith("store credentials: the nodes get arn:aws:") and "long-lived access key" in line, line
+    assert "testing" not in line  # the key itself is never printed
+    monkeypatch.setenv("AWS_SESSION_TOKEN", "a-session")
+    assert "temporary (a session token" in store_lib.credentials_line(choice, "hosts:/x")
+    assert store_lib.credentials_line(choice, "aws:dev") is None
+    assert store_lib.credentials_line(store_lib.Choice("file:///tmp/st", "--store"), "local") is None
