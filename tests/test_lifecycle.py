@@ -181,6 +181,7 @@ def test_a_lost_node_fails_the_run_as_node_lost(tmp_path, monkeypatch):
     assert exc.value.lost == ["node1"] and exc.value.run_id == "r1" and exc.value.nodes == ["node1"]
     rec = records.load(tmp_path / "r1")
     assert rec.status == Status.FAILED and rec.lost_nodes == ["node1"] and rec.failed_node == "node1"
+    assert rec.cause == records.Cause.NODE_LOST == "node lost"  # a value, not free text
     assert rec.cleanup["unchecked"]["node1"].startswith("node1 (127.0.0.9:2222) is unreachable")
 
 
@@ -190,7 +191,8 @@ def test_a_crash_on_nodes_that_answer_is_a_plain_failure(tmp_path, monkeypatch):
         lifecycle.end(r, Outcome(1, ["[1] Traceback (most recent call last):", "[1] ValueError: nan"], set(), 3.0),
                       print)
     assert not isinstance(exc.value, NodeLost) and exc.value.lost == []
-    assert records.load(tmp_path / "r1").failed_node == "node1"
+    assert records.load(tmp_path / "r1").failed_node == "node1" and records.load(tmp_path / "r1").cause == "crashed"
+    assert exc.value.fix == f"see {tmp_path / 'r1' / 'log.txt'}"
 
 
 def test_preempted_brings_its_checkpoint_home(tmp_path, monkeypatch):

@@ -16,7 +16,7 @@ from core.constants import HOME_EXPR
 from core.errors import ClusterError, Interrupted, NodeFailure, NodeLost, Preempted
 from launch.life import records
 from launch.life.cleanup import Sweep, runs_alive, sweep
-from launch.life.records import RunRecord, RunResult, Status, supervisor_alive
+from launch.life.records import Cause, RunRecord, RunResult, Status, supervisor_alive
 from launch.ship import outputs, userscript
 from launch.ship.stream import failed_rank
 from training import notice as notice_lib
@@ -86,7 +86,7 @@ def end(r: Run, o: Outcome, say) -> RunResult:
     """The one ending: writes the record, and returns the result or raises the error that says what happened."""
     if o.interrupted:
         swept = r.sweep()  # the second look: what the first sweep left, if anything
-        r.write(Status.INTERRUPTED, 130, o.wall_s, cleanup=swept.to_dict())
+        r.write(Status.INTERRUPTED, 130, o.wall_s, cleanup=swept.to_dict(), cause=Cause.INTERRUPTED.value)
         raise Interrupted(f"run {r.run_id} interrupted after {o.wall_s:.0f}s: {swept.claim()} "
                           f"(log: {r.run_dir / 'log.txt'})")
     # Every rank exits 75 after rank 0's notice, but mpirun passes 75 on only when each node's ranks end before
@@ -111,15 +111,14 @@ def end(r: Run, o: Outcome, say) -> RunResult:
             if lost and (node is None or node not in lost):
                 node, reason = lost[0], f"{lost[0]} stopped answering ({reason})"
             r.write(Status.FAILED, o.exit_code, o.wall_s, failed_node=node, reason=reason, cleanup=swept.to_dict(),
-                    lost_nodes=lost)
-            hint = ""
+                    lost_nodes=lost, cause=(Cause.NODE_LOST if lost else Cause.CRASHED).value)
+            fix = f"see {r.run_dir / 'log.txt'}"
             url = r.record.store
-            if lost and r.is_job and (outputs.home_checkpoints(r.run_dir) or (url and _store_steps(url, r.run_id))):
-                hint = f"; resume with 'fab train --resume {r.run_id}'"
+            if lost and (outputs.home_checkpoints(r.run_dir) or (url and _store_steps(url, r.run_id))):
+                fix = f"resume with 'fab train --resume {r.run_id}' (log: {r.run_dir / 'log.txt'})"
             kind = NodeLost if lost else NodeFailure
-            raise kind(f"run {r.run_id} failed after {o.wall_s:.0f}s: {reason}; {swept.claim()} "
-                       f"(log: {r.run_dir / 'log.txt'}){hint}", [node] if node else [], run_id=r.run_id, lost=lost,
-                       fix="")
+            raise kind(f"run {r.run_id} failed after {o.wall_s:.0f}s: {reason}; {swept.claim()}",
+                       [node] if node else [], run_id=r.run_id, lost=lost, fix=fix)
         say(f"note: {reason} after every rank had finished its work; the results are kept ({swept.claim()})")
         extra = {"crashed_after_finish": {"node": node, "reason": reason, "exit_code": o.exit_code},
                  "cleanup": swept.to_dict()}

@@ -17,6 +17,7 @@ from pathlib import Path
 
 from core import procs
 from core.errors import ClusterError, NoRecord
+from training import notice
 from training.store import STORE_ENV
 
 log = logging.getLogger(__name__)
@@ -42,6 +43,18 @@ class Status(str, enum.Enum):
     @property
     def failure(self) -> bool:
         return self in FAILURES
+
+
+class Cause(str, enum.Enum):
+    """Why a run ended other than ok, as a value (the record's `cause`), never free text."""
+    SPOT = notice.SPOT
+    GROUP = notice.GROUP
+    NODE_LOST = "node lost"
+    CRASHED = "crashed"
+    INTERRUPTED = "interrupted"
+
+    def __str__(self) -> str:
+        return self.value
 
 
 TERMINAL = frozenset({Status.OK, Status.FAILED, Status.PREEMPTED, Status.INTERRUPTED, Status.STOPPED,
@@ -105,7 +118,7 @@ class RunRecord:
     lost_nodes: list[str] | None = None
     cleanup: dict | None = None
     preempted: dict | None = None
-    cause: str | None = None  # what took the node: "spot interruption", "group termination" (ranks may say)
+    cause: str | None = None  # a Cause's value: spot interruption, group termination, node lost, crashed, interrupted
     crashed_after_finish: dict | None = None
     train_samples_per_second: float | None = None
     eval: dict | None = None
