@@ -22,7 +22,8 @@ from pathlib import Path
 import pytest
 from conftest import LocalCluster, free_cluster_port, processes_with_cmdline
 
-from cluster import local, netns
+from cluster import netns
+from core import procs
 from core.constants import MAX_NODES
 from core.errors import ClusterError
 
@@ -343,7 +344,7 @@ def test_local_down_leaves_no_namespace_link_bridge_or_sshd(tmp_path, state_file
         assert not [n for n in _ip("-o", "link", "show").split() if n.rstrip(":").split("@")[0].startswith(
             (tw.bridge, f"xcv{tw.id}"))]
         assert processes_with_cmdline(str(lc.state)) == []
-        assert not [p for p in inside if local._exists(p)]  # gone (a zombie this machine's init has not reaped yet
+        assert not [p for p in inside if procs.exists(p)]  # gone (a zombie this machine's init has not reaped yet
         # counts as gone)
         assert not list(Path("/etc/netns").glob(f"xc-{tw.id}-*"))
         assert not (lc.state / "state.json").exists()
