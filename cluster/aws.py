@@ -91,6 +91,21 @@ def members(instances: list[dict], cluster: str, group: str, warn: bool = True) 
     return inside
 
 
+def head_group(cluster: str) -> str:
+    """The name of the head's Auto Scaling group of one (infra.head.head_group_name; a test keeps the two equal)."""
+    return f"{cluster}-head"
+
+
+def head_instances(cluster: str, region: str | None = None) -> list[dict]:
+    """The cluster's head: the instances of its own group (never one that only carries our tags), any state but
+    terminated; 'fab status' lists it with its on-demand cost."""
+    with aws_errors():
+        pages = ec2_client(region).get_paginator("describe_instances").paginate(Filters=[
+            {"Name": f"tag:{GROUP_TAG}", "Values": [head_group(cluster)]},
+            {"Name": "instance-state-name", "Values": ["pending", "running", "shutting-down", "stopping", "stopped"]}])
+        return [inst for page in pages for res in page["Reservations"] for inst in res["Instances"]]
+
+
 def starting_nodes(cluster: str, region: str | None = None, group: str | None = None) -> list[dict]:
     """Instances of the cluster's group that are not running yet or any more (a replacement booting, a node
     being reclaimed): 'fab status' shows them beside the nodes."""

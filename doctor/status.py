@@ -70,6 +70,14 @@ def aws_rows(cluster: Cluster) -> tuple[list[tuple[str, ...]], float]:
         rows.append(("-", inst["InstanceId"], inst.get("InstanceType", ""),
                      "spot" if inst.get("InstanceLifecycle") == "spot" else "on-demand",
                      inst.get("State", {}).get("Name", "?"), "-", "-"))
+    for inst in aws.head_instances(name, region) if name else []:  # runs the detached runs' supervisors
+        kind, state = inst.get("InstanceType", ""), inst.get("State", {}).get("Name", "?")
+        zone = inst.get("Placement", {}).get("AvailabilityZone", "")
+        price = cost.estimate(kind, 1, availability_zone=zone, spot=False, region=zone[:-1] or region).total_usd_h
+        total += price if state == "running" else 0.0
+        launched = inst.get("LaunchTime")
+        rows.append((f"{name}-head", inst["InstanceId"], kind, "on-demand", state,
+                     uptime((now - launched).total_seconds() if launched else None), f"{price:.2f}"))
     return rows, total
 
 

@@ -91,3 +91,26 @@ def test_an_instance_still_booting_is_listed_as_such(aws_env, tmp_path, monkeypa
     row = next(ln.split() for ln in res.stdout.splitlines() if stopped in ln)
     assert row[0] == "-" and row[4] == "stopped"
     assert f"not running: {stopped} (stopped)" in res.stdout
+
+
+def test_the_head_is_listed_on_demand_with_its_cost_and_a_look_alike_is_not(aws_env, tmp_path, monkeypatch):
+    """Issue 40: the head (its own Auto Scaling group of one, infra/head.py) shows in 'fab status' as on-demand,
+    and its price is in the total; an instance that only carries the head group's name as a plain tag does not."""
+    from cluster import aws as discovery
+    from infra.head import head_group_name
+    from infra.settings import ClusterSettings
+
+    settings = ClusterSettings(admin_cidr="203.0.113.7/32", cluster_name="bert", ssh_public_key=(
+        "ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIOp9fX1kZXZlbG9wZXIta2V5LWZvci10ZXN0cw op@laptop"), image="base")
+    assert head_group_name(settings) == discovery.head_group("bert")  # the one name, on both sides
+    launch("bert", "master")
+    head = launch("bert", None, group=discovery.head_group("bert"))  # as the head's group tags its instance
+    launch("bert", None, group=None)  # cluster-tagged, in no group: neither node nor head
+    env = aws_cli_env(tmp_path, monkeypatch)
+    res = fab("status", "--no-runs", env=env, timeout=120)
+    rows = {ln.split()[0]: ln.split() for ln in res.stdout.splitlines() if ln.startswith(("bert-", "-"))}
+    assert rows["bert-head"][1] == head and rows["bert-head"][3] == "on-demand" and float(rows["bert-head"][6]) > 0
+    node, head_price = float(rows["bert-0"][6]), float(rows["bert-head"][6])
+    total = float(next(ln for ln in res.stdout.splitlines() if ln.startswith("total: $")).split("$")[1].split("/")[0])
+    assert total == pytest.approx(node + head_price, abs=0.011), res.stdout
+    assert res.returncode == 0 and len(rows) == 2, res.stdout
