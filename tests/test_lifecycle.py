@@ -374,6 +374,27 @@ def test_a_script_run_resumes_with_its_own_code_and_refuses_changed_code(tmp_pat
     assert "changed since the run" in exc.value.what
 
 
+def test_a_request_round_trips_through_its_record_with_secrets_masked(tmp_path):
+    from launch.plan.request import TrainRequest
+
+    data = tmp_path / "train.csv"
+    data.write_text("a,b\n1,2\n")
+    req = TrainRequest(job="glue", args=["--train_file", str(data), "--seed", "3"], ppn="1", threads="2",
+                       env={"HF_TOKEN": "s3cret", "A": "1"}, valueless={"HF_TOKEN"}, timeout_s=120, save_every="20")
+    kept = req.to_record()
+    assert kept["env"] == {"HF_TOKEN": "***", "A": "1"} and "s3cret" not in json.dumps(kept)
+    assert kept["data"] == {str(data.resolve()): request_digest(data)}
+    back = TrainRequest.from_record(json.loads(json.dumps(kept)), {"HF_TOKEN": "s3cret", "A": "1"}, {"HF_TOKEN"},
+                                    runs_dir=tmp_path)
+    assert back == dataclasses.replace(req, runs_dir=tmp_path)
+
+
+def request_digest(path) -> str:
+    from launch.plan.request import file_digest
+
+    return file_digest(str(path))
+
+
 def test_the_last_output_dir_wins_and_a_file_flag_without_a_value_is_one_line():
     from launch.plan import request
     from launch.ship import userscript

@@ -258,7 +258,6 @@ class RunResult:
 def new_record(cluster, req, plan, facts, args: list[str]) -> RunRecord:
     """The record of a run about to start (status None until it is first written)."""
     from launch.plan import launcher
-    from launch.plan.request import file_digest, local_files
     from launch.ship import secrets
 
     return RunRecord(
@@ -270,13 +269,7 @@ def new_record(cluster, req, plan, facts, args: list[str]) -> RunRecord:
         node_env={p.name: launcher.node_env(plan, p) for p in plan.nodes},
         pinning={p.name: dict(launcher.rank_cpus(p)) for p in plan.nodes},
         topology={f.node.name: f.topo.to_dict() for f in facts},
-        request={"job": req.job, "script": req.script, "workdir": req.workdir, "module": req.module,
-                 "launcher": req.launcher, "args": list(req.args), "ppn": req.ppn, "threads": req.threads,
-                 "backend": req.backend, "precision": req.precision, "comm_hook": req.comm_hook,
-                 "env": secrets.masked(req.env, req.valueless), "save_every": req.save_every, "pin": req.pin,
-                 "timeout_s": req.timeout_s,
-                 "script_digest": file_digest(req.script) if req.script and not req.workdir else None,
-                 "data": {str(Path(p).expanduser().resolve()): file_digest(p) for _, p in local_files(req.args)}},
+        request=req.to_record(),
         started_at=time.time())
 
 

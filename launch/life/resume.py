@@ -73,22 +73,14 @@ def resume_request(run_id: str, runs_dir: Path, nodes: int | None = None, fetch_
         if file_digest(path) != digest:
             raise ClusterError(f"--resume {run_id}: its data file {path} changed since the run", fix="a resumed run must "
                                "train on the same data (restore it or start anew)")
-    args = list(request["args"])
     env = dict(request["env"])
     # the record keeps secrets as ***: the operator's own values stand in (--env KEY=VALUE overrides)
     hidden = {k for k, v in env.items() if v == secrets.MASK}
     env.update({k: os.environ[k] for k in hidden if k in os.environ})
-    old_world = int(summary["world_size"])
-    old_nodes = len(summary["nodes"])
-    return TrainRequest(
-        nodes=nodes or old_nodes, job=request["job"], script=request.get("script"), workdir=request.get("workdir"),
-        module=request.get("module"), launcher=request.get("launcher") or "python", args=args, ppn=request["ppn"], threads=request["threads"],
-        backend=request["backend"], precision=request["precision"], env=env, valueless=hidden,
-        comm_hook=request.get("comm_hook", "none"),  # records before --comm-hook sent fp32
-        save_every=request["save_every"], pin=request["pin"], timeout_s=request["timeout_s"], runs_dir=runs_dir,
-        fetch_model=fetch_model,
-        resume=Resume(run_id=run_id, step=step, world_size=old_world, checkpoint=str(checkpoint) if checkpoint
-                      else None, url=url))
+    resume = Resume(run_id=run_id, step=step, world_size=int(summary["world_size"]),
+                    checkpoint=str(checkpoint) if checkpoint else None, url=url)
+    return TrainRequest.from_record(request, env, hidden, nodes=nodes or len(summary["nodes"]), runs_dir=runs_dir,
+                                    fetch_model=fetch_model, resume=resume)
 
 
 def same_code(run_id: str, request: dict, shipped: dict | None) -> None:

@@ -112,6 +112,30 @@ class TrainRequest:
         """The cluster's store the ranks get (store_run.apply puts it in their environment)."""
         return self.env.get(STORE_ENV) or None
 
+    def to_record(self) -> dict:
+        """What a record keeps to run this again (--resume, --max-restarts): secrets as ***, and the digests of the
+        data files and the lone script, which a resume must find unchanged."""
+        from launch.ship import secrets
+
+        return {"job": self.job, "script": self.script, "workdir": self.workdir, "module": self.module,
+                "launcher": self.launcher, "args": list(self.args), "ppn": self.ppn, "threads": self.threads,
+                "backend": self.backend, "precision": self.precision, "comm_hook": self.comm_hook,
+                "env": secrets.masked(self.env, self.valueless), "save_every": self.save_every, "pin": self.pin,
+                "timeout_s": self.timeout_s,
+                "script_digest": file_digest(self.script) if self.script and not self.workdir else None,
+                "data": {str(Path(p).expanduser().resolve()): file_digest(p) for _, p in local_files(self.args)}}
+
+    @classmethod
+    def from_record(cls, request: dict, env: dict[str, str], valueless: set[str], **fields) -> TrainRequest:
+        """The request a record kept (to_record's dict), with the environment to run it with and the fields that
+        differ this time (nodes, runs_dir, fetch_model, resume)."""
+        return cls(job=request["job"], script=request.get("script"), workdir=request.get("workdir"),
+                   module=request.get("module"), launcher=request.get("launcher") or "python",
+                   args=list(request["args"]), ppn=request["ppn"], threads=request["threads"],
+                   backend=request["backend"], precision=request["precision"], env=env, valueless=valueless,
+                   comm_hook=request.get("comm_hook", "none"),  # records before --comm-hook sent fp32
+                   save_every=request["save_every"], pin=request["pin"], timeout_s=request["timeout_s"], **fields)
+
 
 def _parse_auto_int(value: str, flag: str) -> int | None:
     if value in (None, "", "auto"):
