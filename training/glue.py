@@ -249,7 +249,7 @@ def main(argv: list[str] | None = None) -> int:
     trainer = Trainer(model=model, args=args, train_dataset=train_ds, eval_dataset=eval_ds,
                       processing_class=tokenizer, data_collator=collator, optimizers=optimizers,
                       compute_metrics=compute_metrics_fn(data_args.task_name, is_regression, num_labels),
-                      callbacks=[common.progress_callback(), *timeline.callbacks(info.is_main)])
+                      callbacks=[*timeline.callbacks(info.is_main), common.progress_callback()])  # the mark first
     common.quiet_trainer(trainer)
     hook = dist.comm_hook(trainer)
     results: dict = {"job": "glue", "model": model_args.model_name_or_path, "task": data_args.task_name,
