@@ -305,3 +305,14 @@ def processes_with_cmdline(text: str) -> list[int]:
         except OSError:  # gone meanwhile
             continue
     return found
+
+
+def wait_until(what: str, check, timeout: float, poll: float = 1.0):
+    """check()'s first true answer within timeout seconds, else an AssertionError naming what was awaited."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        got = check()
+        if got:
+            return got
+        time.sleep(poll)
+    raise AssertionError(f"not within {timeout:.0f}s: {what}")

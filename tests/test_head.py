@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import fab, processes_with_env, progress_steps, start_cluster
+from conftest import fab, processes_with_env, progress_steps, start_cluster, wait_until
 from fake_imds import FakeIMDS
 
 from cluster import store as store_lib
@@ -26,16 +26,6 @@ from launch.life.records import RunRecord, Status
 from training.paths import RunPaths
 
 SECRET = "hushhush-4711-not-in-any-file"
-
-
-def _wait(what: str, check, timeout: float, poll: float = 1.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        got = check()
-        if got:
-            return got
-        time.sleep(poll)
-    raise AssertionError(f"not within {timeout:.0f}s: {what}")
 
 
 def _environ(pid: int) -> list[bytes]:
@@ -71,18 +61,18 @@ def test_the_head_supervises_a_detached_run_and_recovers_it_with_the_operators_r
         if lc.runs.exists():  # this machine keeps nothing of the run: move whatever is there away
             shutil.move(lc.runs, tmp_path / "operator-runs-moved-away")
         log_key = RunPaths(first).store_record("log.txt")
-        _wait("training steps of the first run, read from the store",
+        wait_until("training steps of the first run, read from the store",
               lambda: max(progress_steps(store_lib.read_text(store, log_key) or ""), default=0) >= 10, 400)
         beat = json.loads(store_lib.read_text(store, RunPaths(first).store_record(head_lib.HEARTBEAT)))
         assert beat["pid"] == pid and beat["head"] == "head" and first in beat["current"]
         imds.interrupt()  # a spot notice: the run checkpoints and ends; the head's supervisor waits
-        _wait("the first run restarting, in the store",
+        wait_until("the first run restarting, in the store",
               lambda: store_lib.read_summary(store, first)["status"] == "restarting", 300)
         imds.clear()
-        second = _wait("the resumed run", lambda: store_lib.read_summary(store, first).get("restarted_as"), 300)
-        done = _wait("the resumed run's end", lambda: (s := store_lib.read_summary(store, second)) and
+        second = wait_until("the resumed run", lambda: store_lib.read_summary(store, first).get("restarted_as"), 300)
+        done = wait_until("the resumed run's end", lambda: (s := store_lib.read_summary(store, second)) and
                      Status(s["status"]).terminal and s, 600, poll=2)
-        _wait("the supervisor's exit", lambda: not processes_with_env(f"XC_SUPERVISOR={first}"), 60)
+        wait_until("the supervisor's exit", lambda: not processes_with_env(f"XC_SUPERVISOR={first}"), 60)
         listed = lc.fab("runs", timeout=120, env=env)
         follow = lc.fab("logs", first, "-f", timeout=120, env=env)
         shown = lc.fab("logs", second, timeout=120, env=env)

@@ -16,10 +16,10 @@ import math
 import os
 import re
 import signal
-import time
 from pathlib import Path
 
 import pytest
+from conftest import wait_until
 from fake_imds import FakeIMDS
 from test_user_scripts import _csv
 
@@ -101,16 +101,6 @@ def _project(tmp_path: Path) -> tuple[Path, list[str]]:
                      "--disable_tqdm", "True", "--output_dir", "out"]
 
 
-def _wait(what: str, check, timeout: float, poll: float = 1.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        got = check()
-        if got:
-            return got
-        time.sleep(poll)
-    raise AssertionError(f"not within {timeout:.0f}s: {what}")
-
-
 def _log(run_dir: Path) -> str:
     try:
         return (run_dir / "log.txt").read_text(errors="replace")
@@ -166,15 +156,15 @@ def test_an_unchanged_glue_script_detached_is_preempted_and_resumed_by_its_super
         first = m.group(1)
         assert running.finish(60).returncode == 0, running.stdout[-3000:]
         sup = records.load(cluster2.runs / first).supervisor
-        _wait("the first run's first logged loss", lambda: "'loss'" in _log(cluster2.runs / first), 400, poll=0.5)
+        wait_until("the first run's first logged loss", lambda: "'loss'" in _log(cluster2.runs / first), 400, poll=0.5)
         imds.interrupt()
-        _wait("the first run recorded restarting",
-              lambda: records.load(cluster2.runs / first).status == Status.RESTARTING, 300)
+        wait_until("the first run recorded restarting",
+                   lambda: records.load(cluster2.runs / first).status == Status.RESTARTING, 300)
         imds.clear()  # the node is 'replaced': no notice any more, so the supervisor resumes
-        second = _wait("the resumed run", lambda: records.load(cluster2.runs / first).restarted_as, 300)
-        _wait("the resumed run's end", lambda: (r := records.load_or_none(cluster2.runs / second)) and r.status.terminal,
-              600, poll=2)
-        _wait("the supervisor's exit", lambda: not records.supervisor_alive(sup), 60)
+        second = wait_until("the resumed run", lambda: records.load(cluster2.runs / first).restarted_as, 300)
+        wait_until("the resumed run's end", lambda: (r := records.load_or_none(cluster2.runs / second)) and r.status.terminal,
+                   600, poll=2)
+        wait_until("the supervisor's exit", lambda: not records.supervisor_alive(sup), 60)
     finally:
         imds.close()
         running.__exit__()
@@ -220,7 +210,7 @@ def test_a_rebalance_recommendation_saves_while_an_unchanged_glue_script_trains_
             step = int(running.wait_for(re.compile(r"\[rebalance\] step=(\d+): checkpoint now, training goes on"),
                                         120).group(1))
             ckpt = _store_ckpt(cluster2, run_id, step)
-            _wait("the rebalance checkpoint in the store", lambda: (ckpt / "xc-complete").is_file(), 120, poll=0.5)
+            wait_until("the rebalance checkpoint in the store", lambda: (ckpt / "xc-complete").is_file(), 120, poll=0.5)
             assert running.proc.poll() is None  # it reached the store while the run went on
             ended = running.finish(600)
     finally:

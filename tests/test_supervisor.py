@@ -11,22 +11,12 @@ import signal
 import time
 
 import pytest
-from conftest import fab, processes_with_env, progress_steps, start_cluster
+from conftest import fab, processes_with_env, progress_steps, start_cluster, wait_until
 from fake_imds import FakeIMDS
 
 from cluster import store as store_lib
 from launch.life import records
 from launch.life.records import Status
-
-
-def _wait(what: str, check, timeout: float, poll: float = 1.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        got = check()
-        if got:
-            return got
-        time.sleep(poll)
-    raise AssertionError(f"not within {timeout:.0f}s: {what}")
 
 
 def _steps(run_dir) -> list[int]:
@@ -58,20 +48,20 @@ def test_a_detached_run_survives_fab_kill_9_and_resumes_by_itself(tmp_path, smal
         assert records.supervisor_alive(rec.supervisor), "the supervisor died with fab"
         follow = lc.start("logs", first, "-f", merge=True)
 
-        _wait("training steps of the first run", lambda: max(_steps(lc.runs / first), default=0) >= 10, 400)
+        wait_until("training steps of the first run", lambda: max(_steps(lc.runs / first), default=0) >= 10, 400)
         imds.interrupt()  # every node gets a notice: the run checkpoints and ends; the supervisor waits
         noticed = time.monotonic()
-        _wait("the first run recorded restarting",
-              lambda: records.load(lc.runs / first).status == Status.RESTARTING, 240)
+        wait_until("the first run recorded restarting",
+                   lambda: records.load(lc.runs / first).status == Status.RESTARTING, 240)
         listed = lc.fab("runs", timeout=60)
         assert re.search(rf"^{first}\s.*\srestarting\s", listed.stdout, re.MULTILINE), listed.stdout
         waiting = time.monotonic()
         imds.clear()  # the nodes are 'replaced': no notice any more
-        second = _wait("the resumed run", lambda: records.load(lc.runs / first).restarted_as, 300)
+        second = wait_until("the resumed run", lambda: records.load(lc.runs / first).restarted_as, 300)
         resumed = time.monotonic()
-        done = _wait("the resumed run's end", lambda: (r := records.load_or_none(lc.runs / second)) and r.status.terminal and r,
+        done = wait_until("the resumed run's end", lambda: (r := records.load_or_none(lc.runs / second)) and r.status.terminal and r,
                      600, poll=2)
-        _wait("the supervisor's exit", lambda: not records.supervisor_alive(sup), 60)
+        wait_until("the supervisor's exit", lambda: not records.supervisor_alive(sup), 60)
         follow_end = follow.finish(120)
         followed = follow_end.stdout
         print(f"notice -> restarting {waiting - noticed:.1f}s; notice withdrawn -> resumed {resumed - waiting:.1f}s")
@@ -122,7 +112,7 @@ def test_an_attached_run_whose_fab_was_killed_is_recorded_abandoned(cluster2, tm
         running.signal(signal.SIGKILL)  # kill -9: nothing of fab gets to write the record
         running.finish(30)
     # its SSH session went with it, and mpirun and the ranks with that
-    _wait("the ranks' end", lambda: not processes_with_env(f"XC_RUN_ID={run_id}"), 60, poll=0.5)
+    wait_until("the ranks' end", lambda: not processes_with_env(f"XC_RUN_ID={run_id}"), 60, poll=0.5)
     listed = cluster2.fab("runs", timeout=120)
     assert re.search(rf"^{run_id}\s+ticking\.py\s+2\s+abandoned\s", listed.stdout, re.MULTILINE), listed.stdout
     rec = records.load(cluster2.runs / run_id)
