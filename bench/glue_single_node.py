@@ -217,7 +217,8 @@ def run(name: str, extra: list[str], precision: str, samples: int, batch: int, o
     args = [sys.executable, "-m", job, "--output_dir", str(out / name), "--do_train", *evals,
             "--num_train_epochs", str(epochs), "--per_device_train_batch_size", str(batch), "--learning_rate", "1e-4",
             "--max_train_samples", str(samples), "--seed", str(seed), *shape_args(shape, model_dir, out), *extra]
-    env = {**os.environ, "XC_PRECISION": precision, "PYTHONPATH": str(ROOT)}
+    env = {**os.environ, "XC_PRECISION": precision,
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
     if name in MALLOC:
         if not Path(MALLOC[name]).is_file():
             raise SystemExit(f"{name}: {MALLOC[name]} is not installed (apt-get install libjemalloc2 / libtcmalloc-minimal4)")
