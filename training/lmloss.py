@@ -32,45 +32,56 @@ class _LinearCrossEntropy(torch.autograd.Function):
         row_scale = (valid.to(torch.float32) / float(divisor)).unsqueeze(1)
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
         grad_h = torch.empty(hidden.shape, dtype=hidden.dtype, device=hidden.device) if need_h else None
-        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
+        # the weight's gradient is accumulated transposed: h.T @ grad runs ~1.5x faster than grad.T @ h here
+        grad_wt = torch.zeros(weight.shape[::-1], dtype=torch.float32, device=weight.device) if need_w else None
         # one set of buffers for every chunk: a fresh 200 MB tensor per chunk costs its page faults each time
         n = min(chunk, rows)
         low = torch.empty((n, vocab), dtype=dtype, device=hidden.device)
         high = low if dtype == torch.float32 else torch.empty((n, vocab), dtype=torch.float32, device=hidden.device)
-        part_w = torch.empty(weight.shape, dtype=dtype, device=weight.device) if need_w and dtype != torch.float32 else None
+        part_w = torch.empty(weight.shape[::-1], dtype=dtype, device=weight.device) \
+            if need_w and dtype != torch.float32 else None
         for start in range(0, rows, chunk):
             stop = min(start + chunk, rows)
             h, t, scale = h_all[start:stop], target[start:stop], row_scale[start:stop]
-            logits, logp = low[:stop - start], high[:stop - start]
+            logits, probs = low[:stop - start], high[:stop - start]
             torch.mm(h, w.t(), out=logits)
-            if logp is not logits:
-                logp.copy_(logits)
-            torch.ops.aten._log_softmax.out(logp, 1, False, out=logp)  # in place, row by row, in fp32
-            total -= (logp.gather(1, t) * scale).sum()
+            if probs is not logits:
+                probs.copy_(logits)
+            picked, top = probs.gather(1, t), probs.amax(1, keepdim=True)
+            # softmax in place, in fp32; its largest value is 1/sum(exp(x - max)), never below 1/vocab, so
+            # log-sum-exp = max - log(largest) with no exp over the row outside the softmax kernel
+            torch.ops.aten._softmax.out(probs, 1, False, out=probs)
+            lse = top - probs.amax(1, keepdim=True).log()
+            total += ((lse - picked) * scale).sum()
             if not (need_h or need_w):
                 continue
             # d(sum of losses)/d(logits) = softmax - one-hot; the row scale goes on the small side of each matmul
-            grad = torch.exp(logp, out=logits)
-            grad.scatter_add_(1, t, torch.full(t.shape, -1.0, dtype=grad.dtype, device=grad.device))
+            if logits is not probs:
+                logits.copy_(probs)
+            grad = logits
+            rows_here = torch.arange(stop - start, device=grad.device)
+            grad.index_put_((rows_here, t.squeeze(1)), torch.tensor(-1.0, dtype=grad.dtype), accumulate=True)
             if need_h:
                 grad_h[start:stop] = torch.mm(grad, w) * scale
             if need_w:
                 hs = (h * scale).to(dtype)
                 if part_w is None:
-                    grad_w.addmm_(grad.t(), hs)
+                    grad_wt.addmm_(hs.t(), grad)
                 else:
-                    grad_w += torch.mm(grad.t(), hs, out=part_w)
-        ctx.save_for_backward(grad_h if need_h else None, grad_w if need_w else None)
+                    grad_wt += torch.mm(hs.t(), grad, out=part_w)
+        ctx.save_for_backward(grad_h if need_h else None, grad_wt if need_w else None)
         return total
 
     @staticmethod
     def backward(ctx, grad_out):
-        grad_h, grad_w = ctx.saved_tensors
+        grad_h, grad_wt = ctx.saved_tensors
+        grad_w = None
         # the loss is a scalar: its gradients were computed in the forward pass, up to grad_out
         if grad_h is not None:
             grad_h = grad_h * grad_out.to(grad_h.dtype)
-        if grad_w is not None:
-            grad_w = (grad_w * grad_out).to(ctx.weight_dtype)
+        if grad_wt is not None:  # back to the weight's layout and dtype in the same pass as the scale
+            grad_w = torch.empty(grad_wt.shape[::-1], dtype=ctx.weight_dtype, device=grad_wt.device)
+            torch.mul(grad_wt.t(), grad_out, out=grad_w)
         return grad_h, grad_w, None, None, None, None
 
 
