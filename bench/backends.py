@@ -11,9 +11,17 @@ every line). For each backend that can run here:
                gradients, DDP's default buckets), bf16 autocast where the CPU has bf16, fused AdamW, the bundled
                paraphrase pairs at --batch per process: samples/s of both processes together, the median step
                of --steps after two warm-up steps
-oneCCL runs only where its torch bindings (oneccl_bindings_for_pytorch) import: Intel discontinued them
-(torch-ccl issue #80) and they are built for other torch versions; where they do not import the bench says so
-and measures gloo alone. Prints the CPU model and flags and the load with every figure. Last line:
+ccl = oneCCL 2022.2 through a DDP comm hook (own ctypes shim), not the discontinued bindings: Intel stopped
+publishing oneccl_bindings_for_pytorch (torch-ccl issue #80), so the ccl side is bench/ccl_shim/ccl_shim.cpp
+(bench/ccl_comm.py builds it against the `oneccl-devel` wheel's CPU-only library and loads it with ctypes).
+Its all-reduces call oneCCL directly; its train step is the same DDP model with a comm hook that all-reduces each
+gradient bucket with oneCCL and returns it completed (no overlap with the backward pass); gloo then only
+bootstraps and keeps time (the KVS address, DDP's initial broadcast and its per-forward broadcast of BERT's
+small index buffers, the barriers).
+oneCCL's transport is its ofi ATL over libfabric's tcp provider (the one impi-rt ships) on the same interface
+as gloo. Each all-reduce path first sums a known pattern and the bench fails where the sum is wrong. Without
+oneCCL's wheels (not a dependency of the project) the bench says how to get them and measures gloo alone.
+The CPU model and flags and the load are printed with every figure. Last line:
     gloo_samples_s=A ccl_samples_s=B ratio=R      (R = B / A), or, without ccl,
     gloo_samples_s=A ccl_samples_s=unmeasured
 Writes bench/results/backends.json.
@@ -37,19 +45,11 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
+import ccl_comm
 from glue_single_node import cpu_line, load_line
 
 SIZES = {"minilm": 22_713_216, "bert-base": 109_483_778}  # trainable parameters (bert-base: its 2-label head too)
 FAB = [str(ROOT / ".venv" / "bin" / "fab")] if (ROOT / ".venv" / "bin" / "fab").exists() else ["fab"]
-
-
-def ccl_importable() -> tuple[bool, str]:
-    """Whether oneCCL's torch bindings import in this venv, and if not why (the import's own error)."""
-    res = subprocess.run([sys.executable, "-c", "import torch, oneccl_bindings_for_pytorch"], capture_output=True,
-                         text=True, check=False)
-    if res.returncode == 0:
-        return True, ""
-    return False, (res.stderr.strip().splitlines() or ["no output"])[-1]
 
 
 def worker(backend: str, rank: int, iters: int, steps: int, batch: int) -> dict:
@@ -57,33 +57,37 @@ def worker(backend: str, rank: int, iters: int, steps: int, batch: int) -> dict:
     import torch
     import torch.distributed as dist
 
-    if backend == "ccl":
-        import oneccl_bindings_for_pytorch  # noqa: F401  registers the backend
     torch.set_num_threads(1)
-    dist.init_process_group(backend, rank=rank, world_size=int(os.environ["WORLD_SIZE"]))
+    dist.init_process_group("gloo", rank=rank, world_size=int(os.environ["WORLD_SIZE"]))
     n = dist.get_world_size()
+    ccl = ccl_comm.Ccl(os.environ["XC_CCL_SHIM"]) if backend == "ccl" else None
+    reduce = ccl.all_reduce if ccl else dist.all_reduce
     out: dict = {"allreduce": {}}
     for name, numel in SIZES.items():
         for dtype in (torch.float32, torch.bfloat16):
-            t = torch.ones(numel, dtype=dtype)
-            dist.all_reduce(t)
+            t = ccl_comm.pattern(numel, rank + 1, dtype)
+            ccl_comm.check_sum(reduce, t, rank, n)  # the warm-up: a wrong sum raises, and the bench fails
             times = []
             for _ in range(iters):
                 dist.barrier()
                 start = time.perf_counter()
-                dist.all_reduce(t)
+                reduce(t)
                 times.append(time.perf_counter() - start)
             s = statistics.median(times)
             nbytes = numel * t.element_size()
             out["allreduce"][f"{name}/{str(dtype).removeprefix('torch.')}"] = {
                 "bytes": nbytes, "median_s": s, "busbw_gbit": 2 * (n - 1) / n * nbytes * 8 / s / 1e9,
                 "spread_s": [min(times), max(times)]}
-    out["step"] = train_step(steps, batch, rank, n)
+            del t
+    out["step"] = train_step(steps, batch, rank, n, ccl)
+    if ccl:
+        ccl.close()
     dist.destroy_process_group()
     return out
 
 
-def train_step(steps: int, batch: int, rank: int, world: int) -> dict:
+def train_step(steps: int, batch: int, rank: int, world: int, ccl=None) -> dict:
+    """With ccl, DDP's gradient buckets go through oneCCL (a comm hook) instead of the gloo group."""
     import model_shapes
     import torch
     import torch.distributed as dist
@@ -103,6 +107,8 @@ def train_step(steps: int, batch: int, rank: int, world: int) -> dict:
     fastdrop.install(model)
     model.get_input_embeddings().weight.requires_grad_(False)
     ddp = torch.nn.parallel.DistributedDataParallel(model)
+    if ccl:
+        ddp.register_comm_hook(None, ccl.hook)
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4, fused=True)
     bf16 = bool({"amx_bf16", "avx512_bf16"} & cpu_flags())
     data = batches((steps + 2) * world, batch, 1)[rank::world]
@@ -147,14 +153,18 @@ class Twin:
         self.fab("local-down")
 
 
-def launch(backend: str, places: list[tuple[list[str], str]], master: str, a) -> dict:
-    """Rank i runs under places[i]'s command prefix, pinned to core i; returns rank 0's figures."""
+def launch(backend: str, places: list[tuple[list[str], str]], master: str, a, shim: str = "") -> dict:
+    """Rank i runs under places[i]'s command prefix, pinned to core i; returns rank 0's figures. ccl ranks get
+    oneCCL's settings (bench/ccl_comm.py) in their environment, and the shim's path."""
     with tempfile.TemporaryDirectory() as tmp:
         procs = []
-        for rank, (prefix, _) in enumerate(places):
+        for rank, (prefix, iface) in enumerate(places):
+            core = rank % (os.cpu_count() or 1)
             env = {**os.environ, "MASTER_ADDR": master, "MASTER_PORT": str(a.master_port), "WORLD_SIZE": "2",
-                   "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": places[rank][1]}
-            cmd = [*prefix, "taskset", "-c", str(rank % (os.cpu_count() or 1)), sys.executable, __file__, "--worker",
+                   "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": iface}
+            if backend == "ccl":
+                env.update(ccl_comm.child_env(iface, core), XC_CCL_SHIM=shim)
+            cmd = [*prefix, "taskset", "-c", str(core), sys.executable, __file__, "--worker",
                    backend, "--rank", str(rank), "--out", f"{tmp}/rank{rank}.json", "--iters", str(a.iters),
                    "--steps", str(a.steps), "--batch", str(a.batch)]
             procs.append(subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
@@ -183,13 +193,14 @@ def main() -> None:
         return
     print(cpu_line())
     print(f"start: {load_line()}", flush=True)
-    have_ccl, why = ccl_importable()
-    backends = ["gloo"] + (["ccl"] if have_ccl else [])
-    if not have_ccl:
-        print(f"ccl: NOT measured. oneccl_bindings_for_pytorch does not import here ({why}); Intel discontinued "
-              "the bindings (torch-ccl issue #80) and publishes none for this torch, and building them from source "
-              "did not fit this 2-core shared machine. Only gloo is measured.", flush=True)
-    results: dict = {"cpu": cpu_line(), "backends": {}, "ccl_unmeasured_because": None if have_ccl else why}
+    shim, why = ccl_comm.build()
+    backends = ["gloo"] + (["ccl"] if shim else [])
+    if shim:
+        print(f"{ccl_comm.LABEL}; transport ofi/tcp, CCL_YIELD=sched_yield; shim {shim.relative_to(ROOT)}", flush=True)
+    else:
+        print(f"ccl: NOT measured: {why}; {ccl_comm.HOW}. Only gloo is measured.", flush=True)
+    results: dict = {"cpu": cpu_line(), "backends": {}, "ccl": ccl_comm.LABEL if shim else None,
+                     "ccl_unmeasured_because": None if shim else why}
     with tempfile.TemporaryDirectory() as tmp:
         twin, where = None, "loopback (127.0.0.1; --loopback)"
         places: list[tuple[list[str], str]] = [([], "lo"), ([], "lo")]
@@ -209,7 +220,7 @@ def main() -> None:
         try:
             for backend in backends:
                 print(f"{backend}: 2 processes, 1 core each ...", flush=True)
-                results["backends"][backend] = r = launch(backend, places, master, a)
+                results["backends"][backend] = r = launch(backend, places, master, a, str(shim or ""))
                 r["load"] = load_line()
                 for key, v in r["allreduce"].items():
                     print(f"  all-reduce {key:<18} {v['bytes'] / 1e6:7.1f} MB  bus bandwidth {v['busbw_gbit']:6.2f} "
@@ -226,16 +237,24 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     (out / "backends.json").write_text(json.dumps(results, indent=2))
     print(f"end: {load_line()}; {where}")
-    gloo = results["backends"]["gloo"]["step"]["samples_per_s"]
-    if "ccl" in results["backends"]:
-        ccl = results["backends"]["ccl"]["step"]["samples_per_s"]
-        for key, v in results["backends"]["gloo"]["allreduce"].items():
-            c = results["backends"]["ccl"]["allreduce"][key]["busbw_gbit"]
-            print(f"  all-reduce {key}: ccl/gloo bus bandwidth {c / v['busbw_gbit']:.2f}")
-        print(f"gloo_samples_s={gloo:.2f} ccl_samples_s={ccl:.2f} ratio={ccl / gloo:.2f}")
-    else:
-        print(f"gloo_samples_s={gloo:.2f} ccl_samples_s=unmeasured")
+    print_side_by_side(results["backends"])
 
+
+def print_side_by_side(res: dict) -> None:
+    """The table of gloo beside ccl (bus bandwidth in Gbit/s, samples/s) and the last line."""
+    gloo, ccl = res["gloo"], res.get("ccl")
+    print(f"  {'':<36} {'gloo':>8} {'ccl':>8} {'ccl/gloo':>9}")
+    rows = [(f"all-reduce {k} Gbit/s", v["busbw_gbit"], ccl and ccl["allreduce"][k]["busbw_gbit"])
+            for k, v in gloo["allreduce"].items()]
+    rows.append(("bert-base step samples/s", gloo["step"]["samples_per_s"], ccl and ccl["step"]["samples_per_s"]))
+    for what, g, c in rows:
+        print(f"  {what:<36} {g:8.2f} " + (f"{c:8.2f} {c / g:9.2f}" if c else f"{'-':>8} {'-':>9}"))
+    g = gloo["step"]["samples_per_s"]
+    if ccl:
+        c = ccl["step"]["samples_per_s"]
+        print(f"gloo_samples_s={g:.2f} ccl_samples_s={c:.2f} ratio={c / g:.2f}")
+    else:
+        print(f"gloo_samples_s={g:.2f} ccl_samples_s=unmeasured")
 
 if __name__ == "__main__":
     main()
