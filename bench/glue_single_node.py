@@ -190,10 +190,11 @@ def shape_args(shape: str, model_dir: Path | None, out: Path) -> list[str]:
 # The check: one step of each path with every dropout at 0 (else the two draw different masks: 1.3e-3 apart in
 # one run), the same seed, batch and precision, step-1 losses within LOSS_TOLERANCE.
 PREVIOUS_CLM = ["--attention_dropout", "0.1", "--chunked_loss", "False", "--fast_dropout", "False",
-                "--fused_gelu", "False"]
+                "--fused_gelu", "False", "--block_attention", "False"]
 CLM_CONFIGS = {"seeds": ([*PREVIOUS_CLM, "--optim", "adamw_torch"], "fp32"), "default": ([], "auto")}
 CLM_LEVERS = {"fp32": ([], "fp32"), "bf16": ([], "bf16"), "eager": (["--attn_implementation", "eager"], "auto"),
               "full-logits": (["--chunked_loss", "False"], "auto"),
+              "flash-attention": (["--block_attention", "False"], "auto"),
               "attention-dropout": (["--attention_dropout", "0.1"], "auto"),
               "torch-dropout": (["--fast_dropout", "False"], "auto"), "gelu-new": (["--fused_gelu", "False"], "auto"),
               "previous": (PREVIOUS_CLM, "auto")}

@@ -42,7 +42,7 @@ class ModelArguments:
         "help": f"From scratch: GPT-2 config changes, e.g. '{TINY}' (the default)"})
     tokenizer_vocab_size: int = field(default=4096, metadata={"help": "From scratch: BPE vocabulary size"})
     cache_dir: str | None = field(default=None, metadata={"help": "Where hub downloads are cached"})
-    # The speed levers of training/levers.py (CausalSpeedArguments' fields; bench/clm_step.py measured them)
+    # The speed levers of training/levers.py (bench/glue_single_node.py --model-shape gpt2 --levers measures them)
     attn_implementation: str = field(default="sdpa", metadata={"help": "sdpa (default) | eager"})
     attention_dropout: float | None = field(default=0.0, metadata={
         "help": "Dropout on attention probabilities (default 0.0, nanoGPT's: torch's fused CPU attention "
@@ -50,6 +50,10 @@ class ModelArguments:
     chunked_loss: bool = field(default=True, metadata={
         "help": "LM head and cross-entropy in row chunks, no full fp32 logits (training/lmloss.py)"})
     fast_dropout: bool = field(default=True, metadata={"help": "training/fastdrop.py's dropout; False: torch's"})
+    block_attention: str = field(default="auto", metadata={
+        "help": "Causal self-attention in query blocks as matmuls (training/blockattn.py) instead of torch's flash "
+                "kernel, keeping ~T^2/2 probabilities a head for the backward pass: auto (where the CPU has no "
+                "AMX: 1.8x flash's speed measured there; with AMX flash stays, unmeasured), True, False"})
     fused_gelu: bool = field(default=True, metadata={
         "help": "GPT-2's tanh GELU as torch's one kernel (gelu_pytorch_tanh) instead of six element-wise ops"})
 

@@ -70,6 +70,11 @@ def cpu_flags() -> set[str]:
         return set()
 
 
+def amx_matmuls() -> bool:
+    """Whether oneDNN runs bf16 matmuls on AMX here: the CPU has it and ONEDNN_MAX_CPU_ISA caps nothing."""
+    return {"amx_bf16", "amx_tile"} <= cpu_flags() and not os.environ.get("ONEDNN_MAX_CPU_ISA")
+
+
 def resolve_precision(requested: str | None = None) -> str:
     """auto: bf16 where AMX runs the matmuls; where only AVX512-BF16 (or oneDNN capped below AMX) would,
     bf16 only if its matmul is measured faster than fp32's (the lowest of all ranks' figures, so they agree)."""
@@ -84,7 +89,7 @@ def resolve_precision(requested: str | None = None) -> str:
     flags = cpu_flags()
     if not ({"amx_bf16", "avx512_bf16"} & flags):
         speedup = 0.0
-    elif {"amx_bf16", "amx_tile"} <= flags and not os.environ.get("ONEDNN_MAX_CPU_ISA"):
+    elif amx_matmuls():
         speedup = float("inf")  # AMX: 8x fp32's matmul on Sapphire Rapids (README), not worth a second of measuring
     else:
         from training.mfu import bf16_speedup

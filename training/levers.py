@@ -1,6 +1,6 @@
 """Speed levers the bundled jobs share: for the encoders (glue, qa) cheap dropout and frozen word embeddings,
-as flags of their ModelArguments, and applying them to a loaded model; for the causal LM (clm) fused attention,
-one-kernel GELU, cheap dropout and the chunked head and loss (causal_lm_config, causal_lm)."""
+as flags of their ModelArguments, and applying them to a loaded model; for the causal LM (clm) blocked or fused
+attention, one-kernel GELU, cheap dropout and the chunked head and loss (causal_lm_config, causal_lm)."""
 from __future__ import annotations
 
 import logging
@@ -56,13 +56,30 @@ def causal_lm_config(config, args) -> None:
 
 
 def causal_lm(model, args) -> dict:
-    """After: fast dropout and the chunked head and loss (training/lmloss.py). Returns what was applied, for
-    results.json (fast_dropout: how many dropout modules were swapped)."""
-    from training import fastdrop, lmloss
+    """After: fast dropout, causal attention in blocks (training/blockattn.py) and the chunked head and loss
+    (training/lmloss.py). Returns what was applied, for results.json (fast_dropout: how many dropout modules
+    were swapped)."""
+    from training import blockattn, fastdrop, lmloss
 
     # GPT-2's eager attention scales and masks its own way: its probabilities keep torch's dropout
     swapped = fastdrop.install(model, attention=False) if args.fast_dropout else 0
+    blocks = block_attention(getattr(args, "block_attention", "False")) and blockattn.install(model)
     return {"fast_dropout": swapped, "chunked_loss": bool(args.chunked_loss and lmloss.install(model)),
+            "block_attention": blocks,
             "attn_implementation": model.config._attn_implementation,
             "attention_dropout": getattr(model.config, "attn_pdrop", None),
             "activation": getattr(model.config, "activation_function", None)}
+
+
+def block_attention(value) -> bool:
+    """--block_attention: auto takes the blocks where the CPU has no AMX (or oneDNN is capped below it)."""
+    from training import dist
+
+    word = str(value).lower()
+    if word in ("true", "1", "yes"):
+        return True
+    if word in ("false", "0", "no"):
+        return False
+    if word != "auto":
+        raise ValueError(f"--block_attention {value!r} is not one of auto, True, False")
+    return not dist.amx_matmuls()

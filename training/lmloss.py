@@ -2,11 +2,11 @@
 
 GPT-2's head is a [tokens, 50257] matmul; transformers then takes log_softmax of the whole fp32 matrix and
 keeps it for the backward pass (823 MB at 4 x 1024 tokens, and ~12% of a bf16 step on 2 cores for the
-softmax and its backward alone: bench/clm_step.py). Here each chunk of rows is projected, its log-sum-exp
-taken in fp32, and its gradient (softmax minus one-hot) turned into the hidden states' and the weight's
-gradients at once, so the forward pass keeps only those two and no logits. The loss is the same sum over
-the labelled tokens over the same divisor as transformers' ForCausalLMLoss (labels shifted by one, -100
-ignored, `num_items_in_batch` when the Trainer passes it, else their count).
+softmax and its backward alone: docs/benchmarks.md, "GPT-2 small without AMX"). Here each chunk of rows is
+projected, its softmax taken in place in fp32, and its gradient (softmax minus one-hot) turned into the hidden
+states' and the weight's gradients at once, so the forward pass keeps only those two and no logits. The loss
+is the same sum over the labelled tokens over the same divisor as transformers' ForCausalLMLoss (labels
+shifted by one, -100 ignored, `num_items_in_batch` when the Trainer passes it, else their count).
 """
 from __future__ import annotations
 
