@@ -110,3 +110,28 @@ def test_no_cpu_build_anywhere_stops_with_one_error_and_no_cuda(tmp_path):
     errors = [ln for ln in done.stderr.splitlines() if ln.startswith("error:")]
     assert len(errors) == 1 and "TORCH_CPU_INDEX" in errors[0] and "CUDA" in errors[0], done.stderr
     assert calls.read_text().split() == ["install", "-q", TORCH]
+
+
+def _make_deps(pip: Path, *extra: str) -> subprocess.CompletedProcess:
+    return subprocess.run(["make", "-s", "--no-print-directory", "-C", str(ROOT), "project-deps", f"PIP={pip}",
+                           *extra], check=False, capture_output=True, text=True, timeout=60)
+
+
+def test_project_packages_fall_back_to_pip_where_uv_cannot_be_had_and_keep_the_cpu_torch(tmp_path):
+    pip, calls = _fake_pip(tmp_path)
+    failing = tmp_path / "pip-no-uv"  # pip that cannot install uv (an index without it), installs the rest
+    failing.write_text(f'#!/bin/sh\necho "$*" >> {calls}\ncase "$*" in *uv==*) exit 1;; esac\nexit 0\n')
+    failing.chmod(0o755)
+    done = _make_deps(failing)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines() == ["packages: uv could not install them; pip instead"]
+    tried_uv, installed = calls.read_text().splitlines()
+    assert tried_uv.startswith("install -q uv==")
+    assert installed.split() == ["install", "-q", TORCH, "-e", ".[infra,train,dev]"]
+
+
+def test_installer_pip_skips_uv(tmp_path):
+    pip, calls = _fake_pip(tmp_path)
+    done = _make_deps(pip, "INSTALLER=pip")
+    assert done.returncode == 0 and done.stdout == "", done.stdout + done.stderr
+    assert calls.read_text().split() == ["install", "-q", TORCH, "-e", ".[infra,train,dev]"]
