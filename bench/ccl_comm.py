@@ -17,6 +17,7 @@ import hashlib
 import shutil
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -28,6 +29,7 @@ FAST_MEM = PREFIX / "lib" / "libccl.so.2"  # oneccl: its _intel_fast_memcpy/mems
 HOW = ("get oneCCL with `.venv/bin/pip install --no-deps oneccl==2022.2.0 oneccl-devel==2022.2.0` "
        "(and `apt-get install libhwloc-dev g++` if missing)")
 LABEL = "ccl = oneCCL 2022.2 through a DDP comm hook (own ctypes shim), not the discontinued bindings"
+HOOKS = ("async", "sync")
 DTYPES = {"float32": 0, "bfloat16": 1}
 
 
@@ -78,6 +80,7 @@ class Ccl:
         import torch.distributed as dist
 
         self.lib = ctypes.CDLL(lib_path)
+        self.pool: ThreadPoolExecutor | None = None  # the async hook's one worker thread, made on first use
         self.lib.xc_ccl_error.restype = ctypes.c_char_p
         self.lib.xc_ccl_allreduce_sum.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
         self.rank, self.size = dist.get_rank(), dist.get_world_size()
@@ -105,9 +108,22 @@ class Ccl:
         self.check(self.lib.xc_ccl_allreduce_sum(t.data_ptr(), t.numel(), dtype), "allreduce")
 
     def hook(self, state, bucket):
-        """DDP comm hook: the bucket's gradients summed by oneCCL, averaged, in a completed future."""
+        """DDP comm hook: the bucket's gradients summed by oneCCL and averaged, in a future. state.mode says how:
+        "async" (default) hands the bucket to the one worker thread and returns at once, so the all-reduce overlaps
+        the rest of the backward pass; "sync" all-reduces on the caller's thread and returns a completed future
+        (blocks the backward pass); "gloo" is torch's default all-reduce hook over the gloo group, the reference
+        the bench checks the other two against."""
         import torch
 
+        mode = getattr(state, "mode", "async")
+        if mode == "async":
+            return self.start(bucket.buffer())
+        if mode == "gloo":
+            from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+            return default_hooks.allreduce_hook(None, bucket)
+        if mode != "sync":
+            raise ValueError(f"ccl hook mode {mode!r}: async, sync or gloo")
         buf = bucket.buffer()
         self.all_reduce(buf)
         buf.div_(self.size)
@@ -115,7 +131,33 @@ class Ccl:
         fut.set_result(buf)
         return fut
 
+    def start(self, t):
+        """A future of t summed over the ranks and divided by their number, done on this process's one worker
+        thread (started here once). One thread fed in call order keeps the order of collectives the same on every
+        rank, as oneCCL requires; ctypes releases the GIL for the foreign call. An error is set on the future, so it
+        reaches DDP's wait at the end of backward instead of leaving it waiting."""
+        import torch
+
+        if self.pool is None:
+            self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="xc-ccl")
+        fut: torch.futures.Future = torch.futures.Future()
+
+        def run() -> None:
+            try:
+                self.all_reduce(t)
+                t.div_(self.size)
+            except BaseException as e:  # noqa: BLE001 - whatever it is, DDP must see it rather than hang
+                fut.set_exception(e if isinstance(e, Exception) else RuntimeError(repr(e)))
+            else:
+                fut.set_result(t)
+
+        self.pool.submit(run)
+        return fut
+
     def close(self) -> None:
+        if self.pool is not None:
+            self.pool.shutdown(wait=True)
+            self.pool = None
         self.check(self.lib.xc_ccl_free(), "free")
 
 

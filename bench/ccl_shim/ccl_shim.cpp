@@ -1,6 +1,7 @@
 // A C ABI over oneCCL's C++ API for bench/backends.py (loaded with ctypes): one KVS, one communicator and an
 // in-place sum all-reduce of fp32 or bf16 buffers given by pointer and element count. Written for this project.
-// Every call returns 0 on success or -1 with the exception's text in xc_ccl_error().
+// Every call returns 0 on success or -1 with the exception's text in xc_ccl_error(), kept per thread (the bench's
+// asynchronous comm hook all-reduces on a worker thread of its own).
 #include <oneapi/ccl.hpp>
 
 #include <cstring>
@@ -24,7 +25,7 @@ void* __itt_thread_set_name_ptr__3_0 = nullptr;
 }
 
 namespace {
-std::string last_error;
+thread_local std::string last_error;
 std::shared_ptr<ccl::kvs> kvs;
 std::optional<ccl::communicator> comm;
 
