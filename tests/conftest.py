@@ -316,3 +316,15 @@ def wait_until(what: str, check, timeout: float, poll: float = 1.0):
             return got
         time.sleep(poll)
     raise AssertionError(f"not within {timeout:.0f}s: {what}")
+
+
+def tiny_gpt2(n_head: int = 2, **config):
+    """A 2-layer GPT-2 with every dropout off and sdpa attention, seeded: the causal LM tests' model."""
+    import transformers
+
+    c = transformers.GPT2Config(vocab_size=300, n_positions=64, n_embd=32, n_layer=2, n_head=n_head,
+                                resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, **config)
+    import torch
+
+    torch.manual_seed(0)
+    return transformers.AutoModelForCausalLM.from_config(c, attn_implementation="sdpa")

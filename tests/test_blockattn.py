@@ -9,6 +9,8 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
+from conftest import tiny_gpt2
+
 from training import blockattn
 
 
@@ -25,25 +27,19 @@ def test_it_equals_sdpa_causal_in_output_and_gradients(tokens, block):
         assert torch.allclose(a, b, atol=1e-10)
 
 
-def _gpt2(**config):
-    c = transformers.GPT2Config(vocab_size=300, n_positions=64, n_embd=32, n_layer=2, n_head=4,
-                                resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, **config)
-    torch.manual_seed(0)
-    return transformers.AutoModelForCausalLM.from_config(c, attn_implementation="sdpa")
+def _count_calls(monkeypatch) -> list:
+    calls, real = [], blockattn.causal_attention
+    monkeypatch.setattr(blockattn, "causal_attention", lambda *a, **kw: calls.append(a[0].shape) or real(*a, **kw))
+    return calls
 
 
-def test_a_gpt2_trains_with_the_blocks_as_with_sdpa():
-    model = _gpt2()
+def test_a_gpt2_trains_with_the_blocks_as_with_sdpa(monkeypatch):
+    model = tiny_gpt2(n_head=4)
     ours = copy.deepcopy(model)
     assert blockattn.install(ours) and ours.config._attn_implementation == blockattn.NAME
     ids = torch.randint(0, 300, (3, 50), generator=torch.Generator().manual_seed(1))
-    calls = []
-    real = blockattn.causal_attention
-    blockattn.causal_attention = lambda *a, **kw: calls.append(a[0].shape) or real(*a, **kw)
-    try:
-        got = ours(input_ids=ids, labels=ids)
-    finally:
-        blockattn.causal_attention = real
+    calls = _count_calls(monkeypatch)
+    got = ours(input_ids=ids, labels=ids)
     want = model(input_ids=ids, labels=ids)
     assert len(calls) == 2  # one per layer: the blocks ran, not sdpa
     assert got.loss.item() == pytest.approx(want.loss.item(), rel=1e-5)
@@ -53,26 +49,21 @@ def test_a_gpt2_trains_with_the_blocks_as_with_sdpa():
         assert torch.allclose(a.grad, b.grad, rtol=1e-4, atol=1e-6), name
 
 
-def test_a_padding_mask_goes_to_sdpa_with_the_same_result():
-    model = _gpt2()
+def test_a_padding_mask_goes_to_sdpa_with_the_same_result(monkeypatch):
+    model = tiny_gpt2(n_head=4)
     ours = copy.deepcopy(model)
     blockattn.install(ours)
     ids = torch.randint(0, 300, (2, 20), generator=torch.Generator().manual_seed(2))
     mask = torch.ones_like(ids)
     mask[1, 15:] = 0
-    calls = []
-    real = blockattn.causal_attention
-    blockattn.causal_attention = lambda *a, **kw: calls.append(1) or real(*a, **kw)
-    try:
-        got = ours(input_ids=ids, attention_mask=mask).logits
-    finally:
-        blockattn.causal_attention = real
+    calls = _count_calls(monkeypatch)
+    got = ours(input_ids=ids, attention_mask=mask).logits
     assert calls == []
     assert torch.allclose(got, model(input_ids=ids, attention_mask=mask).logits, atol=1e-5)
 
 
 def test_generation_with_a_cache_goes_to_sdpa():
-    model = _gpt2()
+    model = tiny_gpt2(n_head=4)
     ours = copy.deepcopy(model)
     blockattn.install(ours)
     ids = torch.randint(0, 300, (1, 8), generator=torch.Generator().manual_seed(3))

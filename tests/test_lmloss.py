@@ -9,6 +9,8 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
+from conftest import tiny_gpt2
+
 from training import levers, lmloss
 
 
@@ -60,15 +62,8 @@ def test_without_grad_it_gives_the_loss_alone():
     assert got.item() == pytest.approx(ref.item(), rel=1e-6)
 
 
-def _tiny_gpt2(**config):
-    c = transformers.GPT2Config(vocab_size=300, n_positions=64, n_embd=32, n_layer=2, n_head=2,
-                                resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, **config)
-    torch.manual_seed(0)
-    return transformers.AutoModelForCausalLM.from_config(c, attn_implementation="sdpa")
-
-
 def test_a_gpt2_with_the_chunked_loss_trains_as_transformers_own_loss_does():
-    model = _tiny_gpt2()
+    model = tiny_gpt2()
     ours = copy.deepcopy(model)
     assert lmloss.install(ours)
     ids = torch.randint(0, 300, (3, 40), generator=torch.Generator().manual_seed(1))

@@ -118,7 +118,7 @@ def _make_deps(pip: Path, *extra: str) -> subprocess.CompletedProcess:
 
 
 def test_project_packages_fall_back_to_pip_where_uv_cannot_be_had_and_keep_the_cpu_torch(tmp_path):
-    pip, calls = _fake_pip(tmp_path)
+    _, calls = _fake_pip(tmp_path)
     failing = tmp_path / "pip-no-uv"  # pip that cannot install uv (an index without it), installs the rest
     failing.write_text(f'#!/bin/sh\necho "$*" >> {calls}\ncase "$*" in *uv==*) exit 1;; esac\nexit 0\n')
     failing.chmod(0o755)
