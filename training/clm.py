@@ -78,6 +78,7 @@ def main(argv: list[str] | None = None) -> int:
     model_args, data_args, args = common.parse_job_args(argv, ModelArguments, DataArguments,
                                                         group_by_length=False, eval_strategy="steps",
                                                         learning_rate=lr)
+    levers.block_attention(model_args.block_attention)  # a bad value stops here, before any data is prepared
 
     folder = prepared_folder(data_args, model_args, info)
     meta = json.loads((folder / "meta.json").read_text())
