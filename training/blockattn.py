@@ -8,8 +8,8 @@ blocks above the diagonal are never computed and only the diagonal block is mask
 the whole GPT-2 step ~10% faster (docs/benchmarks.md). The cost: the probabilities are kept for the backward
 pass in the input's dtype, ~T^2/2 values a head (57 MB a layer at 4 x 12 heads x 1024 tokens in bf16) where
 flash keeps none. With AMX, torch's flash kernel is the faster (28.7-29.3 ms against 32.4-33.5 a layer on a
-16-core Xeon), so the clm job's `--block_attention auto` keeps it there. Anything else (a padding mask, attention dropout, a KV cache, cross-attention) goes to
-transformers' sdpa.
+16-core Xeon), so the clm job's `--block_attention auto` keeps it there. Anything else (a padding mask,
+attention dropout, a KV cache, cross-attention) goes to transformers' sdpa.
 """
 from __future__ import annotations
 
