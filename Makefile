@@ -44,13 +44,14 @@ torch-cpu:
 
 # The project's packages (torch already in place, and pinned again so nothing swaps it for a CUDA build). uv
 # installs the same pins from the same indexes as pip, ~5x faster (docs/testing.md): it reads no pip
-# configuration, so core/pipconfig.py hands it pip's indexes, find-links and constraints. Where uv cannot be
-# had or fails, pip installs them. INSTALLER=pip skips uv.
+# configuration, so core/pipconfig.py hands it pip's indexes, find-links and constraints, and it compiles the
+# bytecode as pip does (where PYTHONDONTWRITEBYTECODE is set nothing would later). Where uv cannot be had or
+# fails, pip installs them. INSTALLER=pip skips uv.
 INSTALLER ?= uv
 UV_VERSION := 0.13.9
 project-deps:
 	@if [ "$(INSTALLER)" = uv ] && $(PIP) install -q 'uv==$(UV_VERSION)' \
-	    && $(BIN)/uv pip install -q --python $(BIN)/python $$($(BIN)/python -m core.pipconfig) '$(TORCH)' -e '.[infra,train,dev]'; then \
+	    && $(BIN)/uv pip install -q --compile-bytecode --python $(BIN)/python $$($(BIN)/python -m core.pipconfig) '$(TORCH)' -e '.[infra,train,dev]'; then \
 	  echo "packages: installed with uv $(UV_VERSION)"; \
 	else \
 	  if [ "$(INSTALLER)" = uv ]; then echo "packages: uv could not install them; pip instead"; fi; \
