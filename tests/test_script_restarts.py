@@ -143,14 +143,19 @@ def _check_chain(cluster, first: str, cause: str) -> tuple[records.RunRecord, re
     return one, two
 
 
+def _train_script(cluster2, small_model: str, project: Path, flags: list[str], imds, *fab_flags: str):
+    """fab train of the unchanged run_glue.py on both nodes, one restart allowed, notices from imds."""
+    return cluster2.start("train", "--nodes", "2", *fab_flags, "--max-restarts", "1", "--save-every", "0",
+                          "--workdir", str(project), "--script", "run_glue.py", *imds.train_env(), "--",
+                          "--model_name_or_path", small_model, *flags, merge=True)
+
+
 def test_an_unchanged_glue_script_detached_is_preempted_and_resumed_by_its_supervisor(cluster2, small_model, tmp_path):
     project, flags = _project(tmp_path)
     imds = FakeIMDS()
     before = cluster2.run_dirs()
     sup = None
-    running = cluster2.start("train", "--nodes", "2", "--detach", "--max-restarts", "1", "--restart-wait", "300",
-                             "--save-every", "0", "--workdir", str(project), "--script", "run_glue.py",
-                             *imds.train_env(), "--", "--model_name_or_path", small_model, *flags, merge=True)
+    running = _train_script(cluster2, small_model, project, flags, imds, "--detach", "--restart-wait", "300")
     try:
         m = running.wait_for(re.compile(r"run (\S+) detached under its supervisor \(pid (\d+), up to 1 restart"), 600)
         first = m.group(1)
@@ -180,9 +185,7 @@ def test_an_unchanged_glue_script_survives_a_group_termination_and_restarts(clus
     imds = FakeIMDS()
     before = cluster2.run_dirs()
     try:
-        with cluster2.start("train", "--nodes", "2", "--max-restarts", "1", "--restart-wait", "300", "--save-every", "0",
-                            "--workdir", str(project), "--script", "run_glue.py", *imds.train_env(), "--",
-                            "--model_name_or_path", small_model, *flags, merge=True) as running:
+        with _train_script(cluster2, small_model, project, flags, imds, "--restart-wait", "300") as running:
             running.wait_for("'loss'", 400)
             imds.terminate_by_group()
             running.wait_for("restart 1 of 1:", 300)
@@ -201,9 +204,7 @@ def test_a_rebalance_recommendation_saves_while_an_unchanged_glue_script_trains_
     imds = FakeIMDS()
     before = cluster2.run_dirs()
     try:
-        with cluster2.start("train", "--nodes", "2", "--max-restarts", "1", "--save-every", "0",
-                            "--workdir", str(project), "--script", "run_glue.py", *imds.train_env(), "--",
-                            "--model_name_or_path", small_model, *flags, merge=True) as running:
+        with _train_script(cluster2, small_model, project, flags, imds) as running:
             running.wait_for("'loss'", 400)
             run_id = (cluster2.run_dirs() - before).pop()
             imds.recommend_rebalance()
