@@ -57,7 +57,8 @@ MALLOC = {"jemalloc": "/lib/x86_64-linux-gnu/libjemalloc.so.2", "tcmalloc": "/li
 LEVERS = {
     "bf16": ([], "bf16"),  # bf16 autocast whatever auto picks
     "sdpa": (["--attn_implementation", "sdpa"], "auto"),
-    "bf16-weights": (["--bf16_weights", "True"], "auto"),
+    "bf16-weights": (["--bf16_weights", "True"], "auto"),  # the default (auto) where bf16 trains
+    "autocast": (["--bf16_weights", "False"], "auto"),  # fp32 weights cast by autocast each step: the old default
     "torch-dropout": (["--fast_dropout", "False"], "auto"),
     "foreach-adamw": (["--optim", "adamw_torch"], "auto"),
     "batch-32": (["--per_device_train_batch_size", "32"], "auto"),

@@ -327,25 +327,44 @@ def test_glue_attention_is_eager_for_short_sequences_and_sdpa_for_long_ones():
 
 
 @pytest.mark.slow  # trains the glue job in-process
-def test_glue_bf16_weights_train_with_fp32_masters_and_refuse_fp32(tmp_path, small_model):
+def test_glue_trains_bf16_weights_by_default_in_bf16_saves_fp32_masters_and_refuses_them_in_fp32(tmp_path, small_model):
     import subprocess
     import sys
 
+    from safetensors import safe_open
+
     # two small steps of the 1-layer model: on a CPU without bf16 instructions bf16 is emulated at ~1 GFLOP/s
     cmd = [sys.executable, "-m", "training.glue", "--max_steps", "2", "--max_train_samples", "16",
-           "--per_device_train_batch_size", "4", "--max_eval_samples", "4", "--bf16_weights", "True",
+           "--per_device_train_batch_size", "4", "--max_eval_samples", "4",
            "--model_name_or_path", small_model, "--output_dir", str(tmp_path / "out")]
     bf16 = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, check=False, timeout=600,
                           env=job_env(XC_PRECISION="bf16"))
     assert bf16.returncode == 0, bf16.stderr[-3000:]
     results = json.loads((tmp_path / "out" / "results.json").read_text())
-    assert results["bf16_weights"] is True and results["precision"] == "bf16"
+    assert results["bf16_weights"] is True and results["precision"] == "bf16"  # auto: bf16 trains bf16 weights
     assert results["train"]["train_loss"] > 0 and results["eval"]["eval_accuracy"] >= 0
-    fp32 = subprocess.run([*cmd[:-1], str(tmp_path / "o2")], cwd=ROOT, capture_output=True, text=True, check=False,
-                          timeout=600, env=job_env(XC_PRECISION="fp32"))
+    with safe_open(str(tmp_path / "out" / "model.safetensors"), "pt") as f:  # the fp32 masters, not bf16 weights
+        assert {str(f.get_slice(k).get_dtype()) for k in f.keys()} == {"F32"}
+    fp32 = subprocess.run([*cmd[:-1], str(tmp_path / "o2"), "--bf16_weights", "True"], cwd=ROOT, capture_output=True,
+                          text=True, check=False, timeout=600, env=job_env(XC_PRECISION="fp32"))
     assert fp32.returncode == 2 and "Traceback" not in fp32.stderr
     assert fp32.stderr.strip().splitlines()[-1].startswith("error: --bf16_weights needs bf16 precision")
     assert not (tmp_path / "o2" / "results.json").exists()
+
+
+def test_bf16_weights_auto_stays_off_where_fp32_ipex_or_the_users_optim_choose():
+    from training.master import wanted
+
+    assert wanted("auto", bf16=True, ipex=False) is True
+    assert wanted("auto", bf16=False, ipex=False) is False
+    assert wanted("auto", bf16=True, ipex=True) is False
+    assert wanted("auto", bf16=True, ipex=False, optim_flag=True) is False  # --optim adamw_torch is the user's
+    assert wanted("False", bf16=True, ipex=False) is False and wanted("True", bf16=True, ipex=False) is True
+    for value, kw, says in [("True", {"bf16": True, "ipex": False, "optim_flag": True}, "drop --optim"),
+                            ("True", {"bf16": True, "ipex": True}, "IPEX"),
+                            ("maybe", {"bf16": True, "ipex": False}, "auto, True, False")]:
+        with pytest.raises(ValueError, match=says):
+            wanted(value, **kw)
 
 
 @pytest.mark.slow  # trains the glue job in-process

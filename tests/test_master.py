@@ -57,3 +57,37 @@ def test_no_decay_names_and_the_schedulers_learning_rate_reach_the_masters():
     assert all(g["lr"] == pytest.approx(1e-4) for g in opt.param_groups)
     opt.zero_grad()
     assert all(p.grad is None for p in model.parameters())
+
+
+def test_a_resumed_optimizer_steps_on_from_the_saved_masters_exactly(tmp_path):
+    x = torch.randn(16, 8, dtype=torch.bfloat16)
+    model = _model()
+    opt = MasterAdamW(list(model.named_parameters()), no_decay=set(), lr=1e-4, weight_decay=0.0)
+    _steps(opt, model, 3, x)
+    torch.save(opt.state_dict(), tmp_path / "optimizer.pt")
+    torch.save(model.state_dict(), tmp_path / "model.pt")
+    _steps(opt, model, 2, x)  # the run that was not interrupted
+
+    # as the Trainer resumes: a fresh model and optimizer, then the checkpoint's weights, then its optimizer state
+    again = _model()
+    ropt = MasterAdamW(list(again.named_parameters()), no_decay=set(), lr=1e-4, weight_decay=0.0)
+    again.load_state_dict(torch.load(tmp_path / "model.pt", weights_only=True))
+    ropt.load_state_dict(torch.load(tmp_path / "optimizer.pt", weights_only=True))
+    _steps(ropt, again, 2, x)
+    assert all(torch.equal(a, b) for a, b in zip(ropt.masters, opt.masters))
+    assert all(torch.equal(a, b) for a, b in zip(again.parameters(), model.parameters()))
+
+
+def test_a_checkpoint_without_masters_starts_them_from_the_loaded_weights_and_to_fp32_gives_the_masters():
+    x = torch.randn(16, 8, dtype=torch.bfloat16)
+    trained = _model()
+    plain = torch.optim.AdamW(trained.parameters(), lr=1e-3)  # an autocast-style optimizer's state: no masters
+    _steps(plain, trained, 3, x)
+    model = _model()
+    opt = MasterAdamW(list(model.named_parameters()), no_decay=set(), lr=1e-4, weight_decay=0.0)
+    model.load_state_dict(trained.state_dict())
+    opt.load_state_dict(plain.state_dict())
+    assert all(torch.equal(m, p.float()) for m, p in zip(opt.masters, trained.parameters()))
+    _steps(opt, model, 2, x)
+    opt.to_fp32(model)
+    assert all(p.dtype == torch.float32 and torch.equal(p, m) for p, m in zip(model.parameters(), opt.masters))

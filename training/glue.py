@@ -45,8 +45,10 @@ class ModelArguments(levers.SpeedArguments):
     # accuracy over 3 seeds (bench/glue_single_node.py --levers sdpa).
     attn_implementation: str = field(default="auto", metadata={
         "help": "auto (default: eager up to --max_seq_length 128, sdpa beyond) | eager | sdpa"})
-    bf16_weights: bool = field(default=False, metadata={
-        "help": "bf16 weights with fp32 master copies in AdamW instead of autocast's per-step casts (bf16 only)"})
+    # bert-base, bf16 without AMX: +7-13% samples/s over autocast's per-step weight casts (docs/benchmarks.md)
+    bf16_weights: str = field(default="auto", metadata={
+        "help": "auto (default: on when training in bf16 without IPEX) | True | False: bf16 weights with fp32 "
+                "master copies in AdamW instead of autocast casting every weight every step"})
 
 
 @dataclass
@@ -178,6 +180,9 @@ def main(argv: list[str] | None = None) -> int:
 
     argv = common.job_argv(argv, info.precision)
     model_args, data_args, args = common.parse_job_args(argv, ModelArguments, DataArguments)
+    from training import master
+
+    master.wanted(model_args.bf16_weights, args.bf16, False, common.has_flag(argv, "--optim"))  # bad flags: before loading
 
     raw = load_raw(data_args, model_args)
     timeline.mark("data_loaded", info.is_main)
@@ -235,13 +240,10 @@ def main(argv: list[str] | None = None) -> int:
                                  data_args.max_predict_samples)
 
     model, optimizers = common.ipex_optimizers(model, args, info)
-    if model_args.bf16_weights and not args.bf16:
-        raise ValueError("--bf16_weights needs bf16 precision; drop it, or run with --precision bf16 on a CPU with bf16")
-    if model_args.bf16_weights and optimizers != (None, None):
-        raise ValueError("--bf16_weights and IPEX both want the optimizer; drop --bf16_weights where IPEX is installed")
-    if model_args.bf16_weights and args.do_train:
-        from training import master
-
+    model_args.bf16_weights = master.wanted(model_args.bf16_weights, args.bf16, optimizers != (None, None),
+                                             common.has_flag(argv, "--optim")) \
+        and args.do_train
+    if model_args.bf16_weights:
         model, optimizers = master.bf16_master(model, args, Trainer.get_decay_parameter_names(None, model))
 
     collator = default_data_collator if data_args.pad_to_max_length else DataCollatorWithPadding(
@@ -268,6 +270,8 @@ def main(argv: list[str] | None = None) -> int:
                      "ddp_bucket_cap_mb": args.ddp_bucket_cap_mb,
                      "gradient_accumulation_steps": args.gradient_accumulation_steps}
     common.train_and_record(trainer, results, train_ds, info)
+    if isinstance(optimizers[0], master.MasterAdamW):
+        optimizers[0].to_fp32(model)  # saved and evaluated: the fp32 masters, as an autocast run leaves them
     if eval_ds is not None:
         metrics = trainer.evaluate()
         labels = eval_ds["label"]

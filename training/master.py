@@ -8,13 +8,21 @@ import torch
 class MasterAdamW(torch.optim.AdamW):
     """AdamW over fp32 copies of a bf16 model's parameters. step() takes the bf16 gradients into the copies,
     steps them, and writes the result back to the model rounded to bf16. Its param_groups are the copies', so
-    the Trainer's schedulers set their learning rate as for any optimizer. A checkpoint holds the bf16 weights
-    and AdamW's moments; on resume the masters start again from the bf16 weights."""
+    the Trainer's schedulers set their learning rate as for any optimizer. Its state_dict holds the masters
+    (fp32_masters) beside AdamW's moments, so a resumed run steps on from exactly where it stopped; a
+    checkpoint without them (an autocast run's) starts the masters from the model's weights as loaded.
+
+    The copies and their gradients live in two flat fp32 buffers made once: a gradient taken in each step by
+    one multi-tensor copy, not a fresh fp32 tensor per weight (4 bytes a weight, new pages every step)."""
 
     def __init__(self, named: list[tuple[str, torch.nn.Parameter]], no_decay: set[str], lr: float,
                  weight_decay: float, **kw):
         self.model_params = [p for _, p in named]
-        self.masters = [p.detach().float().requires_grad_(True) for p in self.model_params]
+        sizes = [p.numel() for p in self.model_params]
+        flat = self._flat = torch.empty(sum(sizes), dtype=torch.float32)
+        self._grads = [g.view_as(p) for g, p in zip(torch.zeros_like(flat).split(sizes), self.model_params)]
+        self.masters = [m.view_as(p) for m, p in zip(flat.split(sizes), self.model_params)]
+        torch._foreach_copy_(self.masters, [p.detach() for p in self.model_params])
         groups = [{"params": [m for (n, _), m in zip(named, self.masters) if n not in no_decay],
                    "weight_decay": weight_decay},
                   {"params": [m for (n, _), m in zip(named, self.masters) if n in no_decay], "weight_decay": 0.0}]
@@ -22,17 +30,60 @@ class MasterAdamW(torch.optim.AdamW):
 
     @torch.no_grad()
     def step(self, closure=None):
-        for p, m in zip(self.model_params, self.masters):
-            m.grad = None if p.grad is None else p.grad.float()
+        src, dst = [], []
+        for p, m, g in zip(self.model_params, self.masters, self._grads):
+            m.grad = None if p.grad is None else g
+            if p.grad is not None:
+                src.append(p.grad)
+                dst.append(g)
+        if dst:
+            torch._foreach_copy_(dst, src)
         loss = super().step(closure)
-        for p, m in zip(self.model_params, self.masters):
-            p.copy_(m)
+        torch._foreach_copy_(self.model_params, self.masters)
         return loss
+
+    def state_dict(self):
+        return {**super().state_dict(), "fp32_masters": self._flat}
+
+    @torch.no_grad()
+    def load_state_dict(self, state_dict):
+        state_dict = dict(state_dict)
+        flat = state_dict.pop("fp32_masters", None)
+        super().load_state_dict(state_dict)
+        if flat is not None and flat.shape == self._flat.shape:
+            self._flat.copy_(flat)
+        else:  # the Trainer loads a checkpoint's weights into the model before the optimizer's state
+            torch._foreach_copy_(self.masters, [p.detach() for p in self.model_params])
+
+    @torch.no_grad()
+    def to_fp32(self, model) -> None:
+        """The model back in fp32 holding the masters themselves: what is saved and evaluated after training
+        is what an autocast run would leave, not the weights rounded to bf16."""
+        model.float()
+        torch._foreach_copy_(self.model_params, self.masters)
 
     def zero_grad(self, set_to_none: bool = True):
         for p in self.model_params:
             p.grad = None
-        super().zero_grad(set_to_none)
+        for m in self.masters:
+            m.grad = None
+
+
+def wanted(value, bf16: bool, ipex: bool, optim_flag: bool = False) -> bool:
+    """--bf16_weights: auto takes them wherever the run trains in bf16 and neither IPEX nor the user's --optim
+    chooses the optimizer."""
+    word = str(value).lower()
+    if word not in ("auto", "true", "1", "yes", "false", "0", "no"):
+        raise ValueError(f"--bf16_weights {value!r} is not one of auto, True, False")
+    if word in ("false", "0", "no"):
+        return False
+    if word != "auto" and not bf16:
+        raise ValueError("--bf16_weights needs bf16 precision; drop it, or run with --precision bf16 on a CPU with bf16")
+    if word != "auto" and ipex:
+        raise ValueError("--bf16_weights and IPEX both want the optimizer; drop --bf16_weights where IPEX is installed")
+    if word != "auto" and optim_flag:
+        raise ValueError("--bf16_weights steps its own fused AdamW; drop --optim, or pass --bf16_weights False")
+    return bf16 and not ipex and not optim_flag
 
 
 def bf16_master(model, args, decay_names: list[str]):
