@@ -3,7 +3,7 @@
 bert-base-cased's shape with random weights (bench/model_shapes.py), a 2-label head, batches of the bundled
 paraphrase pairs (seeded shuffle, padded per batch), the glue job's levers (eager attention with fast dropout,
 frozen word embeddings, fused AdamW). Variants:
-  autocast      fp32 weights under bf16 autocast: the glue job's default where bf16 is
+  autocast      fp32 weights under bf16 autocast: the glue job's --bf16_weights False
   bf16w         bf16 weights with fp32 masters (training/master.py) under autocast: the glue job's default in bf16
   pure          bf16 weights with fp32 masters, no autocast: layer norm, softmax and GELU in bf16 too
   compile-<v>   the model torch.compile'd (inductor), lengths rounded up to multiples of --multiple
