@@ -41,8 +41,15 @@ def bf16_speedup(rows: int = 2048, d: int = 768, ffn: int = 3072, rounds: int = 
     answers at once where bf16 is emulated (a CPU whose flags claim more than it has, oneDNN capped)."""
     import torch
 
-    small = (matmul_flops(torch.bfloat16, 32, d, ffn, seconds / 3, warmup=1)
-             / matmul_flops(torch.float32, 32, d, ffn, seconds / 3, warmup=1))
+    threads = torch.get_num_threads()
+    # one thread: on a loaded machine a two-thread fp32 look at 32 rows can stall on its own barriers for most of
+    # the window and read as slow as emulated bf16 (seen under `make test`); one thread keeps the ratio
+    torch.set_num_threads(1)
+    try:
+        small = (matmul_flops(torch.bfloat16, 32, d, ffn, seconds / 3, warmup=1)
+                 / matmul_flops(torch.float32, 32, d, ffn, seconds / 3, warmup=1))
+    finally:
+        torch.set_num_threads(threads)
     if small < EMULATED:
         return small
     best = {torch.bfloat16: 0.0, torch.float32: 0.0}
