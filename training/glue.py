@@ -45,10 +45,6 @@ class ModelArguments(levers.SpeedArguments):
     # accuracy over 3 seeds (bench/glue_single_node.py --levers sdpa).
     attn_implementation: str = field(default="auto", metadata={
         "help": "auto (default: eager up to --max_seq_length 128, sdpa beyond) | eager | sdpa"})
-    # bert-base, bf16 without AMX: +7-13% samples/s over autocast's per-step weight casts (docs/benchmarks.md)
-    bf16_weights: str = field(default="auto", metadata={
-        "help": "auto (default: on when training in bf16 without IPEX) | True | False: bf16 weights with fp32 "
-                "master copies in AdamW instead of autocast casting every weight every step"})
 
 
 @dataclass
@@ -182,7 +178,7 @@ def main(argv: list[str] | None = None) -> int:
     model_args, data_args, args = common.parse_job_args(argv, ModelArguments, DataArguments)
     from training import master
 
-    master.wanted(model_args.bf16_weights, args.bf16, False, common.has_flag(argv, "--optim"))  # bad flags: before loading
+    master.check(model_args, args, argv)  # bad flags: before loading anything
 
     raw = load_raw(data_args, model_args)
     timeline.mark("data_loaded", info.is_main)
@@ -240,11 +236,7 @@ def main(argv: list[str] | None = None) -> int:
                                  data_args.max_predict_samples)
 
     model, optimizers = common.ipex_optimizers(model, args, info)
-    model_args.bf16_weights = master.wanted(model_args.bf16_weights, args.bf16, optimizers != (None, None),
-                                             common.has_flag(argv, "--optim")) \
-        and args.do_train
-    if model_args.bf16_weights:
-        model, optimizers = master.bf16_master(model, args, Trainer.get_decay_parameter_names(None, model))
+    model, optimizers = master.install(model, model_args, args, optimizers, argv, Trainer)
 
     collator = default_data_collator if data_args.pad_to_max_length else DataCollatorWithPadding(
         tokenizer, pad_to_multiple_of=data_args.pad_to_multiple_of if data_args.pad_to_multiple_of > 1 else None)
@@ -270,8 +262,7 @@ def main(argv: list[str] | None = None) -> int:
                      "ddp_bucket_cap_mb": args.ddp_bucket_cap_mb,
                      "gradient_accumulation_steps": args.gradient_accumulation_steps}
     common.train_and_record(trainer, results, train_ds, info)
-    if isinstance(optimizers[0], master.MasterAdamW):
-        optimizers[0].to_fp32(model)  # saved and evaluated: the fp32 masters, as an autocast run leaves them
+    master.restore_fp32(model, optimizers)
     if eval_ds is not None:
         metrics = trainer.evaluate()
         labels = eval_ds["label"]

@@ -18,6 +18,10 @@ class SpeedArguments:
     # cost a step more than the few rows a batch touches are worth (bench/glue_single_node.py).
     freeze_embeddings: bool = field(default=True, metadata={
         "help": "keep the input word embeddings fixed: no gradient, optimizer state or all-reduce for them"})
+    # bert-base, bf16 without AMX: +5-8% samples/s over autocast's per-step weight casts (docs/benchmarks.md)
+    bf16_weights: str = field(default="auto", metadata={
+        "help": "auto (default: on when training in bf16 without IPEX or --optim) | True | False: bf16 weights "
+                "with fp32 master copies in AdamW instead of autocast casting every weight every step"})
 
 
 def apply(model, args: SpeedArguments, argv: list[str]) -> None:

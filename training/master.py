@@ -86,6 +86,31 @@ def wanted(value, bf16: bool, ipex: bool, optim_flag: bool = False) -> bool:
     return bf16 and not ipex and not optim_flag
 
 
+def check(model_args, args, argv: list[str]) -> None:
+    """--bf16_weights' value against the run's precision and --optim, before the job loads anything."""
+    from training import common
+
+    wanted(model_args.bf16_weights, args.bf16, False, common.has_flag(argv, "--optim"))
+
+
+def install(model, model_args, args, optimizers, argv: list[str], trainer_cls):
+    """(model, optimizers) for the Trainer: the model in bf16 with MasterAdamW where --bf16_weights says and the
+    run trains; model_args.bf16_weights becomes what was chosen (results.json)."""
+    from training import common
+
+    model_args.bf16_weights = args.do_train and wanted(model_args.bf16_weights, args.bf16, optimizers != (None, None),
+                                                       common.has_flag(argv, "--optim"))
+    if not model_args.bf16_weights:
+        return model, optimizers
+    return bf16_master(model, args, trainer_cls.get_decay_parameter_names(None, model))
+
+
+def restore_fp32(model, optimizers) -> None:
+    """After training: the saved and evaluated model holds the fp32 masters, as an autocast run leaves it."""
+    if isinstance(optimizers[0], MasterAdamW):
+        optimizers[0].to_fp32(model)
+
+
 def bf16_master(model, args, decay_names: list[str]):
     """(model in bf16, (MasterAdamW, None)) for Trainer(optimizers=...)."""
     model = model.to(torch.bfloat16)

@@ -270,6 +270,9 @@ def main(argv: list[str] | None = None) -> int:
 
     argv = common.job_argv(argv, info.precision)
     model_args, data_args, args = common.parse_job_args(argv, ModelArguments, DataArguments)
+    from training import master
+
+    master.check(model_args, args, argv)  # bad flags: before loading anything
 
     raw = load_raw(data_args, model_args)
     if args.do_train and "train" not in raw:
@@ -303,6 +306,7 @@ def main(argv: list[str] | None = None) -> int:
                                         num_proc=data_args.preprocessing_num_workers)
 
     model, optimizers = common.ipex_optimizers(model, args, info)
+    model, optimizers = master.install(model, model_args, args, optimizers, argv, Trainer)
     collator = default_data_collator if data_args.pad_to_max_length else DataCollatorWithPadding(
         tokenizer, pad_to_multiple_of=data_args.pad_to_multiple_of if data_args.pad_to_multiple_of > 1 else None)
     trainer = span_trainer(Trainer)(model=model, args=args, train_dataset=train_ds, processing_class=tokenizer,
@@ -317,11 +321,13 @@ def main(argv: list[str] | None = None) -> int:
         max_seq_length=max_len, doc_stride=data_args.doc_stride,
         padding="max_length" if data_args.pad_to_max_length else f"batch/{data_args.pad_to_multiple_of}",
         group_by_length=common.length_grouping(args), comm_hook=hook, fast_dropout=model_args.fast_dropout,
+        bf16_weights=model_args.bf16_weights,
         freeze_embeddings=model_args.freeze_embeddings,
         trainable_params=sum(p.numel() for p in model.parameters() if p.requires_grad))
     if train_ds is not None:
         results["train_examples"] = len(train_examples)
     common.train_and_record(trainer, results, train_ds, info)
+    master.restore_fp32(model, optimizers)
 
     line = None
     if eval_ds is not None:
