@@ -344,7 +344,7 @@ def test_glue_trains_bf16_weights_by_default_in_bf16_saves_fp32_masters_and_refu
     assert results["bf16_weights"] is True and results["precision"] == "bf16"  # auto: bf16 trains bf16 weights
     assert results["train"]["train_loss"] > 0 and results["eval"]["eval_accuracy"] >= 0
     with safe_open(str(tmp_path / "out" / "model.safetensors"), "pt") as f:  # the fp32 masters, not bf16 weights
-        assert {str(f.get_slice(k).get_dtype()) for k in f.keys()} == {"F32"}
+        assert {str(f.get_slice(k).get_dtype()) for k in f.keys()} == {"F32"}  # noqa: SIM118 (safe_open is not iterable)
     fp32 = subprocess.run([*cmd[:-1], str(tmp_path / "o2"), "--bf16_weights", "True"], cwd=ROOT, capture_output=True,
                           text=True, check=False, timeout=600, env=job_env(XC_PRECISION="fp32"))
     assert fp32.returncode == 2 and "Traceback" not in fp32.stderr
