@@ -75,15 +75,21 @@ def causal_lm(model, args) -> dict:
             "activation": getattr(model.config, "activation_function", None)}
 
 
-def block_attention(value) -> bool:
-    """--block_attention: auto takes the blocks where the CPU has no AMX (or oneDNN is capped below it)."""
-    from training import dist
-
+def forced(value, flag: str) -> bool | None:
+    """An auto | True | False flag's value: True or False where the user forced it, None for auto."""
     word = str(value).lower()
     if word in ("true", "1", "yes"):
         return True
     if word in ("false", "0", "no"):
         return False
     if word != "auto":
-        raise ValueError(f"--block_attention {value!r} is not one of auto, True, False")
-    return not dist.amx_matmuls()
+        raise ValueError(f"{flag} {value!r} is not one of auto, True, False")
+    return None
+
+
+def block_attention(value) -> bool:
+    """--block_attention: auto takes the blocks where the CPU has no AMX (or oneDNN is capped below it)."""
+    from training import dist
+
+    chosen = forced(value, "--block_attention")
+    return not dist.amx_matmuls() if chosen is None else chosen

@@ -30,14 +30,11 @@ class MasterAdamW(torch.optim.AdamW):
 
     @torch.no_grad()
     def step(self, closure=None):
-        src, dst = [], []
         for p, m, g in zip(self.model_params, self.masters, self._grads):
             m.grad = None if p.grad is None else g
-            if p.grad is not None:
-                src.append(p.grad)
-                dst.append(g)
-        if dst:
-            torch._foreach_copy_(dst, src)
+        stepped = [(m.grad, p.grad) for p, m in zip(self.model_params, self.masters) if p.grad is not None]
+        if stepped:
+            torch._foreach_copy_(*map(list, zip(*stepped)))
         loss = super().step(closure)
         torch._foreach_copy_(self.model_params, self.masters)
         return loss
@@ -72,16 +69,16 @@ class MasterAdamW(torch.optim.AdamW):
 def wanted(value, bf16: bool, ipex: bool, optim_flag: bool = False) -> bool:
     """--bf16_weights: auto takes them wherever the run trains in bf16 and neither IPEX nor the user's --optim
     chooses the optimizer."""
-    word = str(value).lower()
-    if word not in ("auto", "true", "1", "yes", "false", "0", "no"):
-        raise ValueError(f"--bf16_weights {value!r} is not one of auto, True, False")
-    if word in ("false", "0", "no"):
+    from training import levers
+
+    chosen = levers.forced(value, "--bf16_weights")
+    if chosen is False:
         return False
-    if word != "auto" and not bf16:
+    if chosen and not bf16:
         raise ValueError("--bf16_weights needs bf16 precision; drop it, or run with --precision bf16 on a CPU with bf16")
-    if word != "auto" and ipex:
+    if chosen and ipex:
         raise ValueError("--bf16_weights and IPEX both want the optimizer; drop --bf16_weights where IPEX is installed")
-    if word != "auto" and optim_flag:
+    if chosen and optim_flag:
         raise ValueError("--bf16_weights steps its own fused AdamW; drop --optim, or pass --bf16_weights False")
     return bf16 and not ipex and not optim_flag
 
