@@ -91,3 +91,57 @@ def test_a_checkpoint_without_masters_starts_them_from_the_loaded_weights_and_to
     _steps(opt, model, 2, x)
     opt.to_fp32(model)
     assert all(p.dtype == torch.float32 and torch.equal(p, m) for p, m in zip(model.parameters(), opt.masters))
+
+
+def _clipped_reference(model, max_norm, lr=1e-3):
+    """torch's own recipe on fp32 copies of model's weights and (bf16) gradients: clip_grad_norm_, fused AdamW."""
+    ref = [p.detach().float().clone().requires_grad_() for p in model.parameters()]
+    for r, p in zip(ref, model.parameters()):
+        r.grad = p.grad.float()
+    norm = torch.nn.utils.clip_grad_norm_(ref, max_norm)
+    torch.optim.AdamW(ref, lr=lr, weight_decay=0.0, fused=True).step()
+    return ref, norm
+
+
+@pytest.mark.parametrize("max_norm", [1e-3, 1e3])  # clipped hard, and not at all
+def test_its_clip_steps_as_torchs_clip_then_adamw_would(max_norm):
+    model = _model()
+    opt = MasterAdamW(list(model.named_parameters()), no_decay=set(), lr=1e-3, weight_decay=0.0, fused=True)
+    model(torch.randn(16, 8, dtype=torch.bfloat16)).float().pow(2).mean().backward()
+    ref, ref_norm = _clipped_reference(model, max_norm)
+    norm = opt.clip_grad_norm(max_norm)
+    assert norm.dtype == torch.float32 and norm.item() == pytest.approx(ref_norm.item(), rel=1e-6)
+    opt.step()
+    for m, r in zip(opt.masters, ref):
+        torch.testing.assert_close(m, r.detach(), rtol=1e-6, atol=1e-7)
+    assert opt.grad_scale is None  # the factor is for that one step only
+
+
+def test_the_trainer_clips_and_logs_its_grad_norm_through_it(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    from training import master
+
+    class Tiny(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(8, 1)
+
+        def forward(self, x, labels):
+            return {"loss": (self.lin(x.to(self.lin.weight.dtype)).float().squeeze(-1) - labels).pow(2).mean()}
+
+    torch.manual_seed(0)
+    data = [{"x": torch.randn(8), "labels": torch.tensor(5.0)} for _ in range(8)]
+    args = transformers.TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=4, max_steps=2,
+                                          logging_steps=1, max_grad_norm=0.5, learning_rate=1e-3, report_to=[],
+                                          save_strategy="no", use_cpu=True)
+    model, optimizers = master.bf16_master(Tiny(), args, ["lin.weight"])
+    opt = optimizers[0]
+    norms = []
+    clip = opt.clip_grad_norm
+    opt.clip_grad_norm = lambda max_norm: norms.append((max_norm, clip(max_norm))) or norms[-1][1]
+    trainer = transformers.Trainer(model=model, args=args, train_dataset=data, optimizers=optimizers)
+    assert master.attach(trainer, optimizers)
+    trainer.train()
+    assert [m for m, _ in norms] == [0.5, 0.5]  # once a step, with the run's max_grad_norm
+    logged = [e["grad_norm"] for e in trainer.state.log_history if "grad_norm" in e]
+    assert logged == pytest.approx([n.item() for _, n in norms]) and all(n > 0.5 for n in logged)

@@ -3,13 +3,42 @@
 torch's CPU dropout draws one Mersenne Twister number per element on one thread: 2.3 ms for a
 [16, 65, 384] activation, 30x a multiply, ~23% of a bf16 MiniLM training step. Here one 64-bit draw gives
 four 16-bit uniforms, and an element is kept when its uniform is at or above p quantised to 1/65536
-(p=0.1 keeps 0.899994). Same generator and seed, so runs stay reproducible.
+(p=0.1 keeps 0.899994). The 64-bit draws come from numpy's SFC64, 2.4x faster than torch's generator
+(0.97 against 2.35 ms for 800k words on one thread), seeded for each mask by one draw from torch's generator,
+so torch.manual_seed and a checkpoint's rng state still decide every mask. (Splitting torch's draws over
+threads did not help: the idle OpenMP workers spin on the cores the other threads need.) The mask is applied,
+and its gradient taken, in one pass each, where x * mask * scale takes two.
 """
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 ATTENTION = "xc_eager"  # eager attention with this dropout on its probabilities
+
+
+def draws(words: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """words uniform 64-bit draws as int64, from a generator seeded by torch's."""
+    if torch.device(device).type != "cpu":
+        return torch.randint(-2**63, 2**63 - 1, (words,), dtype=torch.int64, device=device)
+    seed = int(torch.randint(0, 2**63 - 1, (), dtype=torch.int64))
+    raw = np.random.Generator(np.random.SFC64(seed)).integers(0, 2**64, size=words, dtype=np.uint64)
+    return torch.from_numpy(raw.view(np.int64))
+
+
+class _Masked(torch.autograd.Function):
+    """x * keep * scale, forward and backward, as one addcmul each (one rounding, as the two multiplies give)."""
+
+    @staticmethod
+    def forward(ctx, x, keep, scale):
+        ctx.save_for_backward(keep)
+        ctx.scale = scale
+        return torch.addcmul(x.new_zeros(()), x, keep, value=scale)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (keep,) = ctx.saved_tensors
+        return torch.addcmul(grad.new_zeros(()), grad, keep, value=ctx.scale), None, None
 
 
 def dropout(x: torch.Tensor, p: float, training: bool = True) -> torch.Tensor:
@@ -18,11 +47,10 @@ def dropout(x: torch.Tensor, p: float, training: bool = True) -> torch.Tensor:
     if not 0.0 < p < 1.0:
         raise ValueError(f"dropout probability {p} is not in [0, 1)")
     n = x.numel()
-    draws = torch.randint(-2**63, 2**63 - 1, ((n + 3) // 4,), dtype=torch.int64, device=x.device)
-    uniform16 = draws.view(torch.int16)[:n].view(x.shape)
+    uniform16 = draws((n + 3) // 4, x.device).view(torch.int16)[:n].view(x.shape)
     # the mask in x's dtype: a bool one is cast to it in every multiply, forward and backward (~30% of the op)
     keep = torch.ge(uniform16, -32768 + round(p * 65536), out=torch.empty(x.shape, dtype=x.dtype, device=x.device))
-    return x * keep * (1.0 / (1.0 - p))
+    return _Masked.apply(x, keep, 1.0 / (1.0 - p))
 
 
 class FastDropout(torch.nn.Module):

@@ -245,6 +245,7 @@ def main(argv: list[str] | None = None) -> int:
                       compute_metrics=compute_metrics_fn(data_args.task_name, is_regression, num_labels),
                       callbacks=[*timeline.callbacks(info.is_main), common.progress_callback()])  # the mark first
     common.quiet_trainer(trainer)
+    master.attach(trainer, optimizers)
     hook = dist.comm_hook(trainer)
     results: dict = {"job": "glue", "model": model_args.model_name_or_path, "task": data_args.task_name,
                      "train_file": data_args.train_file, "world_size": info.world_size,

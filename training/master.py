@@ -13,7 +13,11 @@ class MasterAdamW(torch.optim.AdamW):
     checkpoint without them (an autocast run's) starts the masters from the model's weights as loaded.
 
     The copies and their gradients live in two flat fp32 buffers made once: a gradient taken in each step by
-    one multi-tensor copy, not a fresh fp32 tensor per weight (4 bytes a weight, new pages every step)."""
+    one multi-tensor copy, not a fresh fp32 tensor per weight (4 bytes a weight, new pages every step).
+
+    clip_grad_norm() is the Trainer's clip (attach() routes it here) without its pass over the gradients: the
+    norm is taken from the bf16 gradients, and the fused step divides the fp32 copies by the clip factor as it
+    reads them."""
 
     def __init__(self, named: list[tuple[str, torch.nn.Parameter]], no_decay: set[str], lr: float,
                  weight_decay: float, **kw):
@@ -29,13 +33,28 @@ class MasterAdamW(torch.optim.AdamW):
         super().__init__([g for g in groups if g["params"]], lr=lr, **kw)
 
     @torch.no_grad()
+    def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
+        """The total 2-norm of the model's gradients (summed in fp32); the next step scales them by
+        max_norm / (norm + 1e-6) where that is below 1, as torch.nn.utils.clip_grad_norm_ would."""
+        grads = [p.grad for p in self.model_params if p.grad is not None]
+        if not grads:
+            return torch.tensor(0.0)
+        norm = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float32)))
+        # the fused step divides each gradient by grad_scale (torch.optim.AdamW reads the attribute)
+        self.grad_scale = None if max_norm == float("inf") else torch.clamp((norm + 1e-6) / max_norm, min=1.0)
+        return norm
+
+    @torch.no_grad()
     def step(self, closure=None):
         for p, m, g in zip(self.model_params, self.masters, self._grads):
             m.grad = None if p.grad is None else g
         stepped = [(m.grad, p.grad) for p, m in zip(self.model_params, self.masters) if p.grad is not None]
         if stepped:
             torch._foreach_copy_(*map(list, zip(*stepped)))
-        loss = super().step(closure)
+        try:
+            loss = super().step(closure)
+        finally:
+            self.grad_scale = None
         torch._foreach_copy_(self.model_params, self.masters)
         return loss
 
@@ -100,6 +119,19 @@ def install(model, model_args, args, optimizers, argv: list[str], trainer_cls):
     if not model_args.bf16_weights:
         return model, optimizers
     return bf16_master(model, args, trainer_cls.get_decay_parameter_names(None, model))
+
+
+def attach(trainer, optimizers) -> bool:
+    """Route the Trainer's gradient clipping (and its norm for the logs) to MasterAdamW.clip_grad_norm where
+    MasterAdamW steps; its own clip reads and rewrites every bf16 gradient (~2% of a bert-base step).
+    Returns whether it did (a Trainer without those methods keeps its own clip)."""
+    opt = optimizers[0]
+    if not isinstance(opt, MasterAdamW) or not all(hasattr(trainer, m) for m in ("_clip_grad_norm", "_get_grad_norm")):
+        return False
+    trainer._clip_grad_norm = lambda model: opt.clip_grad_norm(trainer.args.max_grad_norm)
+    trainer._get_grad_norm = lambda model, grad_norm=None: (
+        opt.clip_grad_norm(float("inf")) if grad_norm is None else grad_norm)
+    return True
 
 
 def restore_fp32(model, optimizers) -> None:

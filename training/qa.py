@@ -313,6 +313,7 @@ def main(argv: list[str] | None = None) -> int:
                                     data_collator=collator, optimizers=optimizers,
                                     callbacks=[common.progress_callback()])
     common.quiet_trainer(trainer)
+    master.attach(trainer, optimizers)
     hook = dist.comm_hook(trainer)
     results = common.run_header(
         "qa", info, args, model_args.model_name_or_path, dataset=data_args.dataset_name,
