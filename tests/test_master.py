@@ -94,13 +94,16 @@ def test_a_checkpoint_without_masters_starts_them_from_the_loaded_weights_and_to
 
 
 def _clipped_reference(model, max_norm, lr=1e-3):
-    """torch's own recipe on fp32 copies of model's weights and (bf16) gradients: clip_grad_norm_, fused AdamW."""
+    """torch's own recipe on fp32 copies of model's weights and bf16 gradients: clip_grad_norm_ (each weight's
+    norm taken of the bf16 gradient itself, as the Trainer's clip of bf16 gradients does), then fused AdamW."""
     ref = [p.detach().float().clone().requires_grad_() for p in model.parameters()]
+    norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(p.grad) for p in model.parameters()]).float())
     for r, p in zip(ref, model.parameters()):
         r.grad = p.grad.float()
-    norm = torch.nn.utils.clip_grad_norm_(ref, max_norm)
+    exact = torch.nn.utils.get_total_norm([r.grad for r in ref])
+    torch.nn.utils.clip_grads_with_norm_(ref, max_norm, norm)
     torch.optim.AdamW(ref, lr=lr, weight_decay=0.0, fused=True).step()
-    return ref, norm
+    return ref, norm, exact
 
 
 @pytest.mark.parametrize("max_norm", [1e-3, 1e3])  # clipped hard, and not at all
@@ -108,9 +111,10 @@ def test_its_clip_steps_as_torchs_clip_then_adamw_would(max_norm):
     model = _model()
     opt = MasterAdamW(list(model.named_parameters()), no_decay=set(), lr=1e-3, weight_decay=0.0, fused=True)
     model(torch.randn(16, 8, dtype=torch.bfloat16)).float().pow(2).mean().backward()
-    ref, ref_norm = _clipped_reference(model, max_norm)
+    ref, ref_norm, exact = _clipped_reference(model, max_norm)
     norm = opt.clip_grad_norm(max_norm)
     assert norm.dtype == torch.float32 and norm.item() == pytest.approx(ref_norm.item(), rel=1e-6)
+    assert norm.item() == pytest.approx(exact.item(), rel=1e-2)  # each weight's norm rounded to bf16, no more
     opt.step()
     for m, r in zip(opt.masters, ref):
         torch.testing.assert_close(m, r.detach(), rtol=1e-6, atol=1e-7)
