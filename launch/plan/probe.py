@@ -72,18 +72,38 @@ def bf16_speedup(conn, node: Node) -> tuple[float, bool]:
 
 
 # The rendezvous port on node 0: the one asked for if nothing holds it (TIME_WAIT does not count, as
-# for torch's store), else a free one the kernel picks, so that runs and clusters sharing a machine
-# never meet on one port.
+# for torch's store). Else a free one below the kernel's ephemeral range (ip_local_port_range), so that runs
+# and clusters sharing a machine never meet on one port and no outgoing connection (ssh, the store, gloo's
+# own pairs) takes it between this probe and rank 0's listen: a port the kernel picks with bind(0) comes
+# from that range, and in the test suite one was taken that way (EADDRINUSE at init_process_group).
 PORT_PY = """
-import socket, sys
-s = socket.socket()
-s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+import random, socket, sys
+def free(port):
+    s = socket.socket()
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        s.bind(("", port))
+        return s.getsockname()[1], None
+    except OSError as exc:
+        return None, exc.strerror
+    finally:
+        s.close()
+wanted = int(sys.argv[1])
+if wanted:
+    port, why = free(wanted)
+    print(f"free {port}" if port else f"busy {why}")
+    sys.exit()
 try:
-    s.bind(("", int(sys.argv[1])))
-except OSError as exc:
-    print("busy", exc.strerror)
+    low = int(open("/proc/sys/net/ipv4/ip_local_port_range").read().split()[0])
+except (OSError, ValueError, IndexError):
+    low = 32768
+pool = range(20000, low) if low > 21000 else range(0)
+for port in random.sample(pool, min(len(pool), 200)):
+    if free(port)[0]:
+        print("free", port)
+        break
 else:
-    print("free", s.getsockname()[1])
+    print("free", free(0)[0])
 """
 
 
