@@ -16,8 +16,8 @@ class MasterAdamW(torch.optim.AdamW):
     one multi-tensor copy, not a fresh fp32 tensor per weight (4 bytes a weight, new pages every step).
 
     clip_grad_norm() is the Trainer's clip (attach() routes it here) without its pass over the gradients: the
-    norm is taken from the bf16 gradients, and the fused step divides the fp32 copies by the clip factor as it
-    reads them."""
+    norm is taken from the bf16 gradients, and where it is over max_norm the fused step divides the fp32
+    copies by the clip factor as it reads them."""
 
     def __init__(self, named: list[tuple[str, torch.nn.Parameter]], no_decay: set[str], lr: float,
                  weight_decay: float, **kw):
@@ -127,7 +127,8 @@ def install(model, model_args, args, optimizers, argv: list[str], trainer_cls):
 
 def attach(trainer, optimizers) -> bool:
     """Route the Trainer's gradient clipping (and its norm for the logs) to MasterAdamW.clip_grad_norm where
-    MasterAdamW steps; its own clip reads and rewrites every bf16 gradient (~2% of a bert-base step).
+    MasterAdamW steps; its own clip rewrites every bf16 gradient each step, factor 1.0 included (norm and step
+    47.9 against 55.0 ms at bert-base when not clipped, 51.7 against 54.5 when clipped).
     Returns whether it did (a Trainer without those methods keeps its own clip)."""
     opt = optimizers[0]
     if not isinstance(opt, MasterAdamW) or not all(hasattr(trainer, m) for m in ("_clip_grad_norm", "_get_grad_norm")):
