@@ -69,6 +69,12 @@ sshd:
 	    echo "error: sshd is not installed; run 'sudo apt-get install openssh-server' and re-run" >&2; exit 1; \
 	  fi; \
 	fi
+	@# gcc builds training/native's kernels (without it the jobs take torch's slower path and its tests skip)
+	@if ! command -v gcc >/dev/null && [ "$$(id -u)" = 0 ]; then \
+	  echo "installing gcc"; \
+	  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq gcc >/dev/null) \
+	    || echo "warning: could not install gcc; the native kernels' tests will skip" >&2; \
+	fi
 
 demo: venv
 	$(BIN)/fab demo

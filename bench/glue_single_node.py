@@ -54,6 +54,8 @@ ONEDNN_ISAS = ["SSE41", "AVX", "AVX2", "AVX2_VNNI", "AVX2_VNNI_2", "AVX512_CORE"
                "AVX10_1_512_AMX_FP16", "ALL"]
 # Levers on the default path, measured with --levers (each alone, against "default" in the same run)
 MALLOC = {"jemalloc": "/lib/x86_64-linux-gnu/libjemalloc.so.2", "tcmalloc": "/lib/x86_64-linux-gnu/libtcmalloc.so.4"}
+# levers that are environment variables of the job
+LEVER_ENV = {"no-native-kernels": {"XC_NATIVE_KERNELS": "0"}}  # torch's ops where training/native has kernels
 LEVERS = {
     "bf16": ([], "bf16"),  # bf16 autocast whatever auto picks
     "sdpa": (["--attn_implementation", "sdpa"], "auto"),
@@ -72,6 +74,7 @@ LEVERS = {
     "fused-adamw": (["--optim", "adamw_torch_fused"], "auto"),  # the Trainer's own default in transformers 5
     "eager": (["--attn_implementation", "eager"], "auto"),
     "fp32": ([], "fp32"),
+    "no-native-kernels": ([], "auto"),  # AdamW step and dropout by torch (and numpy), not training/native
     "jemalloc": ([], "auto"),
     "tcmalloc": ([], "auto"),
 }
@@ -225,6 +228,7 @@ def run(name: str, extra: list[str], precision: str, samples: int, batch: int, o
         if not Path(MALLOC[name]).is_file():
             raise SystemExit(f"{name}: {MALLOC[name]} is not installed (apt-get install libjemalloc2 / libtcmalloc-minimal4)")
         env["LD_PRELOAD"] = MALLOC[name]
+    env.update(LEVER_ENV.get(name, {}))
     res = subprocess.run(args, cwd=ROOT, env=env, capture_output=True, text=True, check=False)
     if res.returncode != 0:
         raise SystemExit(f"{name} failed:\n{res.stderr[-2000:]}")

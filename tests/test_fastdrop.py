@@ -8,10 +8,25 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from training import fastdrop
+from training import fastdrop, native
 
 
-def test_it_keeps_one_minus_p_scales_the_rest_and_follows_the_seed():
+@pytest.fixture(params=["native", "numpy"])
+def path(request, monkeypatch):
+    """Each test on both paths: training/native's kernel (built with gcc), and numpy's draws where it is not."""
+    if request.param == "native":
+        import shutil
+
+        if shutil.which("gcc") is None:
+            pytest.skip("no gcc on this machine: the native kernels are not built (the numpy path runs instead)")
+    else:
+        monkeypatch.setenv(native.ENV, "0")
+    native.reset()
+    yield request.param
+    native.reset()
+
+
+def test_it_keeps_one_minus_p_scales_the_rest_and_follows_the_seed(path):
     x = torch.ones(4_000_000)
     torch.manual_seed(1)
     y = fastdrop.dropout(x, 0.1)
@@ -26,7 +41,7 @@ def test_it_keeps_one_minus_p_scales_the_rest_and_follows_the_seed():
         fastdrop.dropout(x, 1.0)
 
 
-def test_a_bf16_activation_stays_bf16_and_drops_what_an_fp32_one_would():
+def test_a_bf16_activation_stays_bf16_and_drops_what_an_fp32_one_would(path):
     x = torch.randn(64, 384)
     torch.manual_seed(3)
     y32 = fastdrop.dropout(x, 0.1)
@@ -36,12 +51,39 @@ def test_a_bf16_activation_stays_bf16_and_drops_what_an_fp32_one_would():
     assert torch.allclose(y16.float(), y32, rtol=1e-2, atol=1e-2)
 
 
-def test_its_gradient_flows_through_the_kept_elements_only():
+def test_its_gradient_flows_through_the_kept_elements_only(path):
     x = torch.randn(64, 32, requires_grad=True)
     y = fastdrop.dropout(x, 0.5)
     y.sum().backward()
     kept = y.detach() != 0
     assert torch.allclose(x.grad[kept], torch.full_like(x.grad[kept], 2.0)) and (x.grad[~kept] == 0).all()
+    assert 0.45 < kept.float().mean().item() < 0.55
+
+
+def test_the_native_mask_is_the_seeds_whatever_the_threads_layout_and_a_nan_stays_nan(path):
+    if path != "native":
+        pytest.skip("the native kernel's own properties")
+    assert native.lib() is not None
+    x = torch.randn(3, 50_001).bfloat16()  # not a whole number of 4-element words, nor of the kernel's blocks
+    threads = torch.get_num_threads()
+    masks = []
+    for n in (1, 2):
+        torch.set_num_threads(n)
+        torch.manual_seed(5)
+        masks.append(fastdrop.dropout(x, 0.1) == 0)
+    torch.set_num_threads(threads)
+    assert torch.equal(masks[0], masks[1])
+    torch.manual_seed(5)
+    transposed = fastdrop.dropout(x.t().contiguous().t(), 0.1)  # a strided input: copied, then the same mask
+    assert transposed.is_contiguous() and torch.equal(transposed == 0, masks[0])
+    torch.manual_seed(5)
+    y = fastdrop.dropout(x, 0.1)
+    kept = y != 0
+    assert torch.equal(y[kept], (x[kept].float() * (1 / 0.9)).bfloat16())  # x / (1 - p) rounded once
+    nan = torch.full((64,), float("nan"))
+    assert fastdrop.dropout(nan, 0.5).isnan().all()  # x * 0 where dropped: a NaN is not hidden
+    half = torch.ones(1000, dtype=torch.float16)  # a dtype the kernel lacks: numpy's path, same statistics
+    assert fastdrop.dropout(half, 0.1).dtype == torch.float16
 
 
 def _tiny_bert():
@@ -51,7 +93,7 @@ def _tiny_bert():
     return transformers.BertForSequenceClassification._from_config(config, attn_implementation="eager")
 
 
-def test_installed_in_a_bert_it_changes_nothing_in_eval_padding_included():
+def test_installed_in_a_bert_it_changes_nothing_in_eval_padding_included(path):
     plain = _tiny_bert()
     fast = copy.deepcopy(plain)
     swapped = fastdrop.install(fast)

@@ -149,3 +149,110 @@ def test_the_trainer_clips_and_logs_its_grad_norm_through_it(tmp_path):
     assert [m for m, _ in norms] == [0.5, 0.5]  # once a step, with the run's max_grad_norm
     logged = [e["grad_norm"] for e in trainer.state.log_history if "grad_norm" in e]
     assert logged == pytest.approx([n.item() for _, n in norms]) and all(n > 0.5 for n in logged)
+
+
+def _twin_models():
+    """Two equal bf16 models whose weights have sizes both on and off the 16-wide vectors' grid."""
+    def build():
+        torch.manual_seed(0)
+        return torch.nn.Sequential(torch.nn.Linear(64, 48), torch.nn.GELU(), torch.nn.Linear(48, 5),
+                                   torch.nn.LayerNorm(5)).to(torch.bfloat16)
+    return build(), build()
+
+
+def test_the_native_step_is_torchs_fused_adamw_bit_for_bit_and_their_checkpoints_interchange():
+    """training/native's one-pass step against torch's path (copy the gradients to fp32, fused AdamW, copy
+    back): the same masters, weights and moments, through weight decay, a clip factor, a weight without a
+    gradient and a scheduler's learning rate; and either one resumes the other's state_dict."""
+    import shutil
+
+    if shutil.which("gcc") is None:
+        pytest.skip("no gcc on this machine: the native kernels are not built (torch's path runs instead)")
+    a_model, b_model = _twin_models()
+    make = lambda model: MasterAdamW(list(model.named_parameters()), no_decay={"3.weight", "3.bias"}, lr=1e-2,
+                                     weight_decay=0.1, fused=True)
+    a, b = make(a_model), make(b_model)
+    b._native = False
+    sched = [torch.optim.lr_scheduler.LambdaLR(o, lambda s: 1.0 / (1 + s)) for o in (a, b)]
+    x = torch.randn(32, 64, dtype=torch.bfloat16)
+
+    def step(opt, model, i, clip):
+        opt.zero_grad()
+        model(x * (i + 1)).float().pow(2).mean().backward()
+        if i == 2:
+            model[0].bias.grad = None  # not stepped this time: its step count stays behind
+        if clip:
+            opt.clip_grad_norm(1e-3)
+        opt.step()
+
+    for i in range(5):
+        for opt, model, s in ((a, a_model, sched[0]), (b, b_model, sched[1])):
+            step(opt, model, i, clip=i == 1)
+            s.step()
+    assert a._native and not b._native  # the kernels were built and stepped a
+    sa, sb = a.state_dict(), b.state_dict()
+    assert torch.equal(sa["fp32_masters"], sb["fp32_masters"])
+    for p, q in zip(a_model.parameters(), b_model.parameters()):
+        assert torch.equal(p, q)
+    for i, st in sb["state"].items():
+        assert torch.equal(sa["state"][i]["step"], st["step"])
+        torch.testing.assert_close(sa["state"][i]["exp_avg"], st["exp_avg"], rtol=0, atol=0)
+        # torch's own scalar loop for the last few elements of a weight rounds c2 * g * g once more
+        torch.testing.assert_close(sa["state"][i]["exp_avg_sq"], st["exp_avg_sq"], rtol=2e-7, atol=0)
+    assert sa["state"][1]["step"].item() == 4  # the bias without a gradient in one step
+
+    # each resumes the other's checkpoint and the two go on equal
+    c_model, d_model = _twin_models()
+    c, d = make(c_model), make(d_model)
+    d._native = False
+    c_model.load_state_dict(b_model.state_dict())
+    d_model.load_state_dict(a_model.state_dict())
+    c.load_state_dict(sb)
+    d.load_state_dict(sa)
+    for opt, model in ((c, c_model), (d, d_model)):
+        step(opt, model, 5, clip=False)
+    assert torch.equal(c.state_dict()["fp32_masters"], d.state_dict()["fp32_masters"])
+    assert all(torch.equal(p, q) for p, q in zip(c_model.parameters(), d_model.parameters()))
+
+
+def test_without_gcc_or_turned_off_the_step_is_torchs_and_says_why(tmp_path, monkeypatch, caplog):
+    from training import native
+
+    model = _model()
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.setenv("PATH", str(tmp_path))  # no gcc on it
+    native.reset()
+    try:
+        with caplog.at_level("WARNING", logger="training.native"):
+            assert native.lib() is None
+        assert "native kernels unavailable (gcc not found)" in caplog.text and "install gcc" in caplog.text
+        opt = MasterAdamW(list(model.named_parameters()), no_decay=set(), lr=1e-3, weight_decay=0.0, fused=True)
+        before = [m.clone() for m in opt.masters]
+        _steps(opt, model, 1, torch.randn(4, 8, dtype=torch.bfloat16))
+        assert opt._native is False and any(not torch.equal(m, s) for m, s in zip(opt.masters, before))
+
+        monkeypatch.undo()
+        monkeypatch.setenv(native.ENV, "0")
+        native.reset()
+        assert native.lib() is None
+    finally:
+        native.reset()
+
+
+def test_the_kernels_build_once_per_source_compiler_and_cpu(tmp_path, monkeypatch):
+    import shutil
+
+    from training import native
+
+    if shutil.which("gcc") is None:
+        pytest.skip("no gcc on this machine")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    first = native.build()
+    assert first.parent == tmp_path / "xeon-cluster" / "kernels" and first.stat().st_size > 0
+    stamp = first.stat().st_mtime_ns
+    assert native.build() == first and first.stat().st_mtime_ns == stamp  # cached: not built again
+    changed = tmp_path / "kernels.c"
+    changed.write_text(native.SOURCE.read_text() + "\n/* changed */\n")
+    monkeypatch.setattr(native, "SOURCE", changed)
+    assert native.build() != first  # another source, another library
+    assert not list(first.parent.glob("*.tmp"))  # no half-written file left beside them

@@ -8,6 +8,10 @@ four 16-bit uniforms, and an element is kept when its uniform is at or above p q
 so torch.manual_seed and a checkpoint's rng state still decide every mask. (Splitting torch's draws over
 threads did not help: the idle OpenMP workers spin on the cores the other threads need.) The mask is applied,
 and its gradient taken, in one pass each, where x * mask * scale takes two.
+
+Where training/native's kernels are built (gcc on the node), drawing, applying and keeping the mask is one pass
+on torch's threads, its gradient another: the draws there are splitmix64 of a counter from a seed drawn from
+torch's generator, so masks differ from the numpy path's but follow torch.manual_seed alike.
 """
 from __future__ import annotations
 
@@ -41,11 +45,66 @@ class _Masked(torch.autograd.Function):
         return torch.addcmul(grad.new_zeros(()), grad, keep, value=ctx.scale), None, None
 
 
+class _Native(torch.autograd.Function):
+    """The mask drawn, applied and kept (one byte an element) in one pass, and applied to the gradient in one:
+    training/native/kernels.c, from a seed drawn from torch's generator."""
+
+    @staticmethod
+    def forward(ctx, x, p, lib):
+        x = x.contiguous()
+        y, mask = torch.empty_like(x), torch.empty(x.shape, dtype=torch.uint8)
+        seed = int(torch.randint(0, 2**63 - 1, (), dtype=torch.int64))
+        ctx.scale, ctx.kernel = 1.0 / (1.0 - p), _kernels(lib, x.dtype)
+        ctx.kernel[0](x.data_ptr(), y.data_ptr(), mask.data_ptr(), x.numel(), seed, round(p * 65536), ctx.scale,
+                      torch.get_num_threads())
+        ctx.save_for_backward(mask)
+        ctx.mark_non_differentiable(mask)
+        return y
+
+    @staticmethod
+    def backward(ctx, grad):
+        (mask,) = ctx.saved_tensors
+        grad = grad.contiguous()
+        out = torch.empty_like(grad)
+        ctx.kernel[1](grad.data_ptr(), mask.data_ptr(), out.data_ptr(), grad.numel(), ctx.scale,
+                      torch.get_num_threads())
+        return out, None, None
+
+
+_KERNELS: dict = {}
+
+
+def _kernels(lib, dtype):
+    """(forward, backward) of the native dropout for dtype, their ctypes signatures set once."""
+    import ctypes
+
+    if dtype not in _KERNELS:
+        name = {torch.bfloat16: "xc_dropout_bf16", torch.float32: "xc_dropout_f32"}[dtype]
+        fwd, bwd = getattr(lib, name + "_forward"), getattr(lib, name + "_backward")
+        p, i64 = ctypes.c_void_p, ctypes.c_int64
+        fwd.argtypes = [p, p, p, i64, ctypes.c_uint64, ctypes.c_uint32, ctypes.c_float, ctypes.c_int]
+        bwd.argtypes = [p, p, p, i64, ctypes.c_float, ctypes.c_int]
+        fwd.restype = bwd.restype = None
+        _KERNELS[dtype] = (fwd, bwd)
+    return _KERNELS[dtype]
+
+
+def _native_lib(x: torch.Tensor):
+    if x.device.type != "cpu" or x.dtype not in (torch.bfloat16, torch.float32):
+        return None
+    from training import native
+
+    return native.lib()
+
+
 def dropout(x: torch.Tensor, p: float, training: bool = True) -> torch.Tensor:
     if not training or p == 0.0:
         return x
     if not 0.0 < p < 1.0:
         raise ValueError(f"dropout probability {p} is not in [0, 1)")
+    lib = _native_lib(x)
+    if lib is not None:
+        return _Native.apply(x, p, lib)
     n = x.numel()
     uniform16 = draws((n + 3) // 4, x.device).view(torch.int16)[:n].view(x.shape)
     # the mask in x's dtype: a bool one is cast to it in every multiply, forward and backward (~30% of the op)

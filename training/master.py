@@ -2,6 +2,9 @@
 step, while AdamW steps fp32 copies of them so that small updates are not rounded away."""
 from __future__ import annotations
 
+import ctypes
+import math
+
 import torch
 
 
@@ -31,6 +34,7 @@ class MasterAdamW(torch.optim.AdamW):
                    "weight_decay": weight_decay},
                   {"params": [m for (n, _), m in zip(named, self.masters) if n in no_decay], "weight_decay": 0.0}]
         super().__init__([g for g in groups if g["params"]], lr=lr, **kw)
+        self._native = None  # training/native's kernels once looked up; False: torch's path
 
     @torch.no_grad()
     def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
@@ -50,6 +54,16 @@ class MasterAdamW(torch.optim.AdamW):
 
     @torch.no_grad()
     def step(self, closure=None):
+        if self._native_step_ready():
+            loss = None
+            if closure is not None:
+                with torch.enable_grad():
+                    loss = closure()
+            try:
+                self._native_step()
+            finally:
+                self.grad_scale = None
+            return loss
         for p, m, g in zip(self.model_params, self.masters, self._grads):
             m.grad = None if p.grad is None else g
         stepped = [(m.grad, p.grad) for p, m in zip(self.model_params, self.masters) if p.grad is not None]
@@ -61,6 +75,63 @@ class MasterAdamW(torch.optim.AdamW):
             self.grad_scale = None
         torch._foreach_copy_(self.model_params, self.masters)
         return loss
+
+    def _native_step_ready(self) -> bool:
+        if self._native is None:
+            from training import native
+
+            lib = native.lib()
+            plain = all(not g.get(k) for g in self.param_groups for k in ("amsgrad", "maximize", "capturable",
+                                                                            "differentiable"))
+            self._native = lib if lib is not None and plain else False
+            if self._native:
+                size = 1 << 16  # one OpenMP task: large enough to stream, small enough to share out evenly
+                chunks = [(t, b, min(b + size, m.numel())) for t, m in enumerate(self.masters)
+                          for b in range(0, m.numel(), size)]
+                self._chunks = (native.Chunk * len(chunks))(*chunks)
+        return bool(self._native)
+
+    def _native_step(self) -> None:
+        """AdamW as torch's fused step computes it, in one pass over each weight (training/native/kernels.c):
+        the bf16 gradient read where autograd left it, the bf16 weight written from its new master. torch's
+        path: a copy of every gradient to fp32, the fused step, a copy of every master back to bf16."""
+        from training import native
+
+        n = len(self.masters)
+        group_of = {id(m): g for g in self.param_groups for m in g["params"]}
+        ptrs = {k: (ctypes.c_void_p * n)() for k in ("grad", "weight", "master", "m", "v")}
+        coef = (native.AdamWCoef * n)()
+        keep_alive, steps, stepped = [], [], []
+        beta1 = beta2 = eps = None
+        for t, (p, m) in enumerate(zip(self.model_params, self.masters)):
+            ptrs["weight"][t], ptrs["master"][t] = p.data_ptr(), m.data_ptr()
+            if p.grad is None:
+                continue
+            g = p.grad if p.grad.is_contiguous() else p.grad.contiguous()
+            keep_alive.append(g)
+            state = self.state[m]
+            if not state:
+                state["step"] = torch.zeros((), dtype=torch.float32)
+                state["exp_avg"] = torch.zeros_like(m, memory_format=torch.preserve_format)
+                state["exp_avg_sq"] = torch.zeros_like(m, memory_format=torch.preserve_format)
+            ptrs["grad"][t], ptrs["m"][t], ptrs["v"][t] = g.data_ptr(), state["exp_avg"].data_ptr(), \
+                state["exp_avg_sq"].data_ptr()
+            steps.append(state["step"])
+            stepped.append((t, group_of[id(m)]))
+        if not steps:
+            return
+        torch._foreach_add_(steps, 1)
+        for (t, group), step in zip(stepped, torch.stack(steps).tolist()):
+            lr, (beta1, beta2), eps = float(group["lr"]), group["betas"], group["eps"]
+            coef[t].keep = 1 - lr * group["weight_decay"]
+            coef[t].step_size = lr / (1 - beta1 ** step)
+            coef[t].bc2_sqrt = math.sqrt(1 - beta2 ** step)
+        scale = getattr(self, "grad_scale", None)
+        scale = 1.0 if scale is None else float(scale)
+        self._native.xc_adamw_bf16(ptrs["grad"], ptrs["weight"], ptrs["master"], ptrs["m"], ptrs["v"], coef,
+                                   self._chunks, ctypes.c_int64(len(self._chunks)), ctypes.c_double(beta1),
+                                   ctypes.c_double(beta2), ctypes.c_double(eps), ctypes.c_float(scale),
+                                   ctypes.c_int(torch.get_num_threads()))
 
     def state_dict(self):
         return {**super().state_dict(), "fp32_masters": self._flat}

@@ -1,0 +1,101 @@
+/* CPU kernels the bundled jobs call through ctypes (training/native/__init__.py builds this file with the node's
+   gcc, -march=native, at first use). Each one does in one pass what torch does in several. */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+static inline float bf16_in(uint16_t h) {
+  uint32_t u = (uint32_t)h << 16;
+  float f;
+  memcpy(&f, &u, 4);
+  return f;
+}
+
+/* round to nearest even, as torch's float -> bfloat16 conversion */
+static inline uint16_t bf16_out(float f) {
+  uint32_t u;
+  memcpy(&u, &f, 4);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return (uint16_t)(u >> 16);
+}
+
+typedef struct {
+  int64_t tensor, begin, end;
+} chunk_t;
+
+typedef struct {
+  float keep;       /* 1 - lr * weight_decay */
+  float step_size;  /* lr / (1 - beta1^step) */
+  float bc2_sqrt;   /* sqrt(1 - beta2^step) */
+} adamw_coef_t;
+
+/* AdamW over fp32 masters whose gradients are the model's bf16 ones: each element's bf16 gradient is read once,
+   its master and moments updated as torch's fused AdamW does (fp32 arithmetic, coefficients rounded from double),
+   and the model's bf16 weight written from the new master. grads[t] NULL: tensor t is not stepped. */
+void xc_adamw_bf16(const uint16_t *const *grads, uint16_t *const *weights, float *const *masters,
+                   float *const *exp_avgs, float *const *exp_avg_sqs, const adamw_coef_t *coef, const chunk_t *chunks,
+                   int64_t nchunks, double beta1, double beta2, double eps, float grad_scale, int threads) {
+  const float b1 = (float)beta1, c1 = (float)(1.0 - beta1), b2 = (float)beta2, c2 = (float)(1.0 - beta2);
+  const float e = (float)eps;
+#pragma omp parallel for schedule(static) num_threads(threads)
+  for (int64_t c = 0; c < nchunks; c++) {
+    const int64_t t = chunks[c].tensor;
+    const uint16_t *g = grads[t];
+    if (!g) continue;
+    uint16_t *w = weights[t];
+    float *p = masters[t], *m = exp_avgs[t], *v = exp_avg_sqs[t];
+    const float keep = coef[t].keep, step_size = coef[t].step_size, bc2 = coef[t].bc2_sqrt;
+#pragma omp simd
+    for (int64_t i = chunks[c].begin; i < chunks[c].end; i++) {
+      const float gi = bf16_in(g[i]) / grad_scale;
+      const float mi = fmaf(c1, gi - m[i], m[i]); /* torch's lerp(m, g, 1 - beta1) */
+      const float vi = fmaf(gi, gi * c2, v[i] * b2);
+      const float pi = p[i] * keep - step_size * mi / (sqrtf(vi) / bc2 + e);
+      m[i] = mi;
+      v[i] = vi;
+      p[i] = pi;
+      w[i] = bf16_out(pi);
+    }
+  }
+}
+
+/* Dropout. Element i's 16-bit uniform is bits 16*(i%4).. of splitmix64(seed + i/4), a counter-based stream, so
+   every chunk, thread count and core draws the same mask for a seed; kept where uniform >= threshold (p in
+   1/65536ths). Forward writes y = x * scale where kept, else 0, and the mask as bytes; backward applies it. */
+static inline uint64_t splitmix64(uint64_t z) {
+  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+  return z ^ (z >> 31);
+}
+
+#define DROPOUT_BLOCK (1 << 14) /* elements a task: a multiple of 4, so a task starts on a word */
+
+#define DROPOUT(NAME, T, IN, OUT)                                                                                   \
+  void NAME##_forward(const T *x, T *y, uint8_t *mask, int64_t n, uint64_t seed, uint32_t threshold, float scale, \
+                      int threads) {                                                                            \
+    _Pragma("omp parallel for schedule(static) num_threads(threads)")                                           \
+    for (int64_t b = 0; b < n; b += DROPOUT_BLOCK) {                                                            \
+      const int64_t e = b + DROPOUT_BLOCK < n ? b + DROPOUT_BLOCK : n;                                          \
+      _Pragma("omp simd")                                                                                       \
+      for (int64_t i = b; i < e; i++) {                                                                         \
+        const uint64_t word = splitmix64(seed + (uint64_t)(i >> 2) * 0x9e3779b97f4a7c15ull);                  \
+        const uint8_t keep = ((word >> (16 * (i & 3))) & 0xffffu) >= threshold;                                 \
+        mask[i] = keep;                                                                                         \
+        y[i] = OUT(IN(x[i]) * (keep ? scale : 0.0f)); /* x * 0: a NaN stays NaN, as in torch */               \
+      }                                                                                                         \
+    }                                                                                                           \
+  }                                                                                                             \
+  void NAME##_backward(const T *g, const uint8_t *mask, T *out, int64_t n, float scale, int threads) {          \
+    _Pragma("omp parallel for schedule(static) num_threads(threads)")                                           \
+    for (int64_t b = 0; b < n; b += DROPOUT_BLOCK) {                                                            \
+      const int64_t e = b + DROPOUT_BLOCK < n ? b + DROPOUT_BLOCK : n;                                          \
+      _Pragma("omp simd")                                                                                       \
+      for (int64_t i = b; i < e; i++) out[i] = OUT(IN(g[i]) * (mask[i] ? scale : 0.0f));                       \
+    }                                                                                                           \
+  }
+
+static inline float f32_in(float f) { return f; }
+static inline float f32_out(float f) { return f; }
+DROPOUT(xc_dropout_bf16, uint16_t, bf16_in, bf16_out)
+DROPOUT(xc_dropout_f32, float, f32_in, f32_out)
