@@ -114,3 +114,51 @@ def test_installed_in_a_bert_it_changes_nothing_in_eval_padding_included(path):
     with torch.no_grad():
         a, b = (fast(input_ids=ids, attention_mask=mask).logits for _ in range(2))
     assert not torch.equal(a, b)  # dropout is on in training
+
+
+@pytest.mark.parametrize("dtype, mask_dtype", [(torch.bfloat16, torch.bfloat16), (torch.bfloat16, torch.float32),
+                                               (torch.float32, torch.float32)])
+def test_the_native_attention_probabilities_are_torchs_softmax_then_this_dropout(dtype, mask_dtype):
+    """In training, scale, mask, softmax and dropout are one kernel: the same mask as the dropout above draws
+    for the seed, the probabilities and all three gradients of torch's ops in fp32 (bf16: to its rounding);
+    bf16 scores with an fp32 mask (autocast) give fp32 probabilities, as torch's promotion does."""
+    import shutil
+    import types
+
+    if shutil.which("gcc") is None:
+        pytest.skip("no gcc on this machine: the native kernels are not built (torch's ops run instead)")
+    native.reset()
+    torch.manual_seed(0)
+    b, h, n, d = 4, 3, 37, 16
+    q, k, v = (torch.randn(b, h, n, d).to(dtype).requires_grad_() for _ in range(3))
+    mask = torch.zeros(b, 1, n, n, dtype=mask_dtype)
+    mask[:, :, :, 30:] = torch.finfo(mask_dtype).min  # padding keys
+    autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=mask_dtype != dtype)
+    grad = torch.randn(b, n, h, d)
+
+    def run(fused: bool):
+        for t in (q, k, v):
+            t.grad = None
+        torch.manual_seed(7)
+        with autocast:
+            if fused:
+                out, w = fastdrop.eager_attention(types.SimpleNamespace(training=True), q, k, v, mask, dropout_p=0.1)
+            else:  # torch's ops in fp32, the dropout above
+                probs = torch.softmax(torch.matmul(q, k.transpose(2, 3)).float() * d ** -0.5 + mask.float(), -1)
+                w = fastdrop.dropout(probs.to(torch.result_type(q, mask)), 0.1)
+                out = torch.matmul(w, v).transpose(1, 2).contiguous()
+        out.backward(grad.to(out.dtype))
+        return w.detach(), [t.grad.float() for t in (q, k, v)]
+
+    w, grads = run(True)
+    ref_w, ref_grads = run(False)
+    assert w.dtype == torch.result_type(q, mask) and torch.equal(w == 0, ref_w == 0)
+    assert (w[..., 30:] == 0).all() and 0.85 < (w[..., :30] != 0).float().mean() < 0.95
+    tol = 1e-2 if w.dtype == torch.bfloat16 else 1e-5  # bf16: the probabilities are kept rounded, as torch's
+    torch.testing.assert_close(w.float(), ref_w.float(), rtol=tol, atol=tol)
+    for g, r in zip(grads, ref_grads):
+        assert ((g - r).norm() / r.norm()).item() < tol
+    with torch.no_grad(), autocast:  # eval: torch's own ops, bit for bit
+        a = fastdrop.eager_attention(types.SimpleNamespace(training=False), q, k, v, mask, dropout_p=0.1)[1]
+        plain = torch.softmax(torch.matmul(q, k.transpose(2, 3)) * d ** -0.5 + mask, -1)
+    assert torch.equal(a, plain)

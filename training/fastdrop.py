@@ -124,12 +124,79 @@ class FastDropout(torch.nn.Module):
         return f"p={self.p}"
 
 
+ROW_MAX = 4096  # kernels.c's ROW_MAX: longer rows of keys take torch's ops
+_ATTN = {(torch.bfloat16, torch.bfloat16): "xc_attn_bf16", (torch.bfloat16, torch.float32): "xc_attn_bf16_f32",
+         (torch.float32, torch.float32): "xc_attn_f32"}
+
+
+class _AttentionProbs(torch.autograd.Function):
+    """dropout(softmax(scores * scaling + mask)) in one pass over the scores, and its backward in one
+    (training/native/kernels.c): torch's ops take a pass each for the scale, the mask, the softmax and the
+    dropout, and its bf16 softmax computes a row's last elements one at a time (rows of 65-128 keys here)."""
+
+    @staticmethod
+    def forward(ctx, scores, mask, scaling, p, kernel):
+        scores = scores.contiguous()
+        batch, heads, queries, cols = scores.shape
+        out_dtype = scores.dtype if mask is None else torch.result_type(scores, mask)
+        m, strides = None, (0, 0, 0)
+        if mask is not None:
+            m = mask.to(torch.float32).expand(batch, heads, queries, cols)
+            if m.stride(3) != 1:
+                m = m.contiguous()
+            strides = m.stride()[:3]
+        y, probs = (torch.empty(scores.shape, dtype=out_dtype) for _ in range(2))
+        keep = torch.empty(scores.shape, dtype=torch.uint8)
+        seed = int(torch.randint(0, 2**63 - 1, (), dtype=torch.int64))
+        ctx.scaling, ctx.scale_drop, ctx.kernel = scaling, 1.0 / (1.0 - p), kernel
+        kernel[0](scores.data_ptr(), None if m is None else m.data_ptr(), heads, queries, cols, *strides, scaling,
+                  y.data_ptr(), probs.data_ptr(), keep.data_ptr(), batch * heads * queries, seed, round(p * 65536),
+                  ctx.scale_drop, torch.get_num_threads())
+        ctx.save_for_backward(probs, keep)
+        ctx.in_dtype = scores.dtype
+        return y
+
+    @staticmethod
+    def backward(ctx, grad):
+        probs, keep = ctx.saved_tensors
+        grad = grad.contiguous()
+        out = torch.empty(grad.shape, dtype=ctx.in_dtype)
+        cols = grad.shape[-1]
+        ctx.kernel[1](grad.data_ptr(), probs.data_ptr(), keep.data_ptr(), grad.numel() // cols, cols, ctx.scaling,
+                      ctx.scale_drop, out.data_ptr(), torch.get_num_threads())
+        return out, None, None, None, None
+
+
+def _attention_kernels(lib, scores: torch.Tensor, mask):
+    import ctypes
+
+    key = (scores.dtype, scores.dtype if mask is None else torch.result_type(scores, mask))
+    if key not in _ATTN or scores.dim() != 4 or scores.shape[-1] > ROW_MAX:
+        return None
+    if key not in _KERNELS:
+        fwd, bwd = getattr(lib, _ATTN[key] + "_forward"), getattr(lib, _ATTN[key] + "_backward")
+        p, i64, f = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
+        fwd.argtypes = [p, p, i64, i64, i64, i64, i64, i64, f, p, p, p, i64, ctypes.c_uint64, ctypes.c_uint32, f,
+                        ctypes.c_int]
+        bwd.argtypes = [p, p, p, i64, i64, f, f, p, ctypes.c_int]
+        fwd.restype = bwd.restype = None
+        _KERNELS[key] = (fwd, bwd)
+    return _KERNELS[key]
+
+
 def eager_attention(module, query, key, value, attention_mask, scaling=None, dropout_p=None, **kwargs):
-    """transformers' eager attention (BERT's), with the dropout above."""
+    """transformers' eager attention (BERT's), with the dropout above; in training, the scale, mask, softmax and
+    dropout as one native kernel where it is built."""
     p = kwargs.pop("dropout", 0.0) if dropout_p is None else dropout_p
     if scaling is None:
         scaling = query.size(-1) ** -0.5
-    weights = torch.matmul(query, key.transpose(2, 3)) * scaling
+    scores = torch.matmul(query, key.transpose(2, 3))
+    lib = _native_lib(scores) if module.training else None
+    kernel = None if lib is None else _attention_kernels(lib, scores, attention_mask)
+    if kernel is not None:
+        weights = _AttentionProbs.apply(scores, attention_mask, scaling, p, kernel)
+        return torch.matmul(weights, value).transpose(1, 2).contiguous(), weights
+    weights = scores * scaling
     if attention_mask is not None:
         weights = weights + attention_mask
     weights = dropout(torch.nn.functional.softmax(weights, dim=-1), p, module.training)

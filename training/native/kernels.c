@@ -36,7 +36,7 @@ typedef struct {
 void xc_adamw_bf16(const uint16_t *const *grads, uint16_t *const *weights, float *const *masters,
                    float *const *exp_avgs, float *const *exp_avg_sqs, const adamw_coef_t *coef, const chunk_t *chunks,
                    int64_t nchunks, double beta1, double beta2, double eps, float grad_scale, int threads) {
-  const float b1 = (float)beta1, c1 = (float)(1.0 - beta1), b2 = (float)beta2, c2 = (float)(1.0 - beta2);
+  const float c1 = (float)(1.0 - beta1), b2 = (float)beta2, c2 = (float)(1.0 - beta2);
   const float e = (float)eps;
 #pragma omp parallel for schedule(static) num_threads(threads)
   for (int64_t c = 0; c < nchunks; c++) {
@@ -99,3 +99,94 @@ static inline float f32_in(float f) { return f; }
 static inline float f32_out(float f) { return f; }
 DROPOUT(xc_dropout_bf16, uint16_t, bf16_in, bf16_out)
 DROPOUT(xc_dropout_f32, float, f32_in, f32_out)
+
+/* exp(x) for x <= 0, as the softmax needs it: 2^k * e^r with |r| <= ln2/2 and e^r by its Taylor series to r^7
+   (relative error ~1e-8, below fp32's rounding); 0 below -87 (fp32's smallest normal), as torch gives. */
+static inline float exp_nonpositive(float x) {
+  const float k = rintf(x * 1.44269504088896341f);
+  float r = fmaf(k, -0.693145751953125f, x);
+  r = fmaf(k, -1.42860682030941723e-6f, r);
+  float q = 1.0f / 5040.0f;
+  q = fmaf(q, r, 1.0f / 720.0f);
+  q = fmaf(q, r, 1.0f / 120.0f);
+  q = fmaf(q, r, 1.0f / 24.0f);
+  q = fmaf(q, r, 1.0f / 6.0f);
+  q = fmaf(q, r, 0.5f);
+  q = fmaf(q, r, 1.0f);
+  q = fmaf(q, r, 1.0f);
+  const int32_t e = ((int32_t)k + 127) << 23;
+  float two_k;
+  memcpy(&two_k, &e, 4);
+  return x < -87.0f ? 0.0f : q * two_k;
+}
+
+#define ROW_MAX 4096 /* longest row (keys) the attention kernels take; the caller checks */
+
+/* Attention probabilities for training: p = softmax(scores * scaling + mask) over each row of `cols` keys, then
+   dropout as above on p (seed, threshold, scale_drop; threshold 0 keeps all). Rows are (batch, head, query);
+   mask (NULL: none) is fp32 with element strides mb, mh, mq for batch, head and query and 1 for keys. Writes y
+   (the dropped probabilities), probs (p rounded as y is, for the backward) and keep (bytes). */
+#define ATTN_PROBS(NAME, TI, IN, TO, OUT, IN_O)                                                                    \
+  void NAME##_forward(const TI *scores, const float *mask, int64_t heads, int64_t queries, int64_t cols,           \
+                      int64_t mb, int64_t mh, int64_t mq, float scaling, TO *y, TO *probs, uint8_t *keep,           \
+                      int64_t rows, uint64_t seed, uint32_t threshold, float scale_drop, int threads) {            \
+    _Pragma("omp parallel for schedule(static) num_threads(threads)")                                             \
+    for (int64_t row = 0; row < rows; row++) {                                                                    \
+      float s[ROW_MAX];                                                                                           \
+      const TI *in = scores + row * cols;                                                                         \
+      const int64_t q = row % queries, h = (row / queries) % heads, b = row / (queries * heads);                  \
+      const float *mrow = mask ? mask + b * mb + h * mh + q * mq : 0;                                             \
+      float top = -INFINITY;                                                                                      \
+      _Pragma("omp simd reduction(max:top)")                                                                      \
+      for (int64_t j = 0; j < cols; j++) {                                                                        \
+        s[j] = IN(in[j]) * scaling + (mrow ? mrow[j] : 0.0f);                                                     \
+        top = s[j] > top ? s[j] : top;                                                                            \
+      }                                                                                                           \
+      float sum = 0.0f;                                                                                           \
+      _Pragma("omp simd reduction(+:sum)")                                                                        \
+      for (int64_t j = 0; j < cols; j++) {                                                                        \
+        s[j] = exp_nonpositive(s[j] - top);                                                                       \
+        sum += s[j];                                                                                              \
+      }                                                                                                           \
+      const float inv = 1.0f / sum;                                                                               \
+      TO *out = y + row * cols, *pr = probs + row * cols;                                                         \
+      uint8_t *kp = keep + row * cols;                                                                            \
+      const int64_t first = row * cols;                                                                           \
+      for (int64_t j = 0; j < cols; j++) {                                                                        \
+        const int64_t i = first + j;                                                                              \
+        const uint64_t word = splitmix64(seed + (uint64_t)(i >> 2) * 0x9e3779b97f4a7c15ull);                    \
+        const uint8_t k = ((word >> (16 * (i & 3))) & 0xffffu) >= threshold;                                      \
+        const TO p = OUT(s[j] * inv);                                                                             \
+        pr[j] = p;                                                                                                \
+        kp[j] = k;                                                                                                \
+        out[j] = OUT(IN_O(p) * (k ? scale_drop : 0.0f));                                                          \
+      }                                                                                                           \
+    }                                                                                                             \
+  }                                                                                                               \
+  /* grad of scores from grad of y: g_p = g_y * keep * scale_drop, g_s = p * (g_p - sum(g_p * p)), times scaling */ \
+  void NAME##_backward(const TO *grad, const TO *probs, const uint8_t *keep, int64_t rows, int64_t cols,          \
+                       float scaling, float scale_drop, TI *out, int threads) {                                     \
+    _Pragma("omp parallel for schedule(static) num_threads(threads)")                                             \
+    for (int64_t row = 0; row < rows; row++) {                                                                    \
+      float gp[ROW_MAX];                                                                                          \
+      const TO *g = grad + row * cols, *pr = probs + row * cols;                                                  \
+      const uint8_t *kp = keep + row * cols;                                                                      \
+      float dot = 0.0f;                                                                                           \
+      _Pragma("omp simd reduction(+:dot)")                                                                        \
+      for (int64_t j = 0; j < cols; j++) {                                                                        \
+        gp[j] = IN_O(g[j]) * (kp[j] ? scale_drop : 0.0f);                                                        \
+        dot += gp[j] * IN_O(pr[j]);                                                                               \
+      }                                                                                                           \
+      TI *o = out + row * cols;                                                                                   \
+      _Pragma("omp simd")                                                                                         \
+      for (int64_t j = 0; j < cols; j++) o[j] = OUT_I(IN_O(pr[j]) * (gp[j] - dot) * scaling);                    \
+    }                                                                                                             \
+  }
+
+#define OUT_I bf16_out
+ATTN_PROBS(xc_attn_bf16, uint16_t, bf16_in, uint16_t, bf16_out, bf16_in)
+ATTN_PROBS(xc_attn_bf16_f32, uint16_t, bf16_in, float, f32_out, f32_in)
+#undef OUT_I
+#define OUT_I f32_out
+ATTN_PROBS(xc_attn_f32, float, f32_in, float, f32_out, f32_in)
+#undef OUT_I
