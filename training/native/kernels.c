@@ -103,8 +103,9 @@ DROPOUT(xc_dropout_f32, float, f32_in, f32_out)
 /* exp(x) for x <= 0, as the softmax needs it: 2^k * e^r with |r| <= ln2/2 and e^r by its Taylor series to r^7
    (relative error ~1e-8, below fp32's rounding); 0 below -87 (fp32's smallest normal), as torch gives. */
 static inline float exp_nonpositive(float x) {
-  const float k = rintf(x * 1.44269504088896341f);
-  float r = fmaf(k, -0.693145751953125f, x);
+  const float xc = x < -88.0f ? -88.0f : x; /* -inf: no infinite k below */
+  const float k = rintf(xc * 1.44269504088896341f);
+  float r = fmaf(k, -0.693145751953125f, xc);
   r = fmaf(k, -1.42860682030941723e-6f, r);
   float q = 1.0f / 5040.0f;
   q = fmaf(q, r, 1.0f / 720.0f);
@@ -121,72 +122,91 @@ static inline float exp_nonpositive(float x) {
 }
 
 #define ROW_MAX 4096 /* longest row (keys) the attention kernels take; the caller checks */
+#define LANES 16     /* reductions over a row in this many partial sums: whole vectors, no per-row set-up */
+#define VL LANES
 
 /* Attention probabilities for training: p = softmax(scores * scaling + mask) over each row of `cols` keys, then
    dropout as above on p (seed, threshold, scale_drop; threshold 0 keeps all). Rows are (batch, head, query);
    mask (NULL: none) is fp32 with element strides mb, mh, mq for batch, head and query and 1 for keys. Writes y
    (the dropped probabilities), probs (p rounded as y is, for the backward) and keep (bytes). */
-#define ATTN_PROBS(NAME, TI, IN, TO, OUT, IN_O)                                                                    \
+#define ATTN_PROBS(NAME, TI, IN, TO, OUT, IN_O, OUT_I)                                                             \
   void NAME##_forward(const TI *scores, const float *mask, int64_t heads, int64_t queries, int64_t cols,           \
                       int64_t mb, int64_t mh, int64_t mq, float scaling, TO *y, TO *probs, uint8_t *keep,           \
                       int64_t rows, uint64_t seed, uint32_t threshold, float scale_drop, int threads) {            \
+    const int64_t padded = (cols + LANES - 1) / LANES * LANES;                                                    \
     _Pragma("omp parallel for schedule(static) num_threads(threads)")                                             \
     for (int64_t row = 0; row < rows; row++) {                                                                    \
-      float s[ROW_MAX];                                                                                           \
+      float s[ROW_MAX + LANES], lane[LANES];                                                                      \
       const TI *in = scores + row * cols;                                                                         \
       const int64_t q = row % queries, h = (row / queries) % heads, b = row / (queries * heads);                  \
       const float *mrow = mask ? mask + b * mb + h * mh + q * mq : 0;                                             \
-      float top = -INFINITY;                                                                                      \
-      _Pragma("omp simd reduction(max:top)")                                                                      \
-      for (int64_t j = 0; j < cols; j++) {                                                                        \
-        s[j] = IN(in[j]) * scaling + (mrow ? mrow[j] : 0.0f);                                                     \
-        top = s[j] > top ? s[j] : top;                                                                            \
-      }                                                                                                           \
+      if (mrow)                                                                                                   \
+        for (int64_t j = 0; j < cols; j++) s[j] = IN(in[j]) * scaling + mrow[j];                                  \
+      else                                                                                                        \
+        for (int64_t j = 0; j < cols; j++) s[j] = IN(in[j]) * scaling;                                           \
+      for (int64_t j = cols; j < padded; j++) s[j] = -INFINITY;                                                   \
+      for (int l = 0; l < LANES; l++) lane[l] = -INFINITY;                                                       \
+      for (int64_t j = 0; j < padded; j += LANES)                                                                 \
+        for (int l = 0; l < LANES; l++) lane[l] = s[j + l] > lane[l] ? s[j + l] : lane[l];                       \
+      float top = lane[0];                                                                                        \
+      for (int l = 1; l < LANES; l++) top = lane[l] > top ? lane[l] : top;                                        \
+      for (int l = 0; l < LANES; l++) lane[l] = 0.0f;                                                            \
+      for (int64_t j = 0; j < padded; j += LANES)                                                                 \
+        for (int l = 0; l < LANES; l++) {                                                                         \
+          s[j + l] = exp_nonpositive(s[j + l] - top);                                                             \
+          lane[l] += s[j + l];                                                                                    \
+        }                                                                                                         \
       float sum = 0.0f;                                                                                           \
-      _Pragma("omp simd reduction(+:sum)")                                                                        \
-      for (int64_t j = 0; j < cols; j++) {                                                                        \
-        s[j] = exp_nonpositive(s[j] - top);                                                                       \
-        sum += s[j];                                                                                              \
-      }                                                                                                           \
+      for (int l = 0; l < LANES; l++) sum += lane[l];                                                            \
       const float inv = 1.0f / sum;                                                                               \
       TO *out = y + row * cols, *pr = probs + row * cols;                                                         \
       uint8_t *kp = keep + row * cols;                                                                            \
-      const int64_t first = row * cols;                                                                           \
-      for (int64_t j = 0; j < cols; j++) {                                                                        \
-        const int64_t i = first + j;                                                                              \
-        const uint64_t word = splitmix64(seed + (uint64_t)(i >> 2) * 0x9e3779b97f4a7c15ull);                    \
-        const uint8_t k = ((word >> (16 * (i & 3))) & 0xffffu) >= threshold;                                      \
+      /* the row's uniforms: its elements' words, drawn once each; little-endian, so the 16-bit halves of word w  \
+         in memory are elements 4w .. 4w+3 */                                                                     \
+      const int64_t first = row * cols, w0 = first >> 2, words = padded / 4 + 1;                                  \
+      uint64_t draw[ROW_MAX / 4 + VL];                                                                            \
+      for (int64_t w = 0; w < words; w++) draw[w] = splitmix64(seed + (uint64_t)(w0 + w) * 0x9e3779b97f4a7c15ull); \
+      const uint16_t *u = (const uint16_t *)draw + (first & 3);                                                   \
+      /* whole vectors into row buffers (no scalar remainder), then the row's own elements out */                 \
+      TO yb[ROW_MAX + VL], pb[ROW_MAX + VL];                                                                      \
+      uint8_t kb[ROW_MAX + VL];                                                                                   \
+      for (int64_t j = 0; j < padded; j++) {                                                                      \
+        const uint8_t k = u[j] >= threshold;                                                                      \
         const TO p = OUT(s[j] * inv);                                                                             \
-        pr[j] = p;                                                                                                \
-        kp[j] = k;                                                                                                \
-        out[j] = OUT(IN_O(p) * (k ? scale_drop : 0.0f));                                                          \
+        pb[j] = p;                                                                                                \
+        kb[j] = k;                                                                                                \
+        yb[j] = OUT(IN_O(p) * (k ? scale_drop : 0.0f));                                                           \
       }                                                                                                           \
+      memcpy(out, yb, (size_t)cols * sizeof(TO));                                                                 \
+      memcpy(pr, pb, (size_t)cols * sizeof(TO));                                                                  \
+      memcpy(kp, kb, (size_t)cols);                                                                               \
     }                                                                                                             \
   }                                                                                                               \
   /* grad of scores from grad of y: g_p = g_y * keep * scale_drop, g_s = p * (g_p - sum(g_p * p)), times scaling */ \
   void NAME##_backward(const TO *grad, const TO *probs, const uint8_t *keep, int64_t rows, int64_t cols,          \
                        float scaling, float scale_drop, TI *out, int threads) {                                     \
+    const int64_t padded = (cols + LANES - 1) / LANES * LANES;                                                    \
     _Pragma("omp parallel for schedule(static) num_threads(threads)")                                             \
     for (int64_t row = 0; row < rows; row++) {                                                                    \
-      float gp[ROW_MAX];                                                                                          \
+      float gp[ROW_MAX + LANES], p[ROW_MAX + LANES], lane[LANES];                                                 \
       const TO *g = grad + row * cols, *pr = probs + row * cols;                                                  \
       const uint8_t *kp = keep + row * cols;                                                                      \
-      float dot = 0.0f;                                                                                           \
-      _Pragma("omp simd reduction(+:dot)")                                                                        \
       for (int64_t j = 0; j < cols; j++) {                                                                        \
-        gp[j] = IN_O(g[j]) * (kp[j] ? scale_drop : 0.0f);                                                        \
-        dot += gp[j] * IN_O(pr[j]);                                                                               \
+        gp[j] = IN_O(g[j]) * (kp[j] ? scale_drop : 0.0f);                                                         \
+        p[j] = IN_O(pr[j]);                                                                                       \
       }                                                                                                           \
-      TI *o = out + row * cols;                                                                                   \
-      _Pragma("omp simd")                                                                                         \
-      for (int64_t j = 0; j < cols; j++) o[j] = OUT_I(IN_O(pr[j]) * (gp[j] - dot) * scaling);                    \
+      for (int64_t j = cols; j < padded; j++) gp[j] = p[j] = 0.0f;                                                \
+      for (int l = 0; l < LANES; l++) lane[l] = 0.0f;                                                            \
+      for (int64_t j = 0; j < padded; j += LANES)                                                                 \
+        for (int l = 0; l < LANES; l++) lane[l] += gp[j + l] * p[j + l];                                          \
+      float dot = 0.0f;                                                                                           \
+      for (int l = 0; l < LANES; l++) dot += lane[l];                                                             \
+      TI ob[ROW_MAX + VL];                                                                                        \
+      for (int64_t j = 0; j < padded; j++) ob[j] = OUT_I(p[j] * (gp[j] - dot) * scaling);                        \
+      memcpy(out + row * cols, ob, (size_t)cols * sizeof(TI));                                                    \
     }                                                                                                             \
   }
 
-#define OUT_I bf16_out
-ATTN_PROBS(xc_attn_bf16, uint16_t, bf16_in, uint16_t, bf16_out, bf16_in)
-ATTN_PROBS(xc_attn_bf16_f32, uint16_t, bf16_in, float, f32_out, f32_in)
-#undef OUT_I
-#define OUT_I f32_out
-ATTN_PROBS(xc_attn_f32, float, f32_in, float, f32_out, f32_in)
-#undef OUT_I
+ATTN_PROBS(xc_attn_bf16, uint16_t, bf16_in, uint16_t, bf16_out, bf16_in, bf16_out)
+ATTN_PROBS(xc_attn_bf16_f32, uint16_t, bf16_in, float, f32_out, f32_in, bf16_out)
+ATTN_PROBS(xc_attn_f32, float, f32_in, float, f32_out, f32_in, f32_out)
