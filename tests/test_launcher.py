@@ -183,6 +183,17 @@ def test_a_failed_rank_is_named_with_its_exceptions_own_line():
                                                     "communication hook required CUDA 11+"))
     # without a traceback: Intel MPI's block
     assert failed_rank(lines[-3:], p) == ("node1", "rank 1 on node1 exit code: 1")
+    # rank 1 killed: rank 0's traceback only says its peer went away; mpirun names the rank that died
+    killed = ["[0] [rank0]: Traceback (most recent call last):", '[0] [rank0]:   File "/x/spot.py", line 264',
+              ("[0] [rank0]: RuntimeError: [/w/gloo/transport/tcp/pair.cc:553] Connection closed by peer "
+               "[127.0.0.1]:58554. This is typically caused by a remote worker crashing."),
+              "===================================================================================",
+              "=   BAD TERMINATION OF ONE OF YOUR APPLICATION PROCESSES", "=   RANK 1 PID 5943 RUNNING AT node1",
+              "=   KILLED BY SIGNAL: 9 (Killed)"]
+    dead = "rank 1 on node1 killed by signal: 9 (killed) (rank 0 then lost its connection to it)"
+    assert failed_rank(killed, p) == ("node1", dead)
+    # a rank that failed on its own keeps its own line, whatever mpirun says of the others
+    assert failed_rank(torch_lines + killed[-4:], p)[0] == "node0"
 
 
 def test_gradients_go_on_the_wire_in_bf16_between_hosts_and_fp32_within_one():

@@ -127,17 +127,26 @@ def raised(lines: list[str], plan: launcher.LaunchPlan) -> tuple[int, str] | Non
     return (first, found[:300]) if first is not None and found else None
 
 
+# what a rank raises when another one died under it (gloo's words, and the socket's)
+_PEER_LOST = re.compile(r"Connection (closed|reset) by peer|remote worker crash|Broken pipe", re.IGNORECASE)
+
+
 def failed_rank(lines: list[str], plan: launcher.LaunchPlan) -> tuple[str | None, str]:
     """The node and reason of the first failed rank: its exception's own line when it printed a
-    traceback, else Intel MPI's BAD TERMINATION block, else its first error line."""
+    traceback, else Intel MPI's BAD TERMINATION block, else its first error line. A traceback that only
+    says a peer went away is the symptom: where mpirun names another rank as the one that ended, that one."""
     exc = raised(lines, plan)
-    if exc:
-        rank, line = exc
-        return plan.rank_host(rank), f"rank {rank} on {plan.rank_host(rank)} failed: {line}"
     text = "\n".join(lines)
     m = _BAD_RANK.search(text)
     e = _EXIT.search(text)
     reason = e.group(1).lower() if e else "failed"
+    if exc and m and int(m.group(1)) != exc[0] and _PEER_LOST.search(exc[1]):
+        dead = int(m.group(1))
+        return plan.rank_host(dead), (f"rank {dead} on {plan.rank_host(dead)} {reason} (rank {exc[0]} then lost "
+                                      f"its connection to it)")
+    if exc:
+        rank, line = exc
+        return plan.rank_host(rank), f"rank {rank} on {plan.rank_host(rank)} failed: {line}"
     if m:
         return plan.rank_host(int(m.group(1))), f"rank {m.group(1)} on {plan.rank_host(int(m.group(1)))} {reason}"
     for line in lines:  # a traceback or error line from one rank
