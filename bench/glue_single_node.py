@@ -201,7 +201,7 @@ CLM_LEVERS = {"fp32": ([], "fp32"), "bf16": ([], "bf16"), "eager": (["--attn_imp
               "flash-attention": (["--block_attention", "False"], "auto"),
               "attention-dropout": (["--attention_dropout", "0.1"], "auto"),
               "torch-dropout": (["--fast_dropout", "False"], "auto"), "gelu-new": (["--fused_gelu", "False"], "auto"),
-              "previous": (PREVIOUS_CLM, "auto")}
+              "previous": (PREVIOUS_CLM, "auto"), "no-native-kernels": ([], "auto")}
 NO_DROPOUT = ["--attention_dropout", "0.0", "--config_overrides",
               model_shapes.gpt2_overrides() + ",resid_pdrop=0.0,embd_pdrop=0.0,attn_pdrop=0.0"]
 LOSS_TOLERANCE = 1e-3
@@ -258,6 +258,10 @@ def main() -> None:
                    help="minilm (real weights, accuracy measured), or the seeds' bert-base / gpt2 from a config "
                         "with random weights (gpt2 runs the clm job at 1024 tokens)")
     a = p.parse_args()
+    known = CLM_LEVERS if a.model_shape == "gpt2" else LEVERS
+    unknown = [x for x in a.levers.split(",") if x and x not in known]
+    if unknown:
+        p.error(f"--levers {unknown[0]} is not a lever of --model-shape {a.model_shape}; use some of: {','.join(known)}")
     if a.onednn_max_isa:
         # read once, at oneDNN's first matmul: set before this process or its runs make one
         os.environ["ONEDNN_MAX_CPU_ISA"] = a.onednn_max_isa
