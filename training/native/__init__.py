@@ -1,5 +1,5 @@
 """The jobs' own CPU kernels (kernels.c beside this file), built at first use with the node's gcc for the node's
-CPU (-march=native, ~0.1 s) into a cache keyed by the source, the compiler and the CPU, and loaded with ctypes.
+CPU (-march=native, ~0.6 s) into a cache keyed by the source, the compiler and the CPU, and loaded with ctypes.
 Without gcc, or with XC_NATIVE_KERNELS=0, lib() is None and callers keep torch's path.
 
 The library is built with -fopenmp: its libgomp.so.1 is the one torch has already loaded (same soname), so its
