@@ -256,3 +256,13 @@ def test_the_kernels_build_once_per_source_compiler_and_cpu(tmp_path, monkeypatc
     monkeypatch.setattr(native, "SOURCE", changed)
     assert native.build() != first  # another source, another library
     assert not list(first.parent.glob("*.tmp"))  # no half-written file left beside them
+
+
+def test_groups_with_their_own_betas_step_on_torchs_path():
+    model = _model()
+    opt = MasterAdamW(list(model.named_parameters()), no_decay={"1.weight", "1.bias"}, lr=1e-3, weight_decay=0.1,
+                      fused=True)
+    opt.param_groups[1]["betas"] = (0.8, 0.99)  # the native kernel takes one pair for every tensor
+    _steps(opt, model, 1, torch.randn(4, 8, dtype=torch.bfloat16))
+    assert opt._native is False
+    assert all(torch.equal(p, m.to(torch.bfloat16)) for p, m in zip(model.parameters(), opt.masters))

@@ -71,22 +71,12 @@ class _Native(torch.autograd.Function):
         return out, None, None
 
 
-_KERNELS: dict = {}
+_DTYPE = {torch.bfloat16: "bf16", torch.float32: "f32"}
 
 
 def _kernels(lib, dtype):
-    """(forward, backward) of the native dropout for dtype, their ctypes signatures set once."""
-    import ctypes
-
-    if dtype not in _KERNELS:
-        name = {torch.bfloat16: "xc_dropout_bf16", torch.float32: "xc_dropout_f32"}[dtype]
-        fwd, bwd = getattr(lib, name + "_forward"), getattr(lib, name + "_backward")
-        p, i64 = ctypes.c_void_p, ctypes.c_int64
-        fwd.argtypes = [p, p, p, i64, ctypes.c_uint64, ctypes.c_uint32, ctypes.c_float, ctypes.c_int]
-        bwd.argtypes = [p, p, p, i64, ctypes.c_float, ctypes.c_int]
-        fwd.restype = bwd.restype = None
-        _KERNELS[dtype] = (fwd, bwd)
-    return _KERNELS[dtype]
+    """(forward, backward) of the native dropout for dtype."""
+    return getattr(lib, f"xc_dropout_{_DTYPE[dtype]}_forward"), getattr(lib, f"xc_dropout_{_DTYPE[dtype]}_backward")
 
 
 def _native_lib(x: torch.Tensor):
@@ -168,20 +158,10 @@ class _AttentionProbs(torch.autograd.Function):
 
 
 def _attention_kernels(lib, scores: torch.Tensor, mask):
-    import ctypes
-
     key = (scores.dtype, scores.dtype if mask is None else torch.result_type(scores, mask))
     if key not in _ATTN or scores.dim() != 4 or scores.shape[-1] > ROW_MAX:
         return None
-    if key not in _KERNELS:
-        fwd, bwd = getattr(lib, _ATTN[key] + "_forward"), getattr(lib, _ATTN[key] + "_backward")
-        p, i64, f = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
-        fwd.argtypes = [p, p, i64, i64, i64, i64, i64, i64, f, p, p, p, i64, ctypes.c_uint64, ctypes.c_uint32, f,
-                        ctypes.c_int]
-        bwd.argtypes = [p, p, p, i64, i64, f, f, p, ctypes.c_int]
-        fwd.restype = bwd.restype = None
-        _KERNELS[key] = (fwd, bwd)
-    return _KERNELS[key]
+    return getattr(lib, _ATTN[key] + "_forward"), getattr(lib, _ATTN[key] + "_backward")
 
 
 def eager_attention(module, query, key, value, attention_mask, scaling=None, dropout_p=None, **kwargs):

@@ -83,6 +83,8 @@ class MasterAdamW(torch.optim.AdamW):
             lib = native.lib()
             plain = all(not g.get(k) for g in self.param_groups for k in ("amsgrad", "maximize", "capturable",
                                                                             "differentiable"))
+            # the kernel takes one beta1, beta2 and eps for every tensor
+            plain = plain and len({(tuple(g["betas"]), g["eps"]) for g in self.param_groups}) == 1
             self._native = lib if lib is not None and plain else False
             if self._native:
                 size = 1 << 16  # one OpenMP task: large enough to stream, small enough to share out evenly
@@ -129,9 +131,7 @@ class MasterAdamW(torch.optim.AdamW):
         scale = getattr(self, "grad_scale", None)
         scale = 1.0 if scale is None else float(scale)
         self._native.xc_adamw_bf16(ptrs["grad"], ptrs["weight"], ptrs["master"], ptrs["m"], ptrs["v"], coef,
-                                   self._chunks, ctypes.c_int64(len(self._chunks)), ctypes.c_double(beta1),
-                                   ctypes.c_double(beta2), ctypes.c_double(eps), ctypes.c_float(scale),
-                                   ctypes.c_int(torch.get_num_threads()))
+                                   self._chunks, len(self._chunks), beta1, beta2, eps, scale, torch.get_num_threads())
 
     def state_dict(self):
         return {**super().state_dict(), "fp32_masters": self._flat}

@@ -34,6 +34,21 @@ class AdamWCoef(ctypes.Structure):
     _fields_ = [("keep", ctypes.c_float), ("step_size", ctypes.c_float), ("bc2_sqrt", ctypes.c_float)]
 
 
+_P, _I64, _F, _D, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_double, ctypes.c_int
+_PP = ctypes.POINTER(ctypes.c_void_p)
+# kernels.c's functions and their C signatures, all in one place beside it (every one returns void)
+SIGNATURES = {
+    "xc_adamw_bf16": [_PP, _PP, _PP, _PP, _PP, ctypes.POINTER(AdamWCoef), ctypes.POINTER(Chunk), _I64, _D, _D, _D,
+                      _F, _INT],
+    **{f"xc_dropout_{t}_forward": [_P, _P, _P, _I64, ctypes.c_uint64, ctypes.c_uint32, _F, _INT]
+       for t in ("bf16", "f32")},
+    **{f"xc_dropout_{t}_backward": [_P, _P, _P, _I64, _F, _INT] for t in ("bf16", "f32")},
+    **{f"xc_attn_{t}_forward": [_P, _P, _I64, _I64, _I64, _I64, _I64, _I64, _F, _P, _P, _P, _I64, ctypes.c_uint64,
+                                ctypes.c_uint32, _F, _INT] for t in ("bf16", "bf16_f32", "f32")},
+    **{f"xc_attn_{t}_backward": [_P, _P, _P, _I64, _I64, _F, _F, _P, _INT] for t in ("bf16", "bf16_f32", "f32")},
+}
+
+
 def cache_dir() -> Path:
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return Path(base) / "xeon-cluster" / "kernels"
@@ -87,7 +102,9 @@ def lib() -> ctypes.CDLL | None:
         log.warning("native kernels unavailable (%s): torch's own ops instead (install gcc to get them)",
                     detail.strip().splitlines()[-1] if detail.strip() else type(e).__name__)
         return None
-    _lib.xc_adamw_bf16.restype = None
+    for name, argtypes in SIGNATURES.items():
+        fn = getattr(_lib, name)
+        fn.argtypes, fn.restype = argtypes, None
     return _lib
 
 
