@@ -13,7 +13,7 @@ TORCH := torch==$(TORCH_VERSION)+cpu
 TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
 PIP = $(BIN)/pip
 
-.PHONY: help venv torch-cpu project-deps sshd demo test test-fast lint bench clean
+.PHONY: help venv torch-cpu project-deps sshd gcc demo test test-fast lint bench clean
 
 help:
 	@echo "make demo   - 2-node local cluster, fine-tune MiniLM on the bundled paraphrase set, stop the cluster"
@@ -28,7 +28,7 @@ $(STAMP): pyproject.toml
 	$(MAKE) --no-print-directory project-deps
 	touch $(STAMP)
 
-venv: $(STAMP) sshd
+venv: $(STAMP) sshd gcc
 
 # One line says which torch build is installed and from where (tests/test_makefile.py runs this target with a
 # stand-in pip and an unreachable or a local index).
@@ -69,7 +69,9 @@ sshd:
 	    echo "error: sshd is not installed; run 'sudo apt-get install openssh-server' and re-run" >&2; exit 1; \
 	  fi; \
 	fi
-	@# gcc builds training/native's kernels (without it the jobs take torch's slower path and its tests skip)
+
+# gcc builds training/native's kernels (without it the jobs take torch's slower path and their tests skip).
+gcc:
 	@if ! command -v gcc >/dev/null && [ "$$(id -u)" = 0 ]; then \
 	  echo "installing gcc"; \
 	  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq gcc >/dev/null) \
