@@ -77,6 +77,7 @@ LEVERS = {
     "no-native-kernels": ([], "auto"),  # AdamW step and dropout by torch (and numpy), not training/native
     "jemalloc": ([], "auto"),
     "tcmalloc": ([], "auto"),
+    "glibc-malloc": ([], "auto"),  # no preloaded allocator: glibc's malloc, as a job started by hand gets
 }
 
 
@@ -201,7 +202,8 @@ CLM_LEVERS = {"fp32": ([], "fp32"), "bf16": ([], "bf16"), "eager": (["--attn_imp
               "flash-attention": (["--block_attention", "False"], "auto"),
               "attention-dropout": (["--attention_dropout", "0.1"], "auto"),
               "torch-dropout": (["--fast_dropout", "False"], "auto"), "gelu-new": (["--fused_gelu", "False"], "auto"),
-              "previous": (PREVIOUS_CLM, "auto"), "no-native-kernels": ([], "auto")}
+              "previous": (PREVIOUS_CLM, "auto"), "no-native-kernels": ([], "auto"),
+              "glibc-malloc": ([], "auto")}
 NO_DROPOUT = ["--attention_dropout", "0.0", "--config_overrides",
               model_shapes.gpt2_overrides() + ",resid_pdrop=0.0,embd_pdrop=0.0,attn_pdrop=0.0"]
 LOSS_TOLERANCE = 1e-3
@@ -216,6 +218,14 @@ def step1_loss(out: Path) -> float | None:
                  and "loss" in e), None)
 
 
+def rank_malloc() -> str | None:
+    """The allocator fab train preloads for a rank on this machine (launch/plan/topology.py): every config runs
+    with it, as the jobs do on nodes; the glibc-malloc lever runs without."""
+    from launch.plan.topology import local_malloc
+
+    return local_malloc()
+
+
 def run(name: str, extra: list[str], precision: str, samples: int, batch: int, out: Path, epochs: int = 1,
         seed: int = 42, shape: str = "minilm", model_dir: Path | None = None) -> dict:
     job, evals = ("training.clm", []) if shape == "gpt2" else ("training.glue", ["--do_eval"])
@@ -228,6 +238,10 @@ def run(name: str, extra: list[str], precision: str, samples: int, batch: int, o
         if not Path(MALLOC[name]).is_file():
             raise SystemExit(f"{name}: {MALLOC[name]} is not installed (apt-get install libjemalloc2 / libtcmalloc-minimal4)")
         env["LD_PRELOAD"] = MALLOC[name]
+    elif name == "glibc-malloc":
+        env.pop("LD_PRELOAD", None)
+    elif rank_malloc() and "LD_PRELOAD" not in os.environ:
+        env["LD_PRELOAD"] = rank_malloc()
     env.update(LEVER_ENV.get(name, {}))
     res = subprocess.run(args, cwd=ROOT, env=env, capture_output=True, text=True, check=False)
     if res.returncode != 0:
@@ -321,6 +335,8 @@ def main() -> None:
     print(f"\n{what.format(n=a.samples)}, {a.epochs} epoch(s), batch {a.batch}, one process, "
           f"{rows['seeds']['threads']} threads; {load_line()} at the end")
     print(cpu_line())
+    print(f"allocator: {os.environ.get('LD_PRELOAD') or rank_malloc() or 'glibc malloc'} (what fab train preloads "
+          f"for a rank here; lever glibc-malloc: none)")
     print("matmul peak at the model's shapes (best of before and after the runs): "
           + ", ".join(f"{p} {v / 1e9:.0f} GFLOP/s" for p, v in peaks.items())
           + f"; model FLOPs per real token {per_token / 1e6:.1f} M ({real / a.samples:.0f} tokens/sample)")

@@ -109,3 +109,15 @@ def test_nodes_of_different_sizes_get_one_thread_and_ccl_worker_count():
     # an explicit --threads stands; the worker count still agrees
     fixed = topology.derive_layouts([big, small], ppn=4, threads=4, backend="ccl")
     assert {lay.omp_threads for lay in fixed} == {4} and len({lay.ccl_workers for lay in fixed}) == 1
+
+
+def test_the_probe_lists_every_allocator_path_and_this_machine_picks_as_a_node_would(monkeypatch):
+    """local_malloc() (the benches' choice) and the probe's parse pick with one rule from one list of paths."""
+    assert all(p in topology.PROBE for p in topology.MALLOC_PATHS)
+    present = {"/usr/lib/x86_64-linux-gnu/libjemalloc.so.2", "/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4"}
+    monkeypatch.setattr("os.path.isfile", lambda p: p in present)
+    assert topology.local_malloc() == "/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4"  # tcmalloc before jemalloc
+    probed = topology.split_sections("### malloc\n" + "\n".join(sorted(present)))["malloc"].split()
+    assert topology.preferred_malloc(probed) == topology.local_malloc()
+    present.clear()
+    assert topology.local_malloc() is None

@@ -4,6 +4,9 @@ from __future__ import annotations
 import re
 from dataclasses import asdict, dataclass, field
 
+# Allocators a node may have, where Debian/Ubuntu and RHEL-likes put them; the preference order below picks one
+MALLOC_PATHS = ("/usr/lib/x86_64-linux-gnu/libtcmalloc.so.4", "/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4",
+                "/usr/lib/x86_64-linux-gnu/libjemalloc.so.2", "/usr/lib64/libtcmalloc.so.4", "/usr/lib64/libjemalloc.so.2")
 # One command gathers everything; sections are split on '### name'.
 PROBE = r"""
 echo '### lscpu'; LC_ALL=C lscpu
@@ -11,10 +14,26 @@ echo '### lscpu-p'; LC_ALL=C lscpu -p=CPU,CORE,SOCKET,NODE
 echo '### allowed'; grep Cpus_allowed_list /proc/self/status
 echo '### meminfo'; grep MemTotal /proc/meminfo
 echo '### uname'; uname -r
-echo '### malloc'; ls /usr/lib/x86_64-linux-gnu/libtcmalloc.so.4 /usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4 /usr/lib/x86_64-linux-gnu/libjemalloc.so.2 /usr/lib64/libtcmalloc.so.4 /usr/lib64/libjemalloc.so.2 2>/dev/null || true
-""".strip()
+echo '### malloc'; ls {malloc} 2>/dev/null || true
+""".strip().replace("{malloc}", " ".join(MALLOC_PATHS))
 
 MALLOC_PREFERENCE = ("libtcmalloc.so", "libtcmalloc_minimal.so", "libjemalloc.so")
+
+
+def preferred_malloc(libs) -> str | None:
+    """The allocator ranks preload (LD_PRELOAD): the first of MALLOC_PREFERENCE among libs, else None."""
+    for pref in MALLOC_PREFERENCE:
+        found = next((lib for lib in libs if pref in lib), None)
+        if found:
+            return found
+    return None
+
+
+def local_malloc() -> str | None:
+    """What the probe would pick on this machine (benches run their jobs with the allocator fab gives ranks)."""
+    import os
+
+    return preferred_malloc([p for p in MALLOC_PATHS if os.path.isfile(p)])
 
 
 def split_sections(text: str) -> dict[str, str]:
@@ -105,12 +124,7 @@ def parse(probe_output: str) -> Topology:
         cores = by_socket.setdefault(socket, {})
         cores[core] = min(cpu, cores.get(core, cpu))
     mem = re.search(r"MemTotal:\s*(\d+)\s*kB", s.get("meminfo", ""))
-    malloc = None
-    libs = s.get("malloc", "").split()
-    for pref in MALLOC_PREFERENCE:
-        malloc = next((lib for lib in libs if pref in lib), None)
-        if malloc:
-            break
+    malloc = preferred_malloc(s.get("malloc", "").split())
     return Topology(
         model=info.get("Model name", "unknown"),
         sockets=int(info.get("Socket(s)", 1)),
