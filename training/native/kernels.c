@@ -1,6 +1,7 @@
 /* CPU kernels the bundled jobs call through ctypes (training/native/__init__.py builds this file with the node's
    gcc, -march=native, at first use). Each one does in one pass what torch does in several. */
 #include <math.h>
+#include <omp.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -210,3 +211,77 @@ static inline float exp_nonpositive(float x) {
 ATTN_PROBS(xc_attn_bf16, uint16_t, bf16_in, uint16_t, bf16_out, bf16_in, bf16_out)
 ATTN_PROBS(xc_attn_bf16_f32, uint16_t, bf16_in, float, f32_out, f32_in, bf16_out)
 ATTN_PROBS(xc_attn_f32, float, f32_in, float, f32_out, f32_in, f32_out)
+
+/* GELU (erf form, torch's default) and its slope at x as torch's CPU kernels compute them: erf(x/sqrt2) by
+   Abramowitz and Stegun 7.1.26 (absolute error < 1.5e-7, torch's vectorised erf), exp(-x^2/2) shared by erf and
+   the density, y = x/2 (1 + erf), slope = (1 + erf)/2 + x phi(x). */
+static inline void gelu_slope(float x, float *y, float *slope) {
+  const float z = x * 0.70710678118654752f, az = fabsf(z);
+  const float t = 1.0f / fmaf(0.3275911f, az, 1.0f);
+  float r = 1.061405429f;
+  r = fmaf(r, t, -1.453152027f);
+  r = fmaf(r, t, 1.421413741f);
+  r = fmaf(r, t, -0.284496736f);
+  r = fmaf(r, t, 0.254829592f);
+  const float e = exp_nonpositive(-(z * z));
+  const float erf = copysignf(fmaf(-(t * r), e, 1.0f), x);
+  const float cdf = 0.5f * (1.0f + erf);
+  *y = x * 0.5f * (1.0f + erf);
+  *slope = fmaf(x, e * 0.3989422804014327f, cdf);
+}
+
+/* round to nearest even without bf16_out's NaN test: for values computed from bf16 inputs, whose NaNs carry no
+   payload in the low 16 bits */
+static inline uint16_t bf16_out_computed(float f) {
+  uint32_t u;
+  memcpy(&u, &f, 4);
+  return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+/* The FFN's bias and GELU after a bias-free matmul: x = h + bias in fp32 (torch's addmm rounds it to bf16 first),
+   y = gelu(x) and its slope, both bf16; rows x cols, bias one per column. */
+void xc_bias_gelu_bf16_forward(const uint16_t *h, const uint16_t *bias, uint16_t *y, uint16_t *slope, int64_t rows,
+                               int64_t cols, int threads) {
+#pragma omp parallel for schedule(static) num_threads(threads)
+  for (int64_t r = 0; r < rows; r++) {
+    const uint16_t *hr = h + r * cols;
+    uint16_t *yr = y + r * cols, *sr = slope + r * cols;
+#pragma omp simd
+    for (int64_t j = 0; j < cols; j++) {
+      float yv, sv;
+      gelu_slope(bf16_in(hr[j]) + bf16_in(bias[j]), &yv, &sv);
+      yr[j] = bf16_out_computed(yv);
+      sr[j] = bf16_out_computed(sv);
+    }
+  }
+}
+
+/* Its backward: g_x = bf16(g_y * slope), and the bias gradient, the column sums of g_x in fp32 (partial sums per
+   thread in scratch, threads x cols floats, then added in thread order). */
+void xc_gelu_bf16_backward(const uint16_t *grad, const uint16_t *slope, uint16_t *out, float *bias_grad,
+                           float *scratch, int64_t rows, int64_t cols, int threads) {
+#pragma omp parallel num_threads(threads)
+  {
+    const int nt = omp_get_num_threads(), me = omp_get_thread_num();
+    float *acc = scratch + (int64_t)me * cols;
+    for (int64_t j = 0; j < cols; j++) acc[j] = 0.0f;
+    const int64_t r0 = rows * me / nt, r1 = rows * (me + 1) / nt;
+    for (int64_t r = r0; r < r1; r++) {
+      const uint16_t *gr = grad + r * cols, *sr = slope + r * cols;
+      uint16_t *o = out + r * cols;
+#pragma omp simd
+      for (int64_t j = 0; j < cols; j++) {
+        const uint16_t v = bf16_out_computed(bf16_in(gr[j]) * bf16_in(sr[j]));
+        o[j] = v;
+        acc[j] += bf16_in(v);
+      }
+    }
+#pragma omp barrier
+#pragma omp for schedule(static)
+    for (int64_t j = 0; j < cols; j++) {
+      float s = 0.0f;
+      for (int t = 0; t < nt; t++) s += scratch[(int64_t)t * cols + j];
+      bias_grad[j] = s;
+    }
+  }
+}
