@@ -37,7 +37,7 @@ def build(variant: str, state: dict | None):
     import torch
     from transformers import BertConfig, BertForSequenceClassification
 
-    from training import fastdrop, fusedffn, master
+    from training import fastdrop, fused, master
 
     s = model_shapes.BERT_BASE
     config = BertConfig(vocab_size=30522, hidden_size=s.width, num_hidden_layers=s.layers, num_attention_heads=s.heads,
@@ -47,7 +47,7 @@ def build(variant: str, state: dict | None):
     if state is not None:
         model.load_state_dict(state)
     fastdrop.install(model)
-    fusedffn.install(model)
+    fused.install(model)
     model.get_input_embeddings().weight.requires_grad_(False)
     base = variant.removeprefix("compile-")
     if base == "autocast":

@@ -27,11 +27,11 @@ class SpeedArguments:
 def apply(model, args: SpeedArguments, argv: list[str]) -> None:
     """Fast dropout and frozen embeddings on model, as args say. A resumed checkpoint that trained the
     embeddings (started before they were frozen by default) keeps training them unless the flag was given."""
-    from training import common, fastdrop, fusedffn
+    from training import common, fastdrop, fused
 
     if args.fast_dropout:
         fastdrop.install(model)
-    fusedffn.install(model)  # bf16 training with training/native's kernels only; else the block's own forward
+    fused.install(model)  # bf16 training with training/native's kernels only; else the block's own forward
     if args.freeze_embeddings and not common.has_flag(argv, "--freeze_embeddings", "--no_freeze_embeddings"):
         args.freeze_embeddings = not resumes_trained_embeddings(model)
     if args.freeze_embeddings:

@@ -48,6 +48,9 @@ SIGNATURES = {
     **{f"xc_attn_{t}_backward": [_P, _P, _P, _I64, _I64, _F, _F, _P, _INT] for t in ("bf16", "bf16_f32", "f32")},
     "xc_bias_gelu_bf16_forward": [_P, _P, _P, _P, _I64, _I64, _INT],
     "xc_gelu_bf16_backward": [_P, _P, _P, _P, _P, _I64, _I64, _INT],
+    "xc_dense_out_bf16_forward": [_P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _I64, _I64, ctypes.c_uint64,
+                                  ctypes.c_uint32, _F, _F, _INT],
+    "xc_dense_out_bf16_backward": [_P, _P, _P, _P, _P, _P, _F, _P, _P, _P, _P, _P, _P, _I64, _I64, _INT],
 }
 
 

@@ -285,3 +285,119 @@ void xc_gelu_bf16_backward(const uint16_t *grad, const uint16_t *slope, uint16_t
     }
   }
 }
+
+/* An encoder layer's output block after its bias-free matmul h: r = dropout(h + bias) + residual (rounded to bf16,
+   as torch's add would give), y = layer_norm(r) * gamma + beta. Dropout as the dropout kernels above draw it
+   (threshold 0 keeps all). Writes y, r (for the backward), the mask as bytes, each row's mean and 1/std. */
+void xc_dense_out_bf16_forward(const uint16_t *h, const uint16_t *bias, const uint16_t *residual,
+                               const uint16_t *gamma, const uint16_t *beta, uint16_t *y, uint16_t *r_out,
+                               uint8_t *mask, float *mean_out, float *rstd_out, int64_t rows, int64_t cols,
+                               uint64_t seed, uint32_t threshold, float scale, float eps, int threads) {
+  const int64_t padded = (cols + LANES - 1) / LANES * LANES;
+#pragma omp parallel for schedule(static) num_threads(threads)
+  for (int64_t row = 0; row < rows; row++) {
+    float r[ROW_MAX + LANES], lane[LANES];
+    const int64_t base = row * cols;
+    const uint16_t *hr = h + base, *res = residual + base;
+    uint16_t *ro = r_out + base;
+    uint8_t *mr = mask + base;
+#pragma omp simd
+    for (int64_t j = 0; j < cols; j++) {
+      const int64_t i = base + j;
+      const uint64_t word = splitmix64(seed + (uint64_t)(i >> 2) * 0x9e3779b97f4a7c15ull);
+      const uint8_t keep = ((word >> (16 * (i & 3))) & 0xffffu) >= threshold;
+      const uint16_t rb = bf16_out((bf16_in(hr[j]) + bf16_in(bias[j])) * (keep ? scale : 0.0f) + bf16_in(res[j]));
+      mr[j] = keep;
+      ro[j] = rb;
+      r[j] = bf16_in(rb);
+    }
+    for (int64_t j = cols; j < padded; j++) r[j] = 0.0f;
+    for (int l = 0; l < LANES; l++) lane[l] = 0.0f;
+    for (int64_t j = 0; j < padded; j += LANES)
+      for (int l = 0; l < LANES; l++) lane[l] += r[j + l];
+    float sum = 0.0f;
+    for (int l = 0; l < LANES; l++) sum += lane[l];
+    const float mean = sum / (float)cols;
+    for (int l = 0; l < LANES; l++) lane[l] = 0.0f;
+    for (int64_t j = 0; j < cols; j++) r[j] -= mean;
+    for (int64_t j = 0; j < padded; j += LANES)
+      for (int l = 0; l < LANES; l++) lane[l] += r[j + l] * r[j + l];
+    float ss = 0.0f;
+    for (int l = 0; l < LANES; l++) ss += lane[l];
+    const float rstd = 1.0f / sqrtf(ss / (float)cols + eps);
+    uint16_t *yr = y + base;
+#pragma omp simd
+    for (int64_t j = 0; j < cols; j++) yr[j] = bf16_out(fmaf(r[j] * rstd, bf16_in(gamma[j]), bf16_in(beta[j])));
+    mean_out[row] = mean;
+    rstd_out[row] = rstd;
+  }
+}
+
+/* Its backward from grad (of y): the layer norm's input gradient g_r (bf16: the residual's gradient), the dropped
+   gradient of h + bias (g_z = g_r * keep * scale), and the column sums of grad * xhat, grad and g_z: gamma's,
+   beta's and the bias's gradients (per-thread partial sums in scratch, 3 x threads x cols floats). */
+void xc_dense_out_bf16_backward(const uint16_t *grad, const uint16_t *r_in, const float *mean_in, const float *rstd_in,
+                                const uint16_t *gamma, const uint8_t *mask, float scale, uint16_t *g_res,
+                                uint16_t *g_z, float *d_gamma, float *d_beta, float *d_bias, float *scratch,
+                                int64_t rows, int64_t cols, int threads) {
+#pragma omp parallel num_threads(threads)
+  {
+    const int nt = omp_get_num_threads(), me = omp_get_thread_num();
+    float *acc_g = scratch + (int64_t)me * 3 * cols, *acc_b = acc_g + cols, *acc_z = acc_b + cols;
+    for (int64_t j = 0; j < 3 * cols; j++) acc_g[j] = 0.0f;
+    const int64_t r0 = rows * me / nt, r1 = rows * (me + 1) / nt;
+    const int64_t padded = (cols + LANES - 1) / LANES * LANES;
+    for (int64_t row = r0; row < r1; row++) {
+      float xh[ROW_MAX + LANES], gx[ROW_MAX + LANES], la[LANES], lb[LANES];
+      const int64_t base = row * cols;
+      const uint16_t *g = grad + base, *rr = r_in + base;
+      const float mean = mean_in[row], rstd = rstd_in[row];
+#pragma omp simd
+      for (int64_t j = 0; j < cols; j++) {
+        const float gj = bf16_in(g[j]), x = (bf16_in(rr[j]) - mean) * rstd;
+        xh[j] = x;
+        gx[j] = gj * bf16_in(gamma[j]);
+        acc_g[j] += gj * x;
+        acc_b[j] += gj;
+      }
+      for (int64_t j = cols; j < padded; j++) xh[j] = gx[j] = 0.0f;
+      for (int l = 0; l < LANES; l++) la[l] = lb[l] = 0.0f;
+      for (int64_t j = 0; j < padded; j += LANES)
+        for (int l = 0; l < LANES; l++) {
+          la[l] += gx[j + l];
+          lb[l] += gx[j + l] * xh[j + l];
+        }
+      float a = 0.0f, b = 0.0f;
+      for (int l = 0; l < LANES; l++) {
+        a += la[l];
+        b += lb[l];
+      }
+      a /= (float)cols;
+      b /= (float)cols;
+      uint16_t *gr = g_res + base, *gz = g_z + base;
+      const uint8_t *mr = mask + base;
+#pragma omp simd
+      for (int64_t j = 0; j < cols; j++) {
+        const uint16_t v = bf16_out(rstd * (gx[j] - a - xh[j] * b));
+        const uint16_t z = bf16_out(bf16_in(v) * (mr[j] ? scale : 0.0f));
+        gr[j] = v;
+        gz[j] = z;
+        acc_z[j] += bf16_in(z);
+      }
+    }
+#pragma omp barrier
+#pragma omp for schedule(static)
+    for (int64_t j = 0; j < cols; j++) {
+      float sg = 0.0f, sb = 0.0f, sz = 0.0f;
+      for (int t = 0; t < nt; t++) {
+        const float *p = scratch + (int64_t)t * 3 * cols;
+        sg += p[j];
+        sb += p[cols + j];
+        sz += p[2 * cols + j];
+      }
+      d_gamma[j] = sg;
+      d_beta[j] = sb;
+      d_bias[j] = sz;
+    }
+  }
+}

@@ -1,6 +1,6 @@
-"""The encoder FFN's dense + GELU in bf16 training (training/fusedffn.py, training/native's kernels): the values
-and gradients torch's own ops give, within bf16's rounding, and the module's own forward wherever it does not
-apply."""
+"""An encoder layer's fused dense blocks in bf16 training (training/fused.py, training/native's kernels): dense +
+GELU, and dense + dropout + residual + layer norm, give the values and gradients torch's own ops give within
+bf16's rounding, and each block runs its own forward wherever the fused path does not apply."""
 from __future__ import annotations
 
 import shutil
@@ -10,7 +10,7 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from training import fusedffn, native
+from training import fused, native
 
 pytestmark = pytest.mark.skipif(shutil.which("gcc") is None, reason="no gcc: training/native's kernels are not built")
 
@@ -52,9 +52,9 @@ def threads(request):
     torch.set_num_threads(before)
 
 
-def test_forward_and_every_gradient_are_torchs_within_bf16_rounding(threads):
+def test_the_gelu_block_forward_and_every_gradient_are_torchs_within_bf16_rounding(threads):
     block = _block()
-    assert fusedffn.install(block) == 1
+    assert fused.install(block) == 1
     x = (torch.randn(3, 37, 96) * 2).bfloat16().requires_grad_()  # rows not a multiple of anything the kernel blocks
     grad = torch.randn(3, 37, 384).bfloat16()
     y = block(x)
@@ -77,7 +77,7 @@ def test_the_slope_matters_a_wrong_one_fails_the_comparison():
     """The backward multiplies by the kept slope: checked against a GELU whose slope is plainly not the erf
     form's, so the comparison above is one that can fail."""
     block = _block()
-    fusedffn.install(block)
+    fused.install(block)
     x = torch.randn(64, 96).bfloat16().requires_grad_()
     grad = torch.randn(64, 384).bfloat16()
     block(x).backward(grad)
@@ -92,7 +92,7 @@ def test_the_slope_matters_a_wrong_one_fails_the_comparison():
 def test_where_it_does_not_apply_the_block_runs_its_own_forward_bit_for_bit(case, monkeypatch):
     block = _block(dtype=torch.float32 if case == "fp32" else torch.bfloat16)
     own = type(block).forward
-    fusedffn.install(block)
+    fused.install(block)
     x = torch.randn(5, 96, dtype=next(block.parameters()).dtype)
     if case == "eval":
         block.eval()
@@ -111,18 +111,18 @@ def test_install_routes_bert_blocks_only_and_the_checkpoint_is_unchanged():
     bert = BertForSequenceClassification(BertConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
                                                     intermediate_size=64, vocab_size=100))
     keys = list(bert.state_dict())
-    assert fusedffn.install(bert) == 2
+    assert fused.install(bert) == 2
     assert list(bert.state_dict()) == keys
     tanh = BertForSequenceClassification(BertConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
                                                     intermediate_size=64, vocab_size=100, hidden_act="gelu_new"))
-    assert fusedffn.install(tanh) == 0  # not the erf GELU the kernel computes
+    assert fused.install(tanh) == 0  # not the erf GELU the kernel computes
     gpt2 = GPT2LMHeadModel(GPT2Config(n_embd=32, n_layer=1, n_head=2, vocab_size=100, n_positions=16))
-    assert fusedffn.install(gpt2) == 0
+    assert fused.install(gpt2) == 0
 
 
 def test_a_bf16_bert_trains_the_same_with_and_without_it():
     """Two copies of a small bf16 BERT, one routed: their losses over a few optimizer steps agree to bf16's
-    noise, and the routed one did go through the kernel."""
+    noise."""
     from transformers import BertConfig, BertForSequenceClassification
 
     torch.manual_seed(0)
@@ -131,7 +131,11 @@ def test_a_bf16_bert_trains_the_same_with_and_without_it():
     base = BertForSequenceClassification(cfg).to(torch.bfloat16).train()
     routed = BertForSequenceClassification(cfg).to(torch.bfloat16).train()
     routed.load_state_dict(base.state_dict())
-    assert fusedffn.install(routed) == 2
+    from training import fastdrop
+
+    for model in (base, routed):
+        fastdrop.install(model, attention=False)  # p = 0: no draws, and the output blocks may route
+    assert fused.install(routed) == 6  # per layer: the intermediate block, the attention's and the FFN's output
     ids, labels = torch.randint(0, 200, (8, 24)), torch.randint(0, 2, (8,))
     losses = {}
     for name, model in (("base", base), ("routed", routed)):
@@ -145,3 +149,89 @@ def test_a_bf16_bert_trains_the_same_with_and_without_it():
             losses[name].append(loss.item())
     assert losses["routed"] == pytest.approx(losses["base"], abs=2e-2)
     assert losses["routed"][-1] < losses["routed"][0]
+
+
+def _output(width=96, inner=384, p=0.0, dtype=torch.bfloat16):
+    from transformers import BertConfig
+    from transformers.models.bert.modeling_bert import BertOutput
+
+    from training import fastdrop
+
+    torch.manual_seed(0)
+    block = BertOutput(BertConfig(hidden_size=width, intermediate_size=inner, hidden_dropout_prob=p)).to(dtype)
+    with torch.no_grad():
+        block.dense.bias.normal_(0.0, 0.5)
+        block.LayerNorm.weight.normal_(1.0, 0.3)
+        block.LayerNorm.bias.normal_(0.0, 0.3)
+    fastdrop.install(block, attention=False)
+    return block
+
+
+def _output_reference(block, x, res, grad, keep=None, p=0.0):
+    """dense, dropout with the given mask, residual and layer norm in fp32 on the same bf16 values."""
+    d, n = block.dense, block.LayerNorm
+    leaves = [t.detach().float().requires_grad_() for t in (x, res, d.weight, d.bias, n.weight, n.bias)]
+    x32, r32, w, b, gamma, beta = leaves
+    z = torch.nn.functional.linear(x32, w, b)
+    if keep is not None:
+        z = z * keep / (1 - p)
+    y = torch.nn.functional.layer_norm(z + r32, (z.shape[-1],), gamma, beta, n.eps)
+    y.backward(grad.float())
+    return y.detach(), [t.grad for t in leaves]
+
+
+def _close(got, want, what, rel=2 ** -7):
+    err = (got.float() - want).abs().max().item()
+    assert err <= rel * want.abs().max().item() + 1e-3, f"{what}: max error {err} (largest {want.abs().max()})"
+
+
+def test_the_output_block_forward_and_gradients_are_torchs_within_bf16_rounding(threads):
+    block = _output()
+    assert fused.install(block) == 1
+    x = torch.randn(3, 37, 384).bfloat16().requires_grad_()
+    res = torch.randn(3, 37, 96).bfloat16().requires_grad_()
+    grad = torch.randn(3, 37, 96).bfloat16()
+    y = block(x, res)
+    assert type(y.grad_fn).__name__ == "_DenseDropAddNormBackward" and y.shape == res.shape
+    y.backward(grad)
+    ry, (gx, gres, gw, gb, ggamma, gbeta) = _output_reference(block, x, res, grad)
+    _close(y, ry, "layer_norm(dense(x) + residual)")
+    d, n = block.dense, block.LayerNorm
+    for got, want, what in ((x.grad, gx, "input"), (res.grad, gres, "residual"), (d.weight.grad, gw, "weight"),
+                            (d.bias.grad, gb, "bias"), (n.weight.grad, ggamma, "gamma"), (n.bias.grad, gbeta, "beta")):
+        _close(got, want, f"{what} gradient", rel=2 ** -6)
+        assert got.dtype == torch.bfloat16
+
+
+def test_the_output_blocks_dropout_keeps_one_minus_p_follows_the_seed_and_its_gradient_the_mask():
+    block = _output(width=256, inner=64, p=0.1)
+    fused.install(block)
+    x = torch.randn(40, 50, 64).bfloat16().requires_grad_()
+    res = torch.zeros(40, 50, 256).bfloat16()
+    torch.manual_seed(5)
+    y = block(x, res)
+    ctx = y.grad_fn
+    keep = ctx.saved_tensors[-1].view(40, 50, 256).float()
+    assert abs(keep.mean().item() - 0.9) < 3e-3  # 512k draws
+    torch.manual_seed(5)
+    assert torch.equal(block(x, res), y)
+    grad = torch.randn_like(y)
+    y.backward(grad)
+    ry, (gx, _, gw, gb, _, _) = _output_reference(block, x, res, grad, keep=keep, p=0.1)
+    _close(y, ry, "dropped forward")
+    _close(x.grad, gx, "input gradient through the mask", rel=2 ** -6)
+    _close(block.dense.bias.grad, gb, "bias gradient through the mask", rel=2 ** -6)
+
+
+def test_the_output_block_with_torchs_dropout_or_in_eval_runs_its_own_forward():
+    from transformers import BertConfig
+    from transformers.models.bert.modeling_bert import BertOutput
+
+    torch.manual_seed(0)
+    plain = BertOutput(BertConfig(hidden_size=32, intermediate_size=64)).to(torch.bfloat16)
+    assert fused.install(plain) == 0  # torch's nn.Dropout: the user asked for its masks
+    block = _output(width=32, inner=64, p=0.1)
+    fused.install(block)
+    block.eval()
+    x, res = torch.randn(4, 64).bfloat16(), torch.randn(4, 32).bfloat16()
+    assert torch.equal(block(x, res), type(block).forward(block, x, res))
