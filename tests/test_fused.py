@@ -221,6 +221,7 @@ def test_the_output_blocks_dropout_keeps_one_minus_p_follows_the_seed_and_its_gr
     _close(y, ry, "dropped forward")
     _close(x.grad, gx, "input gradient through the mask", rel=2 ** -6)
     _close(block.dense.bias.grad, gb, "bias gradient through the mask", rel=2 ** -6)
+    _close(block.dense.weight.grad, gw, "weight gradient through the mask", rel=2 ** -6)
 
 
 def test_the_output_block_with_torchs_dropout_or_in_eval_runs_its_own_forward():
