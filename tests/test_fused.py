@@ -236,3 +236,7 @@ def test_the_output_block_with_torchs_dropout_or_in_eval_runs_its_own_forward():
     block.eval()
     x, res = torch.randn(4, 64).bfloat16(), torch.randn(4, 32).bfloat16()
     assert torch.equal(block(x, res), type(block).forward(block, x, res))
+    block.train()
+    block.dropout.p = 1.0
+    with pytest.raises(ValueError, match="not in"):  # fastdrop's own error, not a division by zero
+        block(x, res)
