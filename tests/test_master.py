@@ -266,3 +266,26 @@ def test_groups_with_their_own_betas_step_on_torchs_path():
     _steps(opt, model, 1, torch.randn(4, 8, dtype=torch.bfloat16))
     assert opt._native is False
     assert all(torch.equal(p, m.to(torch.bfloat16)) for p, m in zip(model.parameters(), opt.masters))
+
+
+def test_the_native_clip_norm_is_foreach_norms_per_weight_rounding_and_all():
+    """clip_grad_norm's one native pass: each weight's norm as torch._foreach_norm gives it for bf16 gradients
+    (fp32 sums, rounded to bf16), through weights of several chunks, odd sizes and one without a gradient."""
+    import shutil
+
+    if shutil.which("gcc") is None:
+        pytest.skip("no gcc on this machine: the native kernels are not built (torch's path runs instead)")
+    torch.manual_seed(0)
+    shapes = [(3 * 65536 + 7,), (1000, 77), (5,), (300, 300)]  # several 64k-element chunks, and less than one
+    params = [torch.nn.Parameter(torch.zeros(s, dtype=torch.bfloat16)) for s in shapes]
+    opt = MasterAdamW([(f"w{i}", p) for i, p in enumerate(params)], no_decay=set(), lr=1e-3, weight_decay=0.0)
+    for i, p in enumerate(params):
+        p.grad = None if i == 2 else (torch.randn(p.shape) * (i + 1)).to(torch.bfloat16)
+    native_norms = opt._native_norms()
+    assert native_norms is not None and opt._native  # the kernel ran
+    want = torch.stack(torch._foreach_norm([p.grad for p in params if p.grad is not None], 2))
+    assert native_norms.dtype == want.dtype == torch.bfloat16
+    assert torch.equal(native_norms, want)
+    assert opt.clip_grad_norm(1.0).item() == pytest.approx(torch.linalg.vector_norm(want.float()).item(), rel=1e-6)
+    params[1].grad = torch.randn(77, 1000).bfloat16().t()  # not contiguous: torch's path
+    assert opt._native_norms() is None

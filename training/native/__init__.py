@@ -46,6 +46,7 @@ SIGNATURES = {
     **{f"xc_attn_{t}_forward": [_P, _P, _I64, _I64, _I64, _I64, _I64, _I64, _F, _P, _P, _P, _I64, ctypes.c_uint64,
                                 ctypes.c_uint32, _F, _INT] for t in ("bf16", "bf16_f32", "f32")},
     **{f"xc_attn_{t}_backward": [_P, _P, _P, _I64, _I64, _F, _F, _P, _INT] for t in ("bf16", "bf16_f32", "f32")},
+    "xc_sumsq_bf16": [_PP, ctypes.POINTER(Chunk), _I64, _P, _INT],
     "xc_bias_gelu_bf16_forward": [_P, _P, _P, _P, _I64, _I64, _INT],
     "xc_gelu_bf16_backward": [_P, _P, _P, _P, _P, _I64, _I64, _INT],
     "xc_dense_out_bf16_forward": [_P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _I64, _I64, ctypes.c_uint64,

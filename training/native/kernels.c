@@ -61,6 +61,28 @@ void xc_adamw_bf16(const uint16_t *const *grads, uint16_t *const *weights, float
   }
 }
 
+/* Each chunk's sum of squares of bf16 gradients in fp32 (a tensor's norm is the root of its chunks' sums):
+   grads[t] NULL gives 0. LANES partial sums, whole vectors, then the chunk's last elements one by one. */
+void xc_sumsq_bf16(const uint16_t *const *grads, const chunk_t *chunks, int64_t nchunks, float *out, int threads) {
+#pragma omp parallel for schedule(static) num_threads(threads)
+  for (int64_t c = 0; c < nchunks; c++) {
+    const uint16_t *g = grads[chunks[c].tensor];
+    float lane[16] = {0};
+    float sum = 0.0f;
+    if (g) {
+      const int64_t b = chunks[c].begin, e = chunks[c].end, whole = b + (e - b) / 16 * 16;
+      for (int64_t i = b; i < whole; i += 16)
+        for (int l = 0; l < 16; l++) {
+          const float x = bf16_in(g[i + l]);
+          lane[l] += x * x;
+        }
+      for (int l = 0; l < 16; l++) sum += lane[l];
+      for (int64_t i = whole; i < e; i++) sum += bf16_in(g[i]) * bf16_in(g[i]);
+    }
+    out[c] = sum;
+  }
+}
+
 /* Dropout. Element i's 16-bit uniform is bits 16*(i%4).. of splitmix64(seed + i/4), a counter-based stream, so
    every chunk, thread count and core draws the same mask for a seed; kept where uniform >= threshold (p in
    1/65536ths). Forward writes y = x * scale where kept, else 0, and the mask as bytes; backward applies it. */
