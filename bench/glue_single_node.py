@@ -240,8 +240,8 @@ def run(name: str, extra: list[str], precision: str, samples: int, batch: int, o
         env["LD_PRELOAD"] = MALLOC[name]
     elif name == "glibc-malloc":
         env.pop("LD_PRELOAD", None)
-    elif rank_malloc() and "LD_PRELOAD" not in os.environ:
-        env["LD_PRELOAD"] = rank_malloc()
+    elif "LD_PRELOAD" not in os.environ and (lib := rank_malloc()):
+        env["LD_PRELOAD"] = lib
     env.update(LEVER_ENV.get(name, {}))
     res = subprocess.run(args, cwd=ROOT, env=env, capture_output=True, text=True, check=False)
     if res.returncode != 0:

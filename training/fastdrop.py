@@ -21,11 +21,17 @@ import torch
 ATTENTION = "xc_eager"  # eager attention with this dropout on its probabilities
 
 
+def mask_seed() -> int:
+    """One draw from torch's generator, that a mask's stream starts from: torch.manual_seed and a checkpoint's
+    rng state decide every mask, whichever path (numpy's, a native kernel's) draws it."""
+    return int(torch.randint(0, 2**63 - 1, (), dtype=torch.int64))
+
+
 def draws(words: int, device: torch.device | str = "cpu") -> torch.Tensor:
     """words uniform 64-bit draws as int64, from a generator seeded by torch's."""
     if torch.device(device).type != "cpu":
         return torch.randint(-2**63, 2**63 - 1, (words,), dtype=torch.int64, device=device)
-    seed = int(torch.randint(0, 2**63 - 1, (), dtype=torch.int64))
+    seed = mask_seed()
     raw = np.random.Generator(np.random.SFC64(seed)).integers(0, 2**64, size=words, dtype=np.uint64)
     return torch.from_numpy(raw.view(np.int64))
 
@@ -53,7 +59,7 @@ class _Native(torch.autograd.Function):
     def forward(ctx, x, p, lib):
         x = x.contiguous()
         y, mask = torch.empty_like(x), torch.empty(x.shape, dtype=torch.uint8)
-        seed = int(torch.randint(0, 2**63 - 1, (), dtype=torch.int64))
+        seed = mask_seed()
         ctx.scale, ctx.kernel = 1.0 / (1.0 - p), _kernels(lib, x.dtype)
         ctx.kernel[0](x.data_ptr(), y.data_ptr(), mask.data_ptr(), x.numel(), seed, round(p * 65536), ctx.scale,
                       torch.get_num_threads())
@@ -137,7 +143,7 @@ class _AttentionProbs(torch.autograd.Function):
             strides = m.stride()[:3]
         y, probs = (torch.empty(scores.shape, dtype=out_dtype) for _ in range(2))
         keep = torch.empty(scores.shape, dtype=torch.uint8)
-        seed = int(torch.randint(0, 2**63 - 1, (), dtype=torch.int64))
+        seed = mask_seed()
         ctx.scaling, ctx.scale_drop, ctx.kernel = scaling, 1.0 / (1.0 - p), kernel
         kernel[0](scores.data_ptr(), None if m is None else m.data_ptr(), heads, queries, cols, *strides, scaling,
                   y.data_ptr(), probs.data_ptr(), keep.data_ptr(), batch * heads * queries, seed, round(p * 65536),

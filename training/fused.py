@@ -17,6 +17,8 @@ import types
 
 import torch
 
+from training.fastdrop import FastDropout, mask_seed
+
 ROW_MAX = 4096  # kernels.c's ROW_MAX: wider layer norms take the block's own forward
 
 
@@ -68,7 +70,7 @@ class _DenseDropAddNorm(torch.autograd.Function):
         y, r = torch.empty_like(h), torch.empty_like(h)
         mask = torch.empty(h.shape, dtype=torch.uint8)
         mean, rstd = torch.empty(rows, dtype=torch.float32), torch.empty(rows, dtype=torch.float32)
-        seed = int(torch.randint(0, 2**63 - 1, (), dtype=torch.int64)) if p > 0 else 0
+        seed = mask_seed() if p > 0 else 0
         ctx.scale = 1.0 / (1.0 - p)
         lib.xc_dense_out_bf16_forward(h.data_ptr(), bias.data_ptr(), res.data_ptr(), gamma.data_ptr(),
                                       beta.data_ptr(), y.data_ptr(), r.data_ptr(), mask.data_ptr(), mean.data_ptr(),
@@ -136,8 +138,6 @@ def _exact_gelu(act) -> bool:
 def _output_block(module) -> bool:
     """dense, then dropout (training/fastdrop's, whose masks the kernel draws alike), residual and layer norm over
     the last dimension: BERT's (and its kin's) SelfOutput and Output."""
-    from training.fastdrop import FastDropout
-
     norm = getattr(module, "LayerNorm", None)
     return (isinstance(getattr(module, "dense", None), torch.nn.Linear)
             and isinstance(getattr(module, "dropout", None), FastDropout)

@@ -234,6 +234,17 @@ ATTN_PROBS(xc_attn_bf16, uint16_t, bf16_in, uint16_t, bf16_out, bf16_in, bf16_ou
 ATTN_PROBS(xc_attn_bf16_f32, uint16_t, bf16_in, float, f32_out, f32_in, bf16_out)
 ATTN_PROBS(xc_attn_f32, float, f32_in, float, f32_out, f32_in, f32_out)
 
+/* Inside a parallel region, after a barrier: out[j] = the threads' partial sums scratch[t * stride + offset + j]
+   added in thread order (so a thread count gives one result), columns shared among the threads. */
+static void column_sums(const float *scratch, int nt, int64_t stride, int64_t offset, int64_t cols, float *out) {
+#pragma omp for schedule(static)
+  for (int64_t j = 0; j < cols; j++) {
+    float s = 0.0f;
+    for (int t = 0; t < nt; t++) s += scratch[(int64_t)t * stride + offset + j];
+    out[j] = s;
+  }
+}
+
 /* GELU (erf form, torch's default) and its slope at x as torch's CPU kernels compute them: erf(x/sqrt2) by
    Abramowitz and Stegun 7.1.26 (absolute error < 1.5e-7, torch's vectorised erf), exp(-x^2/2) shared by erf and
    the density, y = x/2 (1 + erf), slope = (1 + erf)/2 + x phi(x). */
@@ -299,12 +310,7 @@ void xc_gelu_bf16_backward(const uint16_t *grad, const uint16_t *slope, uint16_t
       }
     }
 #pragma omp barrier
-#pragma omp for schedule(static)
-    for (int64_t j = 0; j < cols; j++) {
-      float s = 0.0f;
-      for (int t = 0; t < nt; t++) s += scratch[(int64_t)t * cols + j];
-      bias_grad[j] = s;
-    }
+    column_sums(scratch, nt, cols, 0, cols, bias_grad);
   }
 }
 
@@ -408,18 +414,8 @@ void xc_dense_out_bf16_backward(const uint16_t *grad, const uint16_t *r_in, cons
       }
     }
 #pragma omp barrier
-#pragma omp for schedule(static)
-    for (int64_t j = 0; j < cols; j++) {
-      float sg = 0.0f, sb = 0.0f, sz = 0.0f;
-      for (int t = 0; t < nt; t++) {
-        const float *p = scratch + (int64_t)t * 3 * cols;
-        sg += p[j];
-        sb += p[cols + j];
-        sz += p[2 * cols + j];
-      }
-      d_gamma[j] = sg;
-      d_beta[j] = sb;
-      d_bias[j] = sz;
-    }
+    column_sums(scratch, nt, 3 * cols, 0, cols, d_gamma);
+    column_sums(scratch, nt, 3 * cols, cols, cols, d_beta);
+    column_sums(scratch, nt, 3 * cols, 2 * cols, cols, d_bias);
   }
 }
