@@ -13,22 +13,27 @@ TORCH := torch==$(TORCH_VERSION)+cpu
 TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
 PIP = $(BIN)/pip
 
-.PHONY: help venv torch-cpu project-deps sshd gcc demo test test-fast lint bench clean
+.PHONY: help venv venv-ops torch-cpu project-deps fab-entry sshd gcc demo test test-fast lint bench clean
 
 help:
 	@echo "make demo   - 2-node local cluster, fine-tune MiniLM on the bundled paraphrase set, stop the cluster"
 	@echo "make test   - the test suite (unit + local-cluster integration)"
 	@echo "make lint   - ruff, layout rules, doc links, repeated code"
 	@echo "make bench  - benchmarks under bench/"
+	@echo "make venv-ops - the venv alone (pulumi, fab against AWS): no sshd, no gcc"
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(MAKE) --no-print-directory torch-cpu
 	$(MAKE) --no-print-directory project-deps
+	$(MAKE) --no-print-directory fab-entry
 	touch $(STAMP)
 
 venv: $(STAMP) sshd gcc
+
+# An operator's laptop that only runs `pulumi` and `fab` against AWS needs no local cluster: no sshd, no gcc.
+venv-ops: $(STAMP)
 
 # One line says which torch build is installed and from where (tests/test_makefile.py runs this target with a
 # stand-in pip and an unreachable or a local index).
@@ -57,6 +62,18 @@ project-deps:
 	  if [ "$(INSTALLER)" = uv ]; then echo "packages: uv could not install them; pip instead"; fi; \
 	  $(PIP) install -q '$(TORCH)' -e '.[infra,train,dev]'; \
 	fi
+
+# Fabric and this project both install a `fab`, and pip and uv write the two in no set order. The venv's must be
+# ours (core/fabmain.py: Fabric's program, which falls back to this checkout's fabfile, so `fab` works from the
+# user's own repository): installing the project again, alone, settles it.
+fab-entry:
+	@grep -q core.fabmain $(BIN)/fab 2>/dev/null || { \
+	  echo "fab: installing the project's fab (it finds this checkout's tasks from any folder) over Fabric's"; \
+	  if [ -x $(BIN)/uv ]; then \
+	    $(BIN)/uv pip install -q --python $(BIN)/python $$($(BIN)/python -m core.pipconfig) --no-deps \
+	      --reinstall-package xeon-cluster -e .; \
+	  else $(PIP) install -q --no-deps --force-reinstall -e .; fi; }
+	@grep -q core.fabmain $(BIN)/fab || { echo "error: $(BIN)/fab is Fabric's, not the project's; run '$(PIP) install --no-deps --force-reinstall -e .'" >&2; exit 1; }
 
 # The local cluster needs sshd; install it when we can, say how when we can't.
 sshd:
