@@ -135,3 +135,53 @@ def test_installer_pip_skips_uv(tmp_path):
     done = _make_deps(pip, "INSTALLER=pip")
     assert done.returncode == 0 and done.stdout == "", done.stdout + done.stderr
     assert calls.read_text().split() == ["install", "-q", TORCH, "-e", ".[infra,train,dev]"]
+
+
+def _fab_entry(tmp_path: Path, pip_writes: str) -> tuple[subprocess.CompletedProcess, Path, Path]:
+    """`make fab-entry` on a stand-in venv whose bin/fab is Fabric's; its pip (no uv there) writes `pip_writes`."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    fab = bin_dir / "fab"
+    if not fab.exists():
+        fab.write_text("#!/usr/bin/python3\nfrom fabric.main import program\n")
+    calls = tmp_path / "pip-calls"
+    pip = tmp_path / "pip"
+    pip.write_text(f'#!/bin/sh\necho "$*" >> {calls}\nprintf "%s\\n" "{pip_writes}" > {fab}\n')
+    pip.chmod(0o755)
+    done = subprocess.run(["make", "-s", "--no-print-directory", "-C", str(ROOT), "fab-entry", f"BIN={bin_dir}",
+                           f"PIP={pip}"], check=False, capture_output=True, text=True, timeout=60)
+    return done, fab, calls
+
+
+def test_the_venvs_fab_is_the_projects_whoever_installed_last(tmp_path):
+    """Fabric's `fab` finds no fabfile outside the checkout; the project's (core/fabmain.py) must be the venv's."""
+    ours = "from core.fabmain import main"
+    done, fab, calls = _fab_entry(tmp_path, ours)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines() == [("fab: installing the project's fab (it finds this checkout's tasks from any "
+                                         "folder) over Fabric's")]
+    assert calls.read_text().split() == ["install", "-q", "--no-deps", "--force-reinstall", "-e", "."]
+    assert ours in fab.read_text()
+    calls.unlink()
+    again, _, _ = _fab_entry(tmp_path, ours)  # already ours: nothing installed
+    assert again.returncode == 0 and again.stdout == "" and not calls.exists()
+
+
+def test_a_fab_that_stays_fabrics_stops_make_with_the_fix(tmp_path):
+    done, _, _ = _fab_entry(tmp_path, "from fabric.main import program")
+    assert done.returncode != 0
+    errors = [ln for ln in done.stderr.splitlines() if ln.startswith("error:")]
+    assert len(errors) == 1 and "--force-reinstall -e ." in errors[0], done.stderr
+
+
+def test_the_ops_venv_needs_no_sshd(tmp_path):
+    """`make venv-ops` (a laptop that only runs pulumi and fab against AWS) never asks for sshd; `make venv` does."""
+    stamp = tmp_path / "installed"
+    stamp.touch()  # newer than pyproject.toml: the venv itself is up to date
+
+    def dry(target: str) -> str:
+        return subprocess.run(["make", "-n", "--no-print-directory", "-C", str(ROOT), target, f"STAMP={stamp}"],
+                              check=True, capture_output=True, text=True, timeout=60).stdout
+
+    assert "openssh-server" in dry("venv")
+    assert "openssh-server" not in dry("venv-ops") and "sshd" not in dry("venv-ops")
