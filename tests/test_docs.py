@@ -301,3 +301,52 @@ def test_pulumi_policy_covers_every_service_the_program_uses():
                    for a in actions):
             missing.append(f"aws.{module}.{kind} ({prefix}:Create*/Put*)")
     assert not missing, f"docs/iam-policy-pulumi.json lacks what these resources need: {missing}"
+
+
+# ---- checkpoint names and costs: what the code says ---------------------------------------------------------
+
+CHECKPOINT_REF = re.compile(r"\b(?:checkpoints|resume)/([a-z]+-(?:N|\d+|<\w+>))")
+
+
+def test_checkpoint_names_in_docs_are_the_codes():
+    """A checkpoint's folder is training.paths.checkpoint_name(step) (`checkpoint-N`, the Trainer's); the docs once
+    named it `step-N` after the code had changed."""
+    from training.paths import checkpoint_name
+
+    prefix = checkpoint_name(7).removesuffix("7")
+    named, wrong = [], []
+    for doc in DOCS:
+        text = doc.read_text()
+        for m in CHECKPOINT_REF.finditer(text):
+            named.append(m.group(1))
+            if not m.group(1).startswith(prefix):
+                wrong.append(f"{doc.relative_to(ROOT)}: {m.group(0)}")
+        wrong += [f"{doc.relative_to(ROOT)}: {m.group(0)}" for m in re.finditer(r"\bstep-(?:N|<\w+>)(?=[/`\s])", text)]
+    assert not wrong, f"checkpoints are named {prefix}N (training/paths.py):\n" + "\n".join(wrong)
+    assert len(named) >= 3  # the scan sees store.md's and train.md's layouts
+
+
+def test_the_costs_the_docs_quote_are_infra_costs():
+    """The README and the quick start quote what `pulumi up` costs before anyone runs it: the defaults (Pulumi.yaml)
+    and the cheapest cluster across nodes, on demand, with and without the head, as infra/cost.py estimates them."""
+    import yaml
+
+    from infra.cost import estimate
+
+    config = yaml.safe_load((ROOT / "Pulumi.yaml").read_text())["config"]
+    default = {k: config[k]["default"] for k in ("instanceType", "nodeCount", "rootVolumeGib", "headInstanceType")}
+
+    def usd_h(instance_type: str, count: int, head: bool) -> str:
+        e = estimate(instance_type, count, availability_zone="us-east-1a", spot=False,
+                     root_volume_gib=default["rootVolumeGib"], head_instance_type=default["headInstanceType"] if head else None)
+        return f"${e.total_usd_h:.2f}/h"
+
+    figures = {f"{default['nodeCount']} x {default['instanceType']}": usd_h(default["instanceType"], default["nodeCount"], False),
+               "2 x c6i.2xlarge": usd_h("c6i.2xlarge", 2, False), "with the head": usd_h("c6i.2xlarge", 2, True)}
+    for doc in (ROOT / "README.md", ROOT / "docs" / "aws-quickstart.md"):
+        text = " ".join(doc.read_text().split())
+        missing = [f"{what}: {figure}" for what, figure in figures.items() if what not in text or figure not in text]
+        assert not missing, f"{doc.relative_to(ROOT)} does not quote {missing} (infra/cost.py, us-east-1 list prices)"
+        assert "pulumi preview" in text and "estimated cost" in text  # where the live spot estimate is printed
+    ops = (ROOT / "docs" / "ops.md").read_text()
+    assert re.search(r"^\| 2 x c6i\.2xlarge .*\| " + re.escape(figures["2 x c6i.2xlarge"][1:-2]) + r" \|$", ops, re.M)
