@@ -1,8 +1,8 @@
 """The head: a small on-demand instance next to the nodes that runs what must outlive the operator's laptop (the
 supervisors of detached runs, issue 40). An Auto Scaling group of one replaces it when it dies; it is never spot
 (it recovers the nodes from their reclaims), boots stock Ubuntu (Canonical's SSM parameter, pinned like
-image=base), requires IMDSv2, has an encrypted gp3 root, sits in the cluster's subnet and security group (SSH from
-adminCidr only, everything else only from the cluster's members) and has its own role (infra/policies.py
+image=base), requires IMDSv2, has an encrypted gp3 root, sits in the cluster's subnet in a security group of its
+own (SSH from adminCidr only: nodes run user code and reach it on no port) and has its own role (infra/policies.py
 head_policy). It carries the cluster tag but no role tag: discovery never takes it for a node.
 """
 from __future__ import annotations
@@ -17,7 +17,7 @@ from core.render import render
 from infra.checks import AwsContext
 from infra.cost import HEAD_ROOT_GIB
 from infra.nodes import TERMINATION_HOOK, group_name
-from infra.policies import ec2_trust_policy, head_policy, secrets_path
+from infra.policies import ROLE_PATH, ec2_trust_policy, head_policy, secrets_path
 from infra.settings import ClusterSettings
 
 TAG_HEAD = TAG_PREFIX + "head"  # on the head instance: the cluster it heads
@@ -55,12 +55,13 @@ class Head(pulumi.ComponentResource):
         child = pulumi.ResourceOptions(parent=self)
         tags = settings.tags
 
-        self.role = aws.iam.Role(f"{name}-head", tags=tags, opts=child,
+        self.role = aws.iam.Role(f"{name}-head", path=ROLE_PATH, tags=tags, opts=child,
                                  assume_role_policy=ec2_trust_policy(ctx.ec2_principal))
         policy = store.bucket.arn.apply(
             lambda arn: head_policy(ctx, settings.cluster_name, group_name(settings), arn, store.prefix))
         self.policy = aws.iam.RolePolicy(f"{name}-head", role=self.role.id, policy=policy, opts=child)
-        self.instance_profile = aws.iam.InstanceProfile(f"{name}-head", role=self.role.name, tags=tags, opts=child)
+        self.instance_profile = aws.iam.InstanceProfile(f"{name}-head", path=ROLE_PATH,
+                                                        role=self.role.name, tags=tags, opts=child)
         ami = aws.ssm.get_parameter_output(name=settings.ubuntu_ami_parameter,
                                            opts=pulumi.InvokeOutputOptions(parent=self)).value
         user_data = store.url.apply(lambda url: base64.b64encode(head_user_data(settings, url).encode()).decode())
@@ -73,7 +74,7 @@ class Head(pulumi.ComponentResource):
             block_device_mappings=[{"device_name": UBUNTU_ROOT_DEVICE, "ebs": {
                 "volume_size": HEAD_ROOT_GIB, "volume_type": "gp3", "encrypted": "true",
                 "delete_on_termination": "true"}}],
-            network_interfaces=[{"device_index": 0, "security_groups": [network.security_group.id],
+            network_interfaces=[{"device_index": 0, "security_groups": [network.head_security_group.id],
                                  "associate_public_ip_address": "true", "delete_on_termination": "true"}],
             # standard credits: a busy head is throttled to its baseline rather than billed for surplus credits
             credit_specification={"cpu_credits": "standard"} if burstable else None,

@@ -17,7 +17,7 @@ from core.constants import TAG_PREFIX
 from core.errors import ClusterError
 from core.render import render
 from infra.amis import AmiCleanup
-from infra.policies import ec2_trust_policy
+from infra.policies import ROLE_PATH, ec2_trust_policy
 from infra.settings import MIN_ROOT_GIB, ClusterSettings
 from node_setup import profiles
 
@@ -84,12 +84,13 @@ class Image(pulumi.ComponentResource):
 
         # The build instance may use SSM (how Image Builder drives it) and Image Builder's own
         # artefacts; nothing else.
-        role = aws.iam.Role(f"{name}-build", tags=tags, opts=child,
+        role = aws.iam.Role(f"{name}-build", path=ROLE_PATH, tags=tags, opts=child,
                             assume_role_policy=ec2_trust_policy(self.ec2_principal))
         attachments = [aws.iam.RolePolicyAttachment(f"{name}-build-{policy}", role=role.name, opts=child,
                                                     policy_arn=f"arn:{self.partition}:iam::aws:policy/{policy}")
                        for policy in BUILD_POLICIES]
-        instance_profile = aws.iam.InstanceProfile(f"{name}-build", role=role.name, tags=tags, opts=child)
+        instance_profile = aws.iam.InstanceProfile(f"{name}-build", path=ROLE_PATH,
+                                                   role=role.name, tags=tags, opts=child)
         infrastructure = aws.imagebuilder.InfrastructureConfiguration(
             f"{name}-build", instance_profile_name=instance_profile.name,
             instance_types=[settings.build_instance_type], subnet_id=network.subnet.id,

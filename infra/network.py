@@ -1,6 +1,7 @@
-"""The cluster's network: its own VPC with one public subnet in one zone, a security group that
-admits SSH from the operator only and everything else only from its own members, and a cluster
-placement group (10 Gbit/s single flows instead of 5, lowest latency between nodes).
+"""The cluster's network: its own VPC with one public subnet in one zone, the nodes' security group that
+admits SSH from the operator and the head and everything else only from its own members, the head's own
+security group (SSH from the operator only), and a cluster placement group (10 Gbit/s single flows instead
+of 5, lowest latency between nodes).
 """
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import pulumi_aws as aws
 from infra.settings import ZONE_SLICE_BITS, ClusterSettings
 
 ALL = {"protocol": "-1", "from_port": 0, "to_port": 0}
+SSH = {"protocol": "tcp", "from_port": 22, "to_port": 22}
 
 
 def subnet_cidr(vpc_cidr: str, zone: str) -> str:
@@ -41,21 +43,30 @@ class Network(pulumi.ComponentResource):
         aws.ec2.RouteTableAssociation(f"{name}-routes-assoc", subnet_id=self.subnet.id, route_table_id=routes.id,
                                       opts=child)
 
+        egress = [{"description": "package mirrors, model hubs, AWS APIs", **ALL, "cidr_blocks": ["0.0.0.0/0"]}]
+        ssh_from_admin = {"description": "SSH from the operator", **SSH, "cidr_blocks": [settings.admin_cidr]}
+        # The head holds the mesh key and run secrets and runs no user code: its own group, SSH from the operator
+        # only. Nodes reach it on no port (it connects to them; security groups let the replies back).
+        self.head_security_group = aws.ec2.SecurityGroup(
+            f"{name}-head-sg", vpc_id=vpc.id, tags={**tags, "Name": f"{settings.cluster_name}-head"}, opts=child,
+            description=f"xeon-cluster {settings.cluster_name} head: SSH from the operator only",
+            ingress=[ssh_from_admin], egress=egress)
         self.security_group = aws.ec2.SecurityGroup(
             f"{name}-sg", vpc_id=vpc.id, tags=tags, opts=child,
             description=f"xeon-cluster {settings.cluster_name}: SSH from the operator, all traffic between nodes",
             ingress=[
-                {"description": "SSH from the operator", "protocol": "tcp", "from_port": 22, "to_port": 22,
-                 "cidr_blocks": [settings.admin_cidr]},
+                ssh_from_admin,
+                # the head's supervisors start and stop runs on the nodes over SSH
+                {"description": "SSH from the head", **SSH, "security_groups": [self.head_security_group.id]},
                 # mpirun, oneCCL and gloo pick ephemeral ports: open them all, to members only.
                 {"description": "all traffic between cluster nodes", **ALL, "self": True},
             ],
-            egress=[{"description": "package mirrors, model hubs, AWS APIs", **ALL,
-                     "cidr_blocks": ["0.0.0.0/0"]}],
+            egress=egress,
         )
         # A cluster placement group lives in one zone: its name carries the zone so that a move replaces it.
         self.placement_group = aws.ec2.PlacementGroup(f"{name}-pg", name=f"{settings.cluster_name}-{settings.availability_zone}",
                                                       strategy="cluster", tags=tags, opts=child)
 
         self.register_outputs({"subnet_id": self.subnet.id, "security_group_id": self.security_group.id,
+                               "head_security_group_id": self.head_security_group.id,
                                "placement_group": self.placement_group.name})

@@ -17,7 +17,7 @@ import pulumi_aws as aws
 from core.constants import PROJECT_ROOT, TAG_PROFILE, TAG_ROLE, TAG_SSH_USER
 from core.render import render
 from infra.checks import AwsContext
-from infra.policies import ec2_trust_policy, node_policy
+from infra.policies import ROLE_PATH, ec2_trust_policy, node_policy
 from infra.settings import ClusterSettings
 
 # Stack config keys whose change makes a new launch template version, which the group rolls out.
@@ -95,14 +95,15 @@ class Nodes(pulumi.ComponentResource):
         self.key = aws.ec2.KeyPair(f"{name}-key", public_key=settings.ssh_public_key.strip(), tags=tags, opts=child)
         # The nodes' own identity (IMDSv2, hop limit 1). Its policy names the group by the ARN its name gives, so
         # the policy is in place before the group launches anything: a node's first boot finds its rights.
-        self.role = aws.iam.Role(f"{name}-node", tags=tags, opts=child,
+        self.role = aws.iam.Role(f"{name}-node", path=ROLE_PATH, tags=tags, opts=child,
                                  assume_role_policy=ec2_trust_policy(ctx.ec2_principal))
         bucket_arn = store.bucket.arn if store is not None else None
         prefix = store.prefix if store is not None else None
         policy = pulumi.Output.from_input(bucket_arn).apply(
             lambda arn: node_policy(ctx, settings.cluster_name, group_name(settings), arn, prefix))
         self.node_policy = aws.iam.RolePolicy(f"{name}-node", role=self.role.id, policy=policy, opts=child)
-        self.instance_profile = aws.iam.InstanceProfile(f"{name}-node", role=self.role.name, tags=tags, opts=child)
+        self.instance_profile = aws.iam.InstanceProfile(f"{name}-node", path=ROLE_PATH,
+                                                        role=self.role.name, tags=tags, opts=child)
         # The root device name belongs to the AMI (/dev/sda1 on Ubuntu, /dev/xvda elsewhere); a wrong
         # name would add a second volume instead of sizing and encrypting the root one.
         root_device = aws.ec2.get_ami_output(

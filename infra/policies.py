@@ -11,12 +11,18 @@ import json
 from core.constants import TAG_CLUSTER, TAG_HOST_KEY
 from infra.checks import AwsContext
 
-# What user code on a node may delete in the store, relative to the cluster's prefix: old checkpoints (training/
-# store.py keeps the newest KEEP_CHECKPOINTS) and the store probe's own object (training/store.py probe). Outputs,
-# records and logs are never deletable from a node, and no node may delete an object version (the bucket is
-# versioned: an overwrite from a node leaves the previous version for the noncurrent-version rules).
+# Every role and instance profile the program creates lives under this IAM path: the deployer's iam: rights
+# (docs/iam-policy-pulumi.json), its iam:PassRole and fab sweep's IAM deletes (docs/iam-policy.json) reach only it.
+ROLE_PATH = "/xeon-cluster/"
+# What user code on a node may write in the store, relative to the cluster's prefix: checkpoints and outputs
+# (training/store.py publish_checkpoint, publish_output) and the store probe's object. Records, logs and heartbeats
+# are the head's and the operator's: a node cannot rewrite a run's summary or another run's outputs' record.
+NODE_WRITABLE = ("runs/*/checkpoints/*", "runs/*/output/*", ".xc-probe/*")
+# What it may delete: old checkpoints (training/store.py keeps the newest KEEP_CHECKPOINTS) and the probe's object.
+# No node may delete an object version (the bucket is versioned: an overwrite from a node leaves the previous
+# version for the noncurrent-version rules).
 NODE_DELETABLE = ("runs/*/checkpoints/*", ".xc-probe/*")
-STORE_RW = ["s3:GetObject", "s3:PutObject", "s3:PutObjectTagging", "s3:AbortMultipartUpload"]
+STORE_WRITE = ["s3:PutObject", "s3:PutObjectTagging", "s3:AbortMultipartUpload"]
 SECRETS_ROOT = "/xeon-cluster"  # SSM Parameter Store: a detached run's secrets under <root>/<cluster>/
 
 
@@ -39,14 +45,19 @@ def tls_only_policy(bucket_arn: str) -> str:
                       "Condition": {"Bool": {"aws:SecureTransport": "false"}}}])
 
 
-def store_statements(bucket_arn: str, prefix: str, deletable: tuple[str, ...] | None = NODE_DELETABLE,
-                     sid: str = "Store") -> list[dict]:
-    """Read, write and list the cluster's prefix of its store; delete only under ``deletable`` (relative to the
-    prefix; None: anywhere under it). Never s3:DeleteObjectVersion: versions are the operator's to remove."""
+def store_statements(bucket_arn: str, prefix: str, writable: tuple[str, ...] | None = NODE_WRITABLE,
+                     deletable: tuple[str, ...] | None = NODE_DELETABLE, sid: str = "Store") -> list[dict]:
+    """Read and list the cluster's prefix of its store; write only under ``writable`` and delete only under
+    ``deletable`` (relative to the prefix; None: anywhere under it). Never s3:DeleteObjectVersion: versions are the
+    operator's to remove."""
     objects = f"{bucket_arn}/{prefix}"
-    where = [f"{objects}/*"] if deletable is None else [f"{objects}/{d}" for d in deletable]
-    return [{"Sid": f"{sid}Objects", "Effect": "Allow", "Action": list(STORE_RW), "Resource": [f"{objects}/*"]},
-            {"Sid": f"{sid}Delete", "Effect": "Allow", "Action": ["s3:DeleteObject"], "Resource": where},
+
+    def under(keys):
+        return [f"{objects}/*"] if keys is None else [f"{objects}/{k}" for k in keys]
+
+    return [{"Sid": f"{sid}Read", "Effect": "Allow", "Action": ["s3:GetObject"], "Resource": [f"{objects}/*"]},
+            {"Sid": f"{sid}Write", "Effect": "Allow", "Action": list(STORE_WRITE), "Resource": under(writable)},
+            {"Sid": f"{sid}Delete", "Effect": "Allow", "Action": ["s3:DeleteObject"], "Resource": under(deletable)},
             {"Sid": f"{sid}List", "Effect": "Allow", "Action": ["s3:ListBucket"], "Resource": [bucket_arn],
              "Condition": {"StringLike": {"s3:prefix": [prefix, f"{prefix}/*"]}}}]
 
@@ -70,8 +81,9 @@ def lifecycle_statement(ctx: AwsContext, group: str) -> dict:
 def node_policy(ctx: AwsContext, cluster: str, group: str, bucket_arn: str | None = None,
                 prefix: str | None = None) -> str:
     """What a node (and any user code on it) may do with the cluster's AWS identity: complete the termination
-    lifecycle action of its own group, tag itself with its host keys, and use the cluster's prefix of its store,
-    deleting only checkpoints and its probe. No wildcard action, no '*' resource."""
+    lifecycle action of its own group, tag itself with its host keys, read the cluster's prefix of its store and
+    write there only checkpoints, outputs and its probe (deleting only checkpoints and the probe). No wildcard
+    action, no '*' resource."""
     store = store_statements(bucket_arn, prefix or cluster) if bucket_arn else []
     return document([lifecycle_statement(ctx, group), host_key_statement(ctx, cluster), *store])
 
@@ -89,7 +101,7 @@ def head_policy(ctx: AwsContext, cluster: str, group: str, bucket_arn: str, pref
         {"Sid": "ReadClusterHostKeys", "Effect": "Allow", "Action": ["ec2:GetConsoleOutput"], "Resource": [instances],
          "Condition": {"StringEquals": {f"aws:ResourceTag/{TAG_CLUSTER}": cluster}}},
         lifecycle_statement(ctx, group),
-        *store_statements(bucket_arn, prefix or cluster, deletable=None, sid="HeadStore"),
+        *store_statements(bucket_arn, prefix or cluster, writable=None, deletable=None, sid="HeadStore"),
         {"Sid": "ReadRunSecrets", "Effect": "Allow", "Resource": ctx.ssm_path_arns(secrets_path(cluster)),
          "Action": ["ssm:GetParameter", "ssm:GetParameters", "ssm:GetParametersByPath"]},
         host_key_statement(ctx, cluster)])

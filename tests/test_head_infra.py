@@ -18,6 +18,7 @@ from infra import cost
 pytestmark = pytest.mark.filterwarnings("ignore:.*EncryptionControl has been deprecated:DeprecationWarning")
 LT = "aws:ec2/launchTemplate:LaunchTemplate"
 GROUP = "aws:autoscaling/group:Group"
+SG = "aws:ec2/securityGroup:SecurityGroup"
 
 
 @pytest.fixture
@@ -48,9 +49,11 @@ def test_the_head_is_a_small_on_demand_instance_with_imdsv2_an_encrypted_root_an
     profile = m.named("aws:iam/instanceProfile:InstanceProfile", "dev-head")
     assert template["iamInstanceProfile"] == {"arn": f"arn:aws:mock:::{profile.name}"}
     assert profile.inputs["role"] == "dev-head" and profile.name != "dev-node"  # its own role, not the nodes'
+    # under the path that the deployer's iam: rights and PassRole reach (issue 53 item 1)
+    assert profile.inputs["path"] == m.named("aws:iam/role:Role", "dev-head").inputs["path"] == "/xeon-cluster/"
     assert template["keyName"] == "dev-key"
     (nic,) = template["networkInterfaces"]
-    assert nic["securityGroups"] == [m.one("aws:ec2/securityGroup:SecurityGroup").id]
+    assert nic["securityGroups"] == [m.named(SG, "dev-head-sg").id]  # its own group, not the nodes'
     # replaced when it dies: a group of one, on-demand (a plain launch template, no mixed-instances policy)
     group = m.named(GROUP, "dev-head").inputs
     assert (group["minSize"], group["maxSize"], group["desiredCapacity"]) == (1, 1, 1)
@@ -70,21 +73,29 @@ def test_the_head_is_a_small_on_demand_instance_with_imdsv2_an_encrypted_root_an
                                       "aws:iam/instanceProfile:InstanceProfile"}
 
 
-def test_the_head_takes_no_ingress_but_ssh_from_the_admin_cidr(program):
+def test_the_head_has_its_own_group_with_ssh_from_the_admin_cidr_only_and_the_nodes_take_ssh_from_it(program):
+    """Issue 53 item 2: the head (mesh key, run secrets) shares no group with nodes that run user code."""
     run = program(adminCidr="198.51.100.0/28")
-    ingress = run.mocks.one("aws:ec2/securityGroup:SecurityGroup").inputs["ingress"]
-    from_outside = [r for r in ingress if r.get("cidrBlocks") or r.get("ipv6CidrBlocks")]
-    assert from_outside == [{"description": "SSH from the operator", "protocol": "tcp", "fromPort": 22, "toPort": 22,
-                             "cidrBlocks": ["198.51.100.0/28"]}]
-    assert all(r.get("self") is True for r in ingress if r not in from_outside)  # the rest: members only
-    assert not [r for r in ingress if "0.0.0.0/0" in r.get("cidrBlocks", []) or "::/0" in r.get("ipv6CidrBlocks", [])]
+    m = run.mocks
+    head, nodes = m.named(SG, "dev-head-sg"), m.named(SG, "dev-sg")
+    ssh = {"protocol": "tcp", "fromPort": 22, "toPort": 22}
+    assert head.inputs["ingress"] == [{"description": "SSH from the operator", **ssh,
+                                       "cidrBlocks": ["198.51.100.0/28"]}]  # nothing from the nodes, not even SSH
+    ingress = nodes.inputs["ingress"]
+    assert {"description": "SSH from the head", **ssh, "securityGroups": [head.id]} in ingress
+    assert {"description": "SSH from the operator", **ssh, "cidrBlocks": ["198.51.100.0/28"]} in ingress
+    rest = [r for r in ingress if not r.get("cidrBlocks") and not r.get("securityGroups")]
+    assert len(ingress) == 3 and len(rest) == 1 and rest[0]["self"] is True  # every port only between the nodes themselves
+    everything = head.inputs["ingress"] + ingress
+    assert not [r for r in everything if "0.0.0.0/0" in r.get("cidrBlocks", []) or "::/0" in r.get("ipv6CidrBlocks", [])]
+    assert head.inputs["vpcId"] == nodes.inputs["vpcId"]
 
 
 def test_the_heads_role_does_only_what_the_supervisor_needs(program):
     m = program().mocks
     found = {s["Sid"]: s for s in statements(m, "dev-head")}
     assert set(found) == {"DescribeCluster", "ReadClusterHostKeys", "CompleteClusterGroupsLifecycleAction",
-                          "HeadStoreObjects", "HeadStoreDelete", "HeadStoreList", "ReadRunSecrets",
+                          "HeadStoreRead", "HeadStoreWrite", "HeadStoreDelete", "HeadStoreList", "ReadRunSecrets",
                           "PublishOwnHostKeys"}
     assert found["DescribeCluster"]["Action"] == ["ec2:DescribeInstances", "autoscaling:DescribeAutoScalingGroups"]
     assert found["CompleteClusterGroupsLifecycleAction"]["Resource"] == [
@@ -92,7 +103,9 @@ def test_the_heads_role_does_only_what_the_supervisor_needs(program):
     assert found["ReadClusterHostKeys"]["Condition"] == {
         "StringEquals": {"aws:ResourceTag/xeon-cluster:cluster": "dev"}}
     bucket = f"arn:aws:s3:::{m.one('aws:s3/bucket:Bucket').id}"
-    assert found["HeadStoreObjects"]["Resource"] == found["HeadStoreDelete"]["Resource"] == [f"{bucket}/dev/*"]
+    # records, logs and heartbeats are the head's to write: its whole prefix
+    assert found["HeadStoreRead"]["Resource"] == found["HeadStoreWrite"]["Resource"] == [f"{bucket}/dev/*"]
+    assert found["HeadStoreDelete"]["Resource"] == [f"{bucket}/dev/*"]
     assert found["HeadStoreList"]["Condition"] == {"StringLike": {"s3:prefix": ["dev", "dev/*"]}}
     secrets = found["ReadRunSecrets"]
     assert secrets["Action"] == ["ssm:GetParameter", "ssm:GetParameters", "ssm:GetParametersByPath"]

@@ -4,6 +4,7 @@ imported): no CLI, no cloud, assertions on the inputs every resource would be cr
 from __future__ import annotations
 
 import base64
+import fnmatch
 import ipaddress
 import json
 
@@ -17,13 +18,17 @@ from core import catalog
 from core.constants import REMOTE_PYTHON
 from infra import cost
 from infra.image import BUILD_POLICIES, SCRIPT_PATH, component_document
+from launch.life.head import HEARTBEAT
 from node_setup import profiles
+from training.paths import RunPaths
+from training.store import PROBE_PREFIX
 
 # pulumi_aws warns about a resource of its own we never use when its ec2 module loads.
 pytestmark = pytest.mark.filterwarnings("ignore:.*EncryptionControl has been deprecated:DeprecationWarning")
 LT = "aws:ec2/launchTemplate:LaunchTemplate"
 GROUP = "aws:autoscaling/group:Group"
 ROLE_POLICY = "aws:iam/rolePolicy:RolePolicy"
+SG = "aws:ec2/securityGroup:SecurityGroup"
 
 
 @pytest.fixture
@@ -58,12 +63,14 @@ NOT_BUILD = ("-node", "-head")  # the nodes' and the head's roles and profiles a
 
 def test_security_group_admits_ssh_from_admin_only_and_the_rest_from_itself(program):
     run = program()
-    sg = run.mocks.one("aws:ec2/securityGroup:SecurityGroup")
+    sg = run.mocks.named(SG, "dev-sg")
     ingress = sg.inputs["ingress"]
     ssh = [r for r in ingress if r.get("cidrBlocks")]
     assert ssh == [{"description": "SSH from the operator", "protocol": "tcp", "fromPort": 22, "toPort": 22,
                     "cidrBlocks": ["203.0.113.7/32"]}]
-    intra = [r for r in ingress if not r.get("cidrBlocks")]
+    (from_head,) = [r for r in ingress if r.get("securityGroups")]  # tests/test_head_infra.py: the head's group
+    assert (from_head["protocol"], from_head["fromPort"], from_head["toPort"]) == ("tcp", 22, 22)
+    intra = [r for r in ingress if not r.get("cidrBlocks") and r is not from_head]
     assert len(intra) == 1 and intra[0]["self"] is True and intra[0]["protocol"] == "-1"
     assert not intra[0].get("ipv6CidrBlocks") and not intra[0].get("securityGroups")
     assert all("0.0.0.0/0" not in r.get("cidrBlocks", []) for r in ingress)
@@ -72,9 +79,9 @@ def test_security_group_admits_ssh_from_admin_only_and_the_rest_from_itself(prog
 
 def test_world_ssh_only_when_explicitly_allowed_and_nothing_else_opens(program):
     run = program(adminCidr="0.0.0.0/0", allowWorldSsh="true")
-    ingress = run.mocks.one("aws:ec2/securityGroup:SecurityGroup").inputs["ingress"]
-    open_rules = [r for r in ingress if "0.0.0.0/0" in r.get("cidrBlocks", [])]
-    assert [(r["fromPort"], r["toPort"], r["protocol"]) for r in open_rules] == [(22, 22, "tcp")]
+    for group in run.mocks.of(SG):  # the nodes' and the head's
+        open_rules = [r for r in group.inputs["ingress"] if "0.0.0.0/0" in r.get("cidrBlocks", [])]
+        assert [(r["fromPort"], r["toPort"], r["protocol"]) for r in open_rules] == [(22, 22, "tcp")]
 
 
 
@@ -122,7 +129,7 @@ def test_one_self_replacing_group_holds_the_nodes_in_one_zone_and_placement_grou
     lt = node_template(m)
     (nic,) = lt.inputs["networkInterfaces"]
     assert "subnetId" not in nic  # the group's subnet list places the nodes
-    assert nic["securityGroups"] == [m.one("aws:ec2/securityGroup:SecurityGroup").id]
+    assert nic["securityGroups"] == [m.named(SG, "bert-sg").id]
     asg = node_group(m).inputs
     assert (asg["minSize"], asg["maxSize"], asg["desiredCapacity"]) == (3, 3, 3)
     assert asg["vpcZoneIdentifiers"] == [subnet.id] and asg["placementGroup"] == group.inputs["name"] == "bert-us-east-1c"
@@ -399,22 +406,34 @@ def test_the_store_bucket_is_private_encrypted_versioned_and_kept_with_its_prote
     assert run.outputs["storeUrl"] == f"s3://{bucket.id}/dev"
 
 
-def test_nodes_read_and_write_their_prefix_but_delete_only_checkpoints_and_the_probe(program):
-    """Issue 41 item 3: user code on a node must not delete a run's outputs and records, nor any version."""
+def test_nodes_write_only_checkpoints_outputs_and_the_probe_and_delete_only_checkpoints_and_the_probe(program):
+    """Issue 41 item 3 and issue 53 item 2: user code on a node must not delete a run's outputs and records, nor any
+    version, nor write a record (summary, log, heartbeat) of any run: those are the head's and the operator's."""
     run = program(nodeCount="2")
     m = run.mocks
     bucket = m.one("aws:s3/bucket:Bucket")
     store = [s for s in role_policy(m, "dev-node") if any(a.startswith("s3:") for a in s["Action"])]
     arn = f"arn:aws:s3:::{bucket.id}"
-    objects = next(s for s in store if "s3:PutObject" in s["Action"])
-    assert objects["Resource"] == [f"{arn}/dev/*"]  # the cluster's prefix of its own bucket, nothing else
-    assert "s3:DeleteObject" not in objects["Action"]
+    (reads,) = [s for s in store if "s3:GetObject" in s["Action"]]
+    assert reads["Action"] == ["s3:GetObject"] and reads["Resource"] == [f"{arn}/dev/*"]  # resume reads any of it
+    (writes,) = [s for s in store if "s3:PutObject" in s["Action"]]
+    assert writes["Action"] == ["s3:PutObject", "s3:PutObjectTagging", "s3:AbortMultipartUpload"]
+    assert writes["Resource"] == [f"{arn}/dev/runs/*/checkpoints/*", f"{arn}/dev/runs/*/output/*",
+                                  f"{arn}/dev/.xc-probe/*"]
     deletes = [s for s in store if "s3:DeleteObject" in s["Action"]]
     assert [s["Action"] for s in deletes] == [["s3:DeleteObject"]]
     assert deletes[0]["Resource"] == [f"{arn}/dev/runs/*/checkpoints/*", f"{arn}/dev/.xc-probe/*"]
     assert not [a for s in store for a in s["Action"] if "Version" in a or a in ("s3:*", "*")]
     listing = next(s for s in store if s["Action"] == ["s3:ListBucket"])
     assert listing["Resource"] == [arn] and listing["Condition"]["StringLike"]["s3:prefix"] == ["dev", "dev/*"]
+    # the keys the nodes' own code writes (IAM's '*' spans '/', as fnmatch's does) against those it must not
+    paths = RunPaths("r1")
+    written = [paths.store_checkpoint(40) + "/model.safetensors", paths.store_output + "/eval/results.json",
+               PROBE_PREFIX + "abc"]
+    for key in written:
+        assert any(fnmatch.fnmatchcase(f"{arn}/dev/{key}", r) for r in writes["Resource"]), key
+    for key in [paths.store_record(n) for n in ("summary.json", "log.txt", "results.json", HEARTBEAT)]:
+        assert not any(fnmatch.fnmatchcase(f"{arn}/dev/{key}", r) for r in writes["Resource"]), key
 
 
 def test_outputs_name_the_cluster_and_its_group_and_cost(program):
