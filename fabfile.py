@@ -17,9 +17,10 @@ from cluster import local as local_lib
 from cluster import netns as netns_lib
 from cluster import store as store_lib
 from cluster import sweep as sweep_lib
+from cluster import twin as twin_lib
 from cluster.inventory import load_head
 from cluster.resolve import open_cluster
-from core.cli import as_int, cli, env_pairs, job_args, one_line_parse_errors, valueless_keys
+from core.cli import as_float, as_int, cli, env_pairs, job_args, one_line_parse_errors, valueless_keys
 from core.constants import DEFAULT_MASTER_PORT, MAX_NODES
 from core.errors import ClusterError
 from doctor import run as doctor_lib
@@ -59,11 +60,21 @@ def _cluster(c, cluster):
             "netns": "a network twin: each node in its own network namespace, linked to a bridge (root only)",
             "link": "with --netns: each link's rate, e.g. 3gbit or 500mbit (default: unshaped)",
             "latency": "with --netns: each link's one-way delay, e.g. 50us or 1ms (needs the kernel's netem)",
-            "no-head": "no head beside the nodes: detached runs' supervisors then run on this machine"})
+            "no-head": "no head beside the nodes: detached runs' supervisors then run on this machine",
+            "aws": "the AWS twin: moto as the control plane, each instance an sshd node in its own namespace (root)"})
 @cli
-def local_up(c, nodes="2", port=str(local_lib.DEFAULT_PORT), netns=False, link=None, latency=None, no_head=False):
+def local_up(c, nodes="2", port=str(local_lib.DEFAULT_PORT), netns=False, link=None, latency=None, no_head=False,
+             aws=False):
     """Start a local cluster: N sshd nodes on 127.0.0.2, 127.0.0.3, ... and its head on the next address."""
     count, port = as_int(nodes, "--nodes", 1, MAX_NODES), as_int(port, "--port", 1024, 65535)
+    if aws:
+        if netns or link or latency or no_head:
+            raise ClusterError("--aws takes only --nodes", fix="leave out --netns, --link, --latency and --no-head")
+        record = twin_lib.up(count)
+        print(f"AWS twin up in {record['up_s']:.0f} s: cluster {record['cluster']}, {count} node(s) and a head in "
+              f"{record['subnet']}, control plane {record['endpoint']}, store {record['store']}")
+        print(twin_lib.export_line(record))
+        return
     if netns:
         started = netns_lib.up(count, port=port, link=link, latency=latency)
     elif link or latency:
@@ -77,6 +88,15 @@ def local_up(c, nodes="2", port=str(local_lib.DEFAULT_PORT), netns=False, link=N
           + netns_lib.up_line())
 
 
+@task(help={"node": "node1 (fab's node 1), head, or an instance id", "kind": "spot | rebalance | terminate (the "
+            "group's own termination, held by its lifecycle hook)", "after": "seconds until the instance goes "
+            "(default: spot 120, terminate 300, the hook's heartbeat)"})
+@cli
+def local_notice(c, node, kind="spot", after=None):
+    """Make an AWS twin instance's IMDS announce a notice; at its end the instance goes and its group replaces it."""
+    print(twin_lib.notice(node, kind, as_float(after, "--after") if after is not None else None))
+
+
 @task(help={"node": "the node whose link changes, e.g. node1", "cut": "take the link down: the node runs on, "
             "unreachable", "restore": "bring a cut link back", "link": "the link's new rate, e.g. 100mbit",
             "latency": "the link's new one-way delay, e.g. 5ms"})
@@ -86,11 +106,14 @@ def local_link(c, node, cut=False, restore=False, link=None, latency=None):
     print(netns_lib.set_link(node, cut=bool(cut), restore=bool(restore), link=link, latency=latency))
 
 
-@task(help={"node": "the node to take away, e.g. node1"})
+@task(help={"node": "the node to take away, e.g. node1 (on the AWS twin: node1, head or an instance id)"})
 @cli
 def local_kill(c, node):
     """Take one local node away outright (its sshd and every process on it), as a reclaimed spot node goes;
-    'fab local-up' with the same --nodes brings it back."""
+    'fab local-up' with the same --nodes brings it back. On the AWS twin: terminate the instance with no notice."""
+    if twin_lib.read():
+        print(twin_lib.kill(node))
+        return
     n = local_lib.kill_node(node)
     print(f"{node} killed ({n} process(es)); bring it back with 'fab local-up'")
 
@@ -99,7 +122,12 @@ def local_kill(c, node):
 @cli
 def local_down(c):
     """Stop the local cluster's sshd processes (and their sessions); a network twin's namespaces and links go too."""
+    twin = twin_lib.down()
+    if twin:
+        print(twin)
     n, removed = netns_lib.down()
+    if twin and not n and not removed:
+        return
     print((f"local cluster down: {n} node(s) stopped" if n else "no local cluster was running")
           + (f"; network twin removed ({', '.join(removed)})" if removed else ""))
 

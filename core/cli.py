@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import math
 import os
 import re
 import sys
@@ -64,6 +65,17 @@ def as_int(value, flag: str, low: int | None = None, high: int | None = None) ->
         raise ClusterError(f"{flag} {n} is below {low}", fix=f"pass {span}")
     if high is not None and n > high:
         raise ClusterError(f"{flag} {n} is above {high}", fix=f"pass {span}")
+    return n
+
+
+def as_float(value, flag: str, low: float = 0.0) -> float:
+    """A number of seconds (or any real) at least ``low``: one line for a word where a number goes."""
+    try:
+        n = float(str(value).strip())
+    except (TypeError, ValueError):
+        raise ClusterError(f"{flag} {value!r} is not a number", fix=f"pass a number of at least {low:g}") from None
+    if math.isnan(n) or n < low:
+        raise ClusterError(f"{flag} {value} is below {low:g}", fix=f"pass a number of at least {low:g}")
     return n
 
 

@@ -73,7 +73,9 @@ def aws_rows(cluster: Cluster) -> tuple[list[tuple[str, ...]], float]:
     for inst in aws.head_instances(name, region) if name else []:  # runs the detached runs' supervisors
         kind, state = inst.get("InstanceType", ""), inst.get("State", {}).get("Name", "?")
         zone = inst.get("Placement", {}).get("AvailabilityZone", "")
-        price = cost.estimate(kind, 1, availability_zone=zone, spot=False, region=zone[:-1] or region).total_usd_h
+        # a head type is priced from the head's table (t3.*), not the nodes' catalog, which refuses it
+        price = cost.head_usd_h(kind) if kind in cost.HEAD_USD_H else cost.estimate(
+            kind, 1, availability_zone=zone, spot=False, region=zone[:-1] or region).total_usd_h
         total += price if state == "running" else 0.0
         launched = inst.get("LaunchTime")
         rows.append((f"{name}-head", inst["InstanceId"], kind, "on-demand", state,

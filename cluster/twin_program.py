@@ -1,0 +1,350 @@
+"""`pulumi up` for the AWS twin: the Pulumi program itself (__main__.py), run under Pulumi's mocks, where each
+resource it declares is made on the twin's moto server with the inputs the program gave it. So the twin holds what
+the program would leave on AWS, from the same settings and names, never from a second description of it.
+
+What moto cannot hold is recorded and left out, each with its reason (Image Builder: the twin's image is this
+machine's venv). The instances the groups launch are booted by cluster.twin.
+"""
+from __future__ import annotations
+
+import base64
+import json
+import logging
+import re
+import runpy
+import secrets
+from collections.abc import Callable
+from typing import ClassVar
+
+from core.constants import PROJECT_ROOT
+
+log = logging.getLogger(__name__)
+PROJECT = "xeon-cluster"
+IMAGE_BUILDER = "Image Builder: the twin's image is this machine's venv, mounted where a baked image has it"
+
+
+def _pascal(obj):
+    """Pulumi's camelCase inputs as the AWS API's PascalCase shapes (nested)."""
+    if isinstance(obj, dict):
+        return {({"Id": "ID"}.get(k[:1].upper() + k[1:], k[:1].upper() + k[1:])): _pascal(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_pascal(v) for v in obj]
+    if isinstance(obj, float) and obj.is_integer():  # Pulumi hands every number over as a float
+        return int(obj)
+    return obj
+
+
+def _tags(tags: dict | None) -> list[dict]:
+    return [{"Key": k, "Value": str(v)} for k, v in (tags or {}).items()]
+
+
+def _bool(value) -> bool | None:
+    return None if value is None else str(value).lower() == "true"
+
+
+def _auto(name: str) -> str:
+    """Pulumi's auto-naming: the logical name and a random suffix."""
+    return f"{name}-{secrets.token_hex(4)}"
+
+
+class Twin:
+    """The mocks: make each resource on moto, answer each invoke as AWS would for the twin."""
+
+    def __init__(self, client: Callable, zone: str, ssh_user: str):
+        self.client, self.zone, self.ssh_user = client, zone, ssh_user
+        self.made: list[tuple[str, str, str]] = []  # (type, logical name, id)
+        self.left_out: dict[str, str] = {}  # "type name" -> why
+        self._ami: str | None = None
+
+    # -- the twin's image ---------------------------------------------------------------------------------------
+    def ami(self) -> str:
+        """An image moto already holds, as the twin's AMI (what boots is the twin's own node, whatever it says)."""
+        if self._ami is None:
+            images = self.client("ec2").describe_images(Owners=["amazon"])["Images"]
+            ubuntu = [i for i in images if "ubuntu" in i.get("Name", "").lower()]
+            self._ami = min(ubuntu or images, key=lambda i: i["ImageId"])["ImageId"]
+        return self._ami
+
+    # -- pulumi.runtime.Mocks -----------------------------------------------------------------------------------
+    def new_resource(self, args):
+        make = self.MAKERS.get(args.typ)
+        inputs = dict(args.inputs)
+        if make is None:
+            why = IMAGE_BUILDER if args.typ.startswith("aws:imagebuilder/") else "not part of what the twin serves"
+            if not args.typ.startswith(("pulumi", PROJECT)):
+                self.left_out[f"{args.typ} {args.name}"] = why
+            outputs = dict(inputs)
+            if args.typ == "aws:imagebuilder/image:Image":
+                outputs["outputResources"] = [{"amis": [{"image": self.ami(), "region": ""}]}]
+            outputs.setdefault("arn", f"arn:aws:twin:::{args.name}")
+            return f"{args.name}-twin", outputs
+        try:
+            rid, extra = make(self, args.name, inputs)
+        except Exception as exc:  # a setting moto cannot hold is named, the rest stands
+            if args.typ in ESSENTIAL:
+                raise
+            self.left_out[f"{args.typ} {args.name}"] = f"moto refused it: {str(exc).splitlines()[0][:160]}"
+            return f"{args.name}-twin", inputs
+        self.made.append((args.typ, args.name, rid))
+        return rid, {**inputs, **extra}
+
+    def call(self, args):
+        token, a = args.token, args.args
+        if token == "aws:ec2/getInstanceTypeOfferings:getInstanceTypeOfferings":
+            types = [v for f in a.get("filters", []) if f["name"] == "instance-type" for v in f["values"]]
+            return {"id": "offerings", "instanceTypes": types, "locations": [self.zone] * len(types),
+                    "locationTypes": ["availability-zone"] * len(types)}
+        if token == "aws:index/getPartition:getPartition":
+            return {"id": "aws", "partition": "aws", "dnsSuffix": "amazonaws.com"}
+        if token == "aws:index/getCallerIdentity:getCallerIdentity":
+            who = self.client("sts").get_caller_identity()
+            return {"id": who["Account"], "accountId": who["Account"], "arn": who["Arn"], "userId": who["UserId"]}
+        if token == "aws:index/getServicePrincipal:getServicePrincipal":
+            name = f"{a['serviceName']}.amazonaws.com"
+            return {"id": name, "name": name, "suffix": "amazonaws.com"}
+        if token == "aws:ssm/getParameter:getParameter":  # Canonical's current Ubuntu AMI
+            return {"id": a["name"], "name": a["name"], "type": "String", "value": self.ami()}
+        if token == "aws:ec2/getAmi:getAmi":
+            ids = [v for f in a.get("filters", []) if f["name"] == "image-id" for v in f["values"]]
+            image = self.client("ec2").describe_images(ImageIds=ids or [self.ami()])["Images"][0]
+            return {"id": image["ImageId"], "rootDeviceName": image.get("RootDeviceName", "/dev/sda1")}
+        return {}
+
+    # -- the resources ------------------------------------------------------------------------------------------
+    def _ec2_tag(self, rid: str, tags: dict | None) -> None:
+        if tags:
+            self.client("ec2").create_tags(Resources=[rid], Tags=_tags(tags))
+
+    def vpc(self, name, i):
+        rid = self.client("ec2").create_vpc(CidrBlock=i["cidrBlock"])["Vpc"]["VpcId"]
+        self._ec2_tag(rid, i.get("tags"))
+        return rid, {"arn": f"arn:aws:ec2:::vpc/{rid}"}
+
+    def gateway(self, name, i):
+        ec2 = self.client("ec2")
+        rid = ec2.create_internet_gateway()["InternetGateway"]["InternetGatewayId"]
+        ec2.attach_internet_gateway(InternetGatewayId=rid, VpcId=i["vpcId"])
+        return rid, {}
+
+    def subnet(self, name, i):
+        rid = self.client("ec2").create_subnet(VpcId=i["vpcId"], CidrBlock=i["cidrBlock"],
+                                               AvailabilityZone=i["availabilityZone"])["Subnet"]["SubnetId"]
+        self._ec2_tag(rid, i.get("tags"))
+        return rid, {"arn": f"arn:aws:ec2:::subnet/{rid}"}
+
+    def route_table(self, name, i):
+        ec2 = self.client("ec2")
+        rid = ec2.create_route_table(VpcId=i["vpcId"])["RouteTable"]["RouteTableId"]
+        for route in i.get("routes") or []:
+            ec2.create_route(RouteTableId=rid, DestinationCidrBlock=route["cidrBlock"], GatewayId=route["gatewayId"])
+        return rid, {}
+
+    def route_assoc(self, name, i):
+        return self.client("ec2").associate_route_table(RouteTableId=i["routeTableId"], SubnetId=i["subnetId"])[
+            "AssociationId"], {}
+
+    def security_group(self, name, i):
+        ec2 = self.client("ec2")
+        rid = ec2.create_security_group(GroupName=i.get("name") or _auto(name), VpcId=i["vpcId"],
+                                        Description=i.get("description") or name)["GroupId"]
+        self._ec2_tag(rid, i.get("tags"))
+        perms = [self._permission(rule, rid) for rule in i.get("ingress") or []]
+        if perms:
+            ec2.authorize_security_group_ingress(GroupId=rid, IpPermissions=perms)
+        return rid, {"arn": f"arn:aws:ec2:::security-group/{rid}", "name": i.get("name") or name}
+
+    @staticmethod
+    def _permission(rule: dict, own: str) -> dict:
+        groups = list(rule.get("securityGroups") or []) + ([own] if rule.get("self") else [])
+        perm = {"IpProtocol": rule["protocol"], "IpRanges": [{"CidrIp": c} for c in rule.get("cidrBlocks") or []],
+                "UserIdGroupPairs": [{"GroupId": g} for g in groups]}
+        if rule["protocol"] != "-1":
+            perm.update(FromPort=int(rule["fromPort"]), ToPort=int(rule["toPort"]))
+        return perm
+
+    def sg_rule(self, name, i):
+        """aws:vpc/securityGroupIngressRule: one rule of its own."""
+        rule = {"protocol": i.get("ipProtocol", "-1"), "fromPort": i.get("fromPort", 0), "toPort": i.get("toPort", 0),
+                "cidrBlocks": [i["cidrIpv4"]] if i.get("cidrIpv4") else [],
+                "securityGroups": [i["referencedSecurityGroupId"]] if i.get("referencedSecurityGroupId") else []}
+        self.client("ec2").authorize_security_group_ingress(GroupId=i["securityGroupId"],
+                                                            IpPermissions=[self._permission(rule, "")])
+        return _auto(name), {}
+
+    def placement_group(self, name, i):
+        self.client("ec2").create_placement_group(GroupName=i["name"], Strategy=i.get("strategy", "cluster"))
+        return i["name"], {}
+
+    def key_pair(self, name, i):
+        key_name = i.get("keyName") or _auto(name)
+        self.client("ec2").import_key_pair(KeyName=key_name, PublicKeyMaterial=i["publicKey"])
+        return key_name, {"keyName": key_name, "arn": f"arn:aws:ec2:::key-pair/{key_name}"}
+
+    def role(self, name, i):
+        role_name = i.get("name") or _auto(name)
+        role = self.client("iam").create_role(RoleName=role_name, Path=i.get("path") or "/",
+                                              AssumeRolePolicyDocument=i["assumeRolePolicy"], Tags=_tags(i.get("tags")))
+        return role_name, {"name": role_name, "arn": role["Role"]["Arn"], "uniqueId": role["Role"]["RoleId"]}
+
+    def role_policy(self, name, i):
+        policy_name = i.get("name") or _auto(name)
+        self.client("iam").put_role_policy(RoleName=i["role"], PolicyName=policy_name, PolicyDocument=i["policy"])
+        return f"{i['role']}:{policy_name}", {"name": policy_name}
+
+    def instance_profile(self, name, i):
+        iam, profile_name = self.client("iam"), i.get("name") or _auto(name)
+        arn = iam.create_instance_profile(InstanceProfileName=profile_name, Path=i.get("path") or "/")[
+            "InstanceProfile"]["Arn"]
+        if i.get("role"):
+            iam.add_role_to_instance_profile(InstanceProfileName=profile_name, RoleName=i["role"])
+        return profile_name, {"name": profile_name, "arn": arn}
+
+    def launch_template(self, name, i):
+        data = {"ImageId": i["imageId"], "InstanceType": i["instanceType"], "UserData": i.get("userData", ""),
+                "MetadataOptions": _pascal(i.get("metadataOptions") or {}),
+                "TagSpecifications": [{"ResourceType": t["resourceType"], "Tags": _tags(self._user(t.get("tags")))}
+                                      for t in i.get("tagSpecifications") or []]}
+        if i.get("keyName"):
+            data["KeyName"] = i["keyName"]
+        if i.get("iamInstanceProfile"):
+            data["IamInstanceProfile"] = _pascal(i["iamInstanceProfile"])
+        # no public address: a twin instance is reached at its private one, inside the namespaces the twin made
+        data["NetworkInterfaces"] = [{"DeviceIndex": int(n.get("deviceIndex", 0)), "Groups": list(n.get("securityGroups")
+                                     or []), "AssociatePublicIpAddress": False} for n in i.get("networkInterfaces") or []]
+        lt_name = i.get("name") or _auto(name)
+        made = self.client("ec2").create_launch_template(LaunchTemplateName=lt_name, LaunchTemplateData=data)[
+            "LaunchTemplate"]
+        return made["LaunchTemplateId"], {"name": lt_name, "latestVersion": made["LatestVersionNumber"],
+                                          "defaultVersion": made["DefaultVersionNumber"]}
+
+    def _user(self, tags: dict | None) -> dict | None:
+        """The twin's instances log in as this machine's user (sshUser names a user of the real AMI)."""
+        from core.constants import TAG_SSH_USER
+
+        return {**tags, TAG_SSH_USER: self.ssh_user} if tags and TAG_SSH_USER in tags else tags
+
+    def group(self, name, i):
+        asg = self.client("autoscaling")
+        group_name = i.get("name") or _auto(name)
+        kwargs = {"AutoScalingGroupName": group_name, "MinSize": int(i["minSize"]), "MaxSize": int(i["maxSize"]),
+                  "DesiredCapacity": int(i.get("desiredCapacity", i["minSize"])),
+                  "VPCZoneIdentifier": ",".join(i.get("vpcZoneIdentifiers") or []),
+                  "HealthCheckType": i.get("healthCheckType", "EC2"),
+                  "HealthCheckGracePeriod": int(i.get("healthCheckGracePeriod", 300)),
+                  "CapacityRebalance": bool(_bool(i.get("capacityRebalance"))),
+                  "Tags": [{"Key": t["key"], "Value": str(self._user({t["key"]: t["value"]})[t["key"]]),
+                            "PropagateAtLaunch": bool(_bool(t.get("propagateAtLaunch")))} for t in i.get("tags") or []]}
+        if i.get("placementGroup"):
+            kwargs["PlacementGroup"] = i["placementGroup"]
+        if i.get("launchTemplate"):
+            kwargs["LaunchTemplate"] = {"LaunchTemplateId": i["launchTemplate"]["id"],
+                                        "Version": str(i["launchTemplate"].get("version", "$Latest"))}
+        if i.get("mixedInstancesPolicy"):
+            kwargs["MixedInstancesPolicy"] = _pascal(i["mixedInstancesPolicy"])
+        asg.create_auto_scaling_group(**kwargs)
+        for hook in i.get("initialLifecycleHooks") or []:
+            asg.put_lifecycle_hook(AutoScalingGroupName=group_name, LifecycleHookName=hook["name"],
+                                   LifecycleTransition=hook["lifecycleTransition"],
+                                   HeartbeatTimeout=int(hook.get("heartbeatTimeout", 3600)),
+                                   DefaultResult=hook.get("defaultResult", "ABANDON"))
+        return group_name, {"name": group_name, "arn": f"arn:aws:autoscaling:::autoScalingGroup/{group_name}"}
+
+    def bucket(self, name, i):
+        bucket = i.get("bucket") or (i.get("bucketPrefix") or f"{name}-") + secrets.token_hex(6)
+        self.client("s3").create_bucket(Bucket=bucket)
+        if i.get("tags"):
+            self.client("s3").put_bucket_tagging(Bucket=bucket, Tagging={"TagSet": _tags(i["tags"])})
+        return bucket, {"bucket": bucket, "arn": f"arn:aws:s3:::{bucket}"}
+
+    def log_group(self, name, i):
+        group = i.get("name") or _auto(name)
+        self.client("logs").create_log_group(logGroupName=group)
+        return group, {"name": group, "arn": f"arn:aws:logs:::log-group:{group}"}
+
+    MAKERS: ClassVar[dict[str, Callable]] = {}
+
+
+# What the nodes, the head and the store stand on: the twin does not come up without them.
+ESSENTIAL = {"aws:ec2/vpc:Vpc", "aws:ec2/subnet:Subnet", "aws:ec2/securityGroup:SecurityGroup", "aws:ec2/keyPair:KeyPair",
+             "aws:iam/role:Role", "aws:iam/instanceProfile:InstanceProfile", "aws:ec2/launchTemplate:LaunchTemplate",
+             "aws:autoscaling/group:Group", "aws:s3/bucket:Bucket"}
+
+
+def _bucket_part(put: str, shape: Callable[[dict], dict]) -> Callable:
+    """A bucket setting made by one S3 call (versioning, policy, lifecycle, public access)."""
+    def make(twin: Twin, name: str, i: dict):
+        getattr(twin.client("s3"), put)(Bucket=i["bucket"], **shape(i))
+        return f"{i['bucket']}-{name}", {}
+    return make
+
+
+def _lifecycle(i: dict) -> dict:
+    rules = []
+    for rule in i.get("rules") or []:
+        out = _pascal({k: v for k, v in rule.items() if k != "filter"})
+        prefix = (rule.get("filter") or {}).get("prefix")
+        out["Filter"] = {"Prefix": prefix} if prefix is not None else {}
+        rules.append(out)
+    return {"LifecycleConfiguration": {"Rules": rules}}
+
+
+Twin.MAKERS = {
+    "aws:ec2/vpc:Vpc": Twin.vpc,
+    "aws:ec2/internetGateway:InternetGateway": Twin.gateway,
+    "aws:ec2/subnet:Subnet": Twin.subnet,
+    "aws:ec2/routeTable:RouteTable": Twin.route_table,
+    "aws:ec2/routeTableAssociation:RouteTableAssociation": Twin.route_assoc,
+    "aws:ec2/securityGroup:SecurityGroup": Twin.security_group,
+    "aws:vpc/securityGroupIngressRule:SecurityGroupIngressRule": Twin.sg_rule,
+    "aws:ec2/placementGroup:PlacementGroup": Twin.placement_group,
+    "aws:ec2/keyPair:KeyPair": Twin.key_pair,
+    "aws:iam/role:Role": Twin.role,
+    "aws:iam/rolePolicy:RolePolicy": Twin.role_policy,
+    "aws:iam/instanceProfile:InstanceProfile": Twin.instance_profile,
+    "aws:ec2/launchTemplate:LaunchTemplate": Twin.launch_template,
+    "aws:autoscaling/group:Group": Twin.group,
+    "aws:s3/bucket:Bucket": Twin.bucket,
+    "aws:s3/bucketVersioning:BucketVersioning": _bucket_part("put_bucket_versioning",
+        lambda i: {"VersioningConfiguration": {"Status": i["versioningConfiguration"]["status"]}}),
+    "aws:s3/bucketPolicy:BucketPolicy": _bucket_part("put_bucket_policy", lambda i: {"Policy": i["policy"]}),
+    "aws:s3/bucketLifecycleConfiguration:BucketLifecycleConfiguration": _bucket_part("put_bucket_lifecycle_configuration", _lifecycle),
+    "aws:s3/bucketPublicAccessBlock:BucketPublicAccessBlock": _bucket_part("put_public_access_block", lambda i: {"PublicAccessBlockConfiguration": _pascal(
+            {k: _bool(v) for k, v in i.items() if k != "bucket"})}),
+    "aws:cloudwatch/logGroup:LogGroup": Twin.log_group,
+}
+
+
+def apply(endpoint: str, config: dict[str, str], stack: str, zone: str, ssh_user: str) -> tuple[Twin, dict]:
+    """Run the Pulumi program with ``config`` as stack ``stack``'s config; every resource lands on moto at
+    ``endpoint``. Returns the mocks (what was made and what was left out) and the program's outputs."""
+    import boto3
+    import pulumi
+
+    session = boto3.session.Session(aws_access_key_id="xc-twin", aws_secret_access_key="xc-twin", region_name=
+                                    re.sub(r"[a-z]$", "", zone))
+    clients: dict = {}
+
+    def client(service: str):
+        if service not in clients:
+            clients[service] = session.client(service, endpoint_url=endpoint)
+        return clients[service]
+
+    twin = Twin(client, zone, ssh_user)
+    pulumi.runtime.set_mocks(twin, project=PROJECT, stack=stack, preview=False)
+    pulumi.runtime.set_all_config({f"{PROJECT}:{k}": str(v) for k, v in config.items()})
+    outputs: dict = {}
+
+    @pulumi.runtime.test
+    def program():
+        exported = runpy.run_path(str(PROJECT_ROOT / "__main__.py"), run_name="xeon_cluster_program")["main"]()
+        return pulumi.Output.all(**exported).apply(outputs.update)
+
+    program()
+    for key, why in twin.left_out.items():
+        log.debug("not in the twin: %s (%s)", key, why)
+    return twin, json.loads(json.dumps(outputs, default=str))
+
+
+def user_data(template_data: dict) -> str:
+    """A launch template version's user data as text."""
+    return base64.b64decode(template_data.get("UserData") or b"").decode()
