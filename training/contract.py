@@ -23,7 +23,9 @@ import sys
 import threading
 from pathlib import Path
 
-from training import notice, publish, spot, store
+# preempt at the top, not where it is used: the rank hook imports this module with a user's own `training` set
+# aside, and a later `from training import ...` would find theirs (training/runtime/sitecustomize.py)
+from training import notice, preempt, publish, spot, store
 
 log = logging.getLogger("training.contract")
 NOTICE_KEY, DONE_KEY = "xc/notice", "xc/notice-durable"
@@ -119,8 +121,6 @@ class Agent(threading.Thread):
             steps = complete_steps(self.folder) if self.folder.is_dir() else []
             step = steps[-1] if steps else -1
             if self.publisher is not None and step >= 0:
-                from training import preempt
-
                 ok = self.publisher.wait(preempt.wait_seconds(self.notice["cause"])) and self.publisher.confirmed(step)
             print(notice.Notice(cause=self.notice["cause"], rank=int(self.notice["rank"]), step=step,
                                 checkpoint=notice.checkpoint_name(step), durable=ok).format(), flush=True)
@@ -128,8 +128,6 @@ class Agent(threading.Thread):
                 self.kv.set(DONE_KEY, "1" if ok else "0")
         elif self.kv is not None:
             import datetime
-
-            from training import preempt
 
             try:
                 self.kv.wait([DONE_KEY], datetime.timedelta(seconds=preempt.wait_seconds(self.notice["cause"]) + 30))

@@ -99,13 +99,48 @@ if _os.environ.get("XC_RANK_REPORT") and int(_os.environ.get("WORLD_SIZE", "1") 
 _spot = bool(_os.environ.get("XC_RANK_REPORT") and _os.environ.get("XC_RUN_ID")) and _os.environ.get("XC_SPOT_HOOK") != "0"
 
 
+_OURS = _os.path.dirname(_os.path.dirname(_os.path.abspath(__file__)))  # our `training` package: runtime/..
+_ours_loaded = {}  # our training.* modules, kept out of sys.modules where the user's project has its own `training`
+
+
+def _is_ours(found):  # a module, or a spec the path finder returned
+    where = getattr(found, "__path__", None) or getattr(found, "submodule_search_locations", None) or ()
+    return any(_os.path.realpath(p) == _os.path.realpath(_OURS) for p in where)
+
+
+def _ours(name):
+    """Our training.<name>, also where the user's project has a top-level `training` of its own (first on a --workdir
+    run's sys.path): theirs is set aside while ours imports, then put back, so each side keeps its own."""
+    import importlib
+    import importlib.util
+
+    loaded = sys.modules.get("training")
+    if loaded is None and not _ours_loaded:
+        loaded = importlib.util.find_spec("training")  # what a plain import would take: ours, or the user's
+    if not _ours_loaded and (loaded is None or _is_ours(loaded)):
+        return importlib.import_module("training." + name)
+    scope = [k for k in sys.modules if k == "training" or k.startswith("training.")]
+    theirs = {k: sys.modules.pop(k) for k in scope}
+    try:
+        sys.modules.update(_ours_loaded)
+        if "training" not in sys.modules:
+            spec = importlib.util.spec_from_file_location("training", _os.path.join(_OURS, "__init__.py"),
+                                                          submodule_search_locations=[_OURS])
+            package = importlib.util.module_from_spec(spec)
+            sys.modules["training"] = package
+            spec.loader.exec_module(package)
+        return importlib.import_module("training." + name)
+    finally:
+        scope = [k for k in sys.modules if k == "training" or k.startswith("training.")]
+        _ours_loaded.update({k: sys.modules.pop(k) for k in scope})
+        sys.modules.update(theirs)
+
+
 def _group_made(dist):
     if not _spot or getattr(_group_made, "agent", None) is not None:
         return
-    try:  # a project of the user's own named `training` (first on a --workdir run's path) shadows ours
-        from training import contract
-
-        _group_made.agent = contract.start(sys.modules.get("torch.distributed") or dist)
+    try:
+        _group_made.agent = _ours("contract").start(sys.modules.get("torch.distributed") or dist)
     except Exception as exc:  # noqa: BLE001 - a hook of ours never fails the script's init_process_group
         _group_made.agent = False
         print(f"warning: xeon-cluster's spot notice file is off: {exc}", file=sys.stderr, flush=True)
@@ -117,17 +152,13 @@ if _spot:  # training.contract's variables, set here with no import: scripts may
     _os.environ.setdefault("XC_CHECKPOINT_DIR", _os.environ.get("XC_OUTPUT_DIR") or _os.path.join(_run, "output"))
     if _os.environ.get("XC_RESUME_URL"):
         try:
-            from training import store as _store
-
-            _store.fetch_resume()
+            _ours("store").fetch_resume()
         except Exception as _exc:  # noqa: BLE001 - a resume that cannot fetch its checkpoint must not start anew
             print(f"error: {_exc}", file=sys.stderr, flush=True)
             _os._exit(2)
 
     def _patch_trainer(module):
-        from training import preempt
-
-        preempt.patch(module.Trainer)
+        _ours("preempt").patch(module.Trainer)
 
     _on_import("transformers.trainer", _patch_trainer)
     if int(_os.environ.get("WORLD_SIZE", "1") or 1) <= 1:  # one rank: the report's hook on the group is not there

@@ -1,0 +1,66 @@
+"""A user project with a top-level `training` package of its own (issue 54): its `--workdir` is before our code on the
+ranks' sys.path, yet the rank hook's spot behaviour stays on (it imports our training.* from our code, theirs set
+aside and put back), a notice is taken, and `fab train --resume` fetches the checkpoint and continues. The user's
+`training.paths` shares a name with ours: each side keeps seeing its own.
+
+On the session's 2-node local cluster, against the fake IMDS on loopback."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from fake_imds import FakeIMDS
+
+from training import notice
+
+pytestmark = [pytest.mark.cluster, pytest.mark.slow]
+ROOT = Path(__file__).resolve().parent.parent
+TOY = (ROOT / "docs" / "examples" / "ddp_toy.py").read_text()
+INIT = 'if distributed:\n    dist.init_process_group("gloo")\n'
+
+
+def _script() -> str:
+    """docs/examples/ddp_toy.py that imports its own training.paths before and after the group is made (the rank
+    hook imports ours then) and says which one it got."""
+    assert INIT in TOY, "docs/examples/ddp_toy.py changed: update this test's INIT"
+    said = ('print(f"rank {os.environ.get(\'RANK\')} {when}: {training.paths.WHO} '
+            '{getattr(training, \'ours\', False)}", flush=True)\n')
+    before = "import os\nimport training.paths\nwhen = 'before the group'\n" + said
+    after = "import training.paths\nwhen = 'after the group'\n" + said
+    return before + TOY.replace(INIT, INIT + after, 1)
+
+
+def test_a_project_with_its_own_training_package_keeps_the_spot_hook_and_resumes(cluster2, tmp_path):
+    proj = tmp_path / "proj"
+    (proj / "training").mkdir(parents=True)
+    (proj / "training" / "__init__.py").write_text("ours = True  # the user's package\n")
+    (proj / "training" / "paths.py").write_text("WHO = 'the project paths'\n")
+    (proj / "train.py").write_text(_script())
+    imds = FakeIMDS()
+    before = cluster2.run_dirs()
+    try:
+        with cluster2.start("train", "--nodes", "2", "--workdir", str(proj), "--script", "train.py",
+                            *imds.train_env(), "--", "--steps", "400", "--sleep", "0.05") as running:
+            running.wait_for("step 50 loss", 300)
+            imds.interrupt()
+            ended = running.finish(300)
+    finally:
+        imds.close()  # the resumed run's ranks then find no IMDS: no second notice
+    (run_id,) = cluster2.run_dirs() - before
+    out = ended.stdout + ended.stderr
+    assert ended.returncode == notice.EXIT, out[-3000:]
+    assert "spot notice file is off" not in out, out[-3000:]
+    said = notice.Notice.parse(out.splitlines())
+    assert said is not None and said.cause == notice.SPOT and said.durable and said.step > 50, out[-3000:]
+    for rank in (0, 1):
+        for when in ("before the group", "after the group"):
+            assert f"rank {rank} {when}: the project paths True" in out, out[-3000:]
+    ckpt = cluster2.runs.parent / "store" / "runs" / run_id / "checkpoints" / f"checkpoint-{said.step}"
+    assert (ckpt / "xc-complete").is_file() and (ckpt / "state.pt").is_file(), ckpt
+
+    resumed = cluster2.fab("train", "--resume", run_id, timeout=300)
+    again = resumed.stdout + resumed.stderr
+    assert resumed.returncode == 0, again[-3000:]
+    assert f"at step {said.step}" in again and "resumed from" in again, again[-3000:]
+    assert "done at step 400" in again, again[-3000:]
+    assert "rank 1 after the group: the project paths True" in again  # the fetch at start-up left theirs in place
