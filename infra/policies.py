@@ -74,8 +74,12 @@ def host_key_statement(ctx: AwsContext, cluster: str) -> dict:
 
 
 def lifecycle_statement(ctx: AwsContext, group: str) -> dict:
+    """Complete a leaving node's lifecycle action, or extend it with heartbeats while its checkpoint uploads
+    (training/spot.py). On the cluster's own group only; AWS has no condition key for the instance a call names,
+    so a node can act on any instance of its group, not only itself (docs/ops.md, 'What each role can do')."""
     return {"Sid": "CompleteClusterGroupsLifecycleAction", "Effect": "Allow",
-            "Action": ["autoscaling:CompleteLifecycleAction"], "Resource": [ctx.group_arn(group)]}
+            "Action": ["autoscaling:CompleteLifecycleAction", "autoscaling:RecordLifecycleActionHeartbeat"],
+            "Resource": [ctx.group_arn(group)]}
 
 
 def node_policy(ctx: AwsContext, cluster: str, group: str, bucket_arn: str | None = None,

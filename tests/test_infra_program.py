@@ -332,7 +332,8 @@ def test_nodes_have_a_termination_hook_and_a_role_scoped_to_their_own_group(prog
     assert json.loads(role.inputs["assumeRolePolicy"])["Statement"][0]["Principal"] == {"Service": "ec2.amazonaws.com"}
     statements = role_policy(m, "dev-node")
     (lifecycle,) = [s for s in statements if "autoscaling:CompleteLifecycleAction" in s["Action"]]
-    assert lifecycle["Action"] == ["autoscaling:CompleteLifecycleAction"]
+    # complete it, or keep it alive with heartbeats while the checkpoint uploads (issue 53 item 5)
+    assert lifecycle["Action"] == ["autoscaling:CompleteLifecycleAction", "autoscaling:RecordLifecycleActionHeartbeat"]
     # the group's ARN from its name (issue 41 item 8): the policy exists before the group, which waits for it
     assert lifecycle["Resource"] == [
         f"arn:aws:autoscaling:us-east-1:{ACCOUNT}:autoScalingGroup:*:autoScalingGroupName/dev-nodes"]

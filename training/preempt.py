@@ -81,33 +81,53 @@ def _rank() -> tuple[int, int, int]:
 
 def wait_seconds(cause: str) -> float:
     """How long rank 0 may wait for the notice's checkpoint to reach the store: a spot notice leaves ~120 s; a
-    group termination is held by the lifecycle hook for its heartbeat (300 s)."""
+    group termination is held by the lifecycle hook for its heartbeat (300 s), longer while heartbeats go on."""
     return publish.ON_GROUP_S if cause == notice.GROUP else publish.ON_NOTICE_S
+
+
+def heartbeat(guard: Guard, cause: str) -> spot.LifecycleHeartbeat | None:
+    """For a group termination, each node's first rank keeps its own lifecycle action alive while the checkpoint
+    uploads (spot.LifecycleHeartbeat); None otherwise."""
+    if cause != notice.GROUP or _rank()[1] != 0:
+        return None
+    beat = spot.LifecycleHeartbeat(guard.watcher)
+    beat.start()
+    return beat
 
 
 def durable(guard: Guard, step: int, cause: str, poll: float = 1.0) -> bool:
     """Whether checkpoint-<step> is confirmed in the store, agreed by every rank: rank 0 (the only publisher)
     waits for its upload, the others wait with it in short all-reduces (a MIN of 0/1 flags), so no long
-    collective meets the process group's timeout. False without a store, on a failed upload or past the wait."""
+    collective meets the process group's timeout. False without a store, on a failed upload or past the wait.
+    A group termination waits up to spot.GROUP_HOLD_S once a node's lifecycle heartbeat holds it (the third flag,
+    negated so that MIN finds any), else the hook's own timeout (wait_seconds)."""
     import torch
     import torch.distributed as dist
 
     publisher = guard.publisher.publisher if guard.publisher is not None else None
     dist_on = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
-    deadline = time.monotonic() + wait_seconds(cause)
-    while True:
-        if publisher is not None:  # rank 0 with a store
-            idle = publisher.wait(min(poll, max(0.0, deadline - time.monotonic())))
-            done = idle or time.monotonic() >= deadline
-            ok = idle and publisher.confirmed(step)
-        else:  # other ranks hold nothing; without a store nothing is durable
-            done, ok = True, guard.publisher is not None and _rank()[0] != 0
-        if not dist_on:
-            return bool(ok)
-        flags = torch.tensor([int(done), int(ok)], dtype=torch.int64)
-        dist.all_reduce(flags, op=dist.ReduceOp.MIN)
-        if flags[0] > 0:
-            return bool(flags[1] > 0)
+    beat = heartbeat(guard, cause)
+    started, held = time.monotonic(), False
+    try:
+        while True:
+            deadline = started + (spot.GROUP_HOLD_S if held else wait_seconds(cause))
+            if publisher is not None:  # rank 0 with a store
+                idle = publisher.wait(min(poll, max(0.0, deadline - time.monotonic())))
+                done = idle or time.monotonic() >= deadline
+                ok = idle and publisher.confirmed(step)
+            else:  # other ranks hold nothing; without a store nothing is durable
+                done, ok = True, guard.publisher is not None and _rank()[0] != 0
+            if not dist_on:
+                return bool(ok)
+            beating = beat is not None and beat.sent > 0 and beat.is_alive()
+            flags = torch.tensor([int(done), int(ok), -int(beating)], dtype=torch.int64)
+            dist.all_reduce(flags, op=dist.ReduceOp.MIN)
+            held = held or bool(flags[2] < 0)
+            if flags[0] > 0:
+                return bool(flags[1] > 0)
+    finally:
+        if beat is not None:
+            beat.stop()
 
 
 def end_if_noticed(trainer) -> None:

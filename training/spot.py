@@ -294,29 +294,72 @@ def cluster_env(path: str = CLUSTER_ENV) -> dict[str, str]:
     return dict(line.split("=", 1) for line in lines if "=" in line and not line.startswith("#"))
 
 
-def complete_lifecycle_action(watcher: NoticeWatcher, client=None) -> bool:
-    """Tell the Auto Scaling group that this node may go (CONTINUE), so its replacement is not held back
-    for the hook's whole heartbeat. Called once the notice's checkpoint is where it outlives this node.
-    Returns whether it was sent; any failure only logs (the heartbeat's default result, CONTINUE, follows)."""
+def _lifecycle_call(watcher: NoticeWatcher, call: str, client=None, **extra) -> bool:
+    """One Auto Scaling call on this node's own lifecycle action (its group, hook and instance id); whether it was
+    sent. Raises what the call raises; False where the node has no hook (off AWS, or from before the hook)."""
     env = cluster_env()
     group, hook = env.get("XC_ASG_NAME"), env.get("XC_LIFECYCLE_HOOK")
     if not (group and hook):
         return False
-    try:
-        status, body = watcher.get(INSTANCE_ID_PATH)
-        if status != 200:
-            return False
-        if client is None:
-            import boto3
-
-            client = boto3.client("autoscaling", region_name=env.get("XC_REGION") or None,
-                                  endpoint_url=os.environ.get("XC_AWS_ENDPOINT_URL") or None)
-        client.complete_lifecycle_action(AutoScalingGroupName=group, LifecycleHookName=hook,
-                                         InstanceId=body.decode().strip(), LifecycleActionResult="CONTINUE")
-        return True
-    except Exception as exc:  # noqa: BLE001 - the hook's heartbeat ends it anyway
-        log.warning("could not complete the lifecycle action of %s (%s): the group waits out the heartbeat", group, exc)
+    status, body = watcher.get(INSTANCE_ID_PATH)
+    if status != 200:
         return False
+    if client is None:
+        import boto3
+
+        client = boto3.client("autoscaling", region_name=env.get("XC_REGION") or None,
+                              endpoint_url=os.environ.get("XC_AWS_ENDPOINT_URL") or None)
+    getattr(client, call)(AutoScalingGroupName=group, LifecycleHookName=hook, InstanceId=body.decode().strip(),
+                          **extra)
+    return True
+
+
+def complete_lifecycle_action(watcher: NoticeWatcher, client=None) -> bool:
+    """Tell the Auto Scaling group that this node may go (CONTINUE), so its replacement is not held back
+    for the hook's whole heartbeat. Called once the notice's checkpoint is where it outlives this node.
+    Returns whether it was sent; any failure only logs (the heartbeat's default result, CONTINUE, follows)."""
+    try:
+        return _lifecycle_call(watcher, "complete_lifecycle_action", client, LifecycleActionResult="CONTINUE")
+    except Exception as exc:  # noqa: BLE001 - the hook's heartbeat ends it anyway
+        log.warning("could not complete the lifecycle action of %s (%s): the group waits out the heartbeat",
+                    cluster_env().get("XC_ASG_NAME"), exc)
+        return False
+
+
+# A group termination holds the node for the hook's heartbeat timeout (infra/nodes.py TERMINATION_HEARTBEAT_S, 300 s).
+# While the notice's checkpoint uploads, the node records a heartbeat every HEARTBEAT_EVERY_S, each one restarting
+# that timeout, for at most GROUP_HOLD_S in all: a bert-base checkpoint with its optimizer state (~1.3 GB) at a slow
+# 10 MB/s needs ~130 s; GROUP_HOLD_S leaves room for ~10 GB. AWS ends any hold after 100 timeouts or 48 h.
+HEARTBEAT_EVERY_S = 60.0
+GROUP_HOLD_S = 1800.0
+
+
+class LifecycleHeartbeat(threading.Thread):
+    """RecordLifecycleActionHeartbeat for this node's own lifecycle action every ``every`` seconds until stopped.
+    It stops by itself at the first call that fails or cannot be made (this node is not the one leaving, or the
+    role lacks the action): then the hook's own timeout applies, and ``sent`` says how many went through."""
+
+    def __init__(self, watcher: NoticeWatcher, client=None, every: float = HEARTBEAT_EVERY_S):
+        super().__init__(name="lifecycle-heartbeat", daemon=True)
+        self.watcher, self.client, self.every = watcher, client, every
+        self.sent = 0
+        self.error: str | None = None
+        self._halt = threading.Event()
+
+    def run(self) -> None:
+        while not self._halt.is_set():
+            try:
+                if not _lifecycle_call(self.watcher, "record_lifecycle_action_heartbeat", self.client):
+                    return
+            except Exception as exc:  # noqa: BLE001 - no hold to extend: the hook's timeout applies
+                self.error = str(exc)
+                log.info("no lifecycle heartbeat for this node (%s): the hook's own timeout applies", exc)
+                return
+            self.sent += 1
+            self._halt.wait(self.every)
+
+    def stop(self) -> None:
+        self._halt.set()
 
 
 def release_node(watcher: NoticeWatcher, rank: int, local_rank: int, durable: bool) -> bool:
