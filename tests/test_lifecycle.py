@@ -233,6 +233,52 @@ def test_a_notice_whose_checkpoint_is_not_durable_resumes_from_the_previous_comp
     assert training_store.open_store(url).get_bytes("runs/r1/summary.json")  # the store's copy says it too
 
 
+def test_a_store_that_does_not_answer_is_its_own_cause_retried_and_the_run_stays_restartable(tmp_path, monkeypatch):
+    """Issue 53 item 4: expired credentials while the ending is decided are not 'no checkpoint' (a failure that
+    is not restarted): the store is asked again, and if it still does not answer the run is preempted with the
+    cause 'store unreachable', which --max-restarts resumes (asking the store again then)."""
+    from cluster import store as store_lib
+    from core.errors import ClusterError
+
+    asked = []
+
+    def expired(url, run_id):
+        asked.append(run_id)
+        raise ClusterError("store s3://xc-a/cl: the credentials expired", fix="renew them")
+
+    monkeypatch.setattr(store_lib, "checkpoints", expired)
+    monkeypatch.setattr(lifecycle, "STORE_RETRY_S", 0.0)
+    r = _run(tmp_path, monkeypatch, FakeNode("node0"), FakeNode("node1"))
+    url = f"file://{tmp_path / 'store'}"  # the records' copies go there; its checkpoints are what fails
+    r.record.env["XC_STORE"] = url
+    notice = "[0] " + Notice(GROUP, rank=1, step=20, checkpoint="checkpoint-20", durable=True).format()
+    with pytest.raises(Preempted) as exc:  # Preempted: restarts.why_restart restarts it
+        lifecycle.end(r, Outcome(notice_lib.EXIT, [notice], set(), 8.0), print)
+    assert asked == ["r1"] * lifecycle.STORE_TRIES and lifecycle.STORE_TRIES >= 2
+    assert "did not answer" in exc.value.what and "fab train --resume r1" in exc.value.fix
+    rec = records.load(tmp_path / "r1")
+    assert rec.status == Status.PREEMPTED and rec.cause == records.Cause.STORE_UNREACHABLE == "store unreachable"
+    assert Status.RESTARTING in records.TRANSITIONS[rec.status]
+    assert rec.preempted["checkpoint"] is None and rec.preempted["notice_cause"] == GROUP
+
+    # a store that answers on the second try: the ordinary ending, from the checkpoint it holds
+    answers = iter([ClusterError("store: timed out", fix="retry"), [10, 20]])
+
+    def flaky(url, run_id):
+        got = next(answers)
+        if isinstance(got, Exception):
+            raise got
+        return got
+
+    monkeypatch.setattr(store_lib, "checkpoints", flaky)
+    r = _run(tmp_path / "b", monkeypatch, FakeNode("node0"), FakeNode("node1"))
+    r.record.env["XC_STORE"] = url
+    with pytest.raises(Preempted):
+        lifecycle.end(r, Outcome(notice_lib.EXIT, [notice], set(), 8.0), print)
+    rec = records.load(tmp_path / "b" / "r1")
+    assert rec.cause == GROUP and rec.preempted["step"] == 20 and rec.preempted["durable"] is True
+
+
 def test_preempted_without_a_checkpoint_is_a_failure(tmp_path, monkeypatch):
     r = _run(tmp_path, monkeypatch, FakeNode("node0"), FakeNode("node1"))
     with pytest.raises(NodeFailure):

@@ -114,7 +114,7 @@ def end(r: Run, o: Outcome, say) -> RunResult:
                     lost_nodes=lost, cause=(Cause.NODE_LOST if lost else Cause.CRASHED).value)
             fix = f"see {r.run_dir / 'log.txt'}"
             url = r.record.store
-            if lost and (outputs.home_checkpoints(r.run_dir) or (url and _store_steps(url, r.run_id))):
+            if lost and (outputs.home_checkpoints(r.run_dir) or (url and _store_steps(url, r.run_id) != [])):
                 fix = f"resume with 'fab train --resume {r.run_id}' (log: {r.run_dir / 'log.txt'})"
             kind = NodeLost if lost else NodeFailure
             raise kind(f"run {r.run_id} failed after {o.wall_s:.0f}s: {reason}; {swept.claim()}",
@@ -167,14 +167,26 @@ def _preempted(r: Run, o: Outcome, notice: Notice) -> None:
                     run_id=r.run_id, node=node, fix=f"resume with 'fab train --resume {r.run_id}'")
 
 
-def _store_steps(url: str, run_id: str) -> list[int]:
+STORE_TRIES = 3  # a store that does not answer while a resume is decided is asked again, STORE_RETRY_S apart
+STORE_RETRY_S = 5.0
+
+
+def _store_steps(url: str, run_id: str, tries: int | None = None) -> list[int] | None:
+    """The run's complete checkpoints in the store; None when the store did not answer in ``tries`` attempts
+    (expired credentials, a network cut): unknown, which is not 'no checkpoint'."""
+    import time
+
     from cluster import store as store_lib
 
-    try:
-        return store_lib.checkpoints(url, run_id)
-    except ClusterError as exc:
-        log.warning("%s", exc)
-        return []
+    tries = tries or STORE_TRIES
+    for attempt in range(1, tries + 1):
+        try:
+            return store_lib.checkpoints(url, run_id)
+        except ClusterError as exc:
+            log.warning("the store did not answer (try %d of %d): %s", attempt, tries, exc)
+            if attempt < tries:
+                time.sleep(STORE_RETRY_S)
+    return None
 
 
 def _preempted_in_store(r: Run, o: Outcome, url: str, node: str, notice: Notice, swept) -> None:
@@ -182,6 +194,15 @@ def _preempted_in_store(r: Run, o: Outcome, url: str, node: str, notice: Notice,
     one before it); failed when it holds none. Raises."""
     rank, step, cause = notice.rank, notice.step, notice.cause
     steps = _store_steps(url, r.run_id)
+    if steps is None:  # unknown: the run stays restartable, and its resume asks the store again
+        r.write(Status.PREEMPTED, notice_lib.EXIT, o.wall_s, cause=Cause.STORE_UNREACHABLE.value,
+                preempted={"node": node, "rank": rank, "step": step, "checkpoint": None, "notice_step": step,
+                           "durable": None, "noticed_at": o.noticed_at, "notice_cause": cause},
+                cleanup=swept.to_dict(), reason=f"spot notice on {node} at step {step}; the store {url} did not answer "
+                                                f"({STORE_TRIES} tries), so its checkpoints are unknown")
+        raise Preempted(f"run {r.run_id} preempted on {node} at step {step}; the store {url} did not answer, so which "
+                        "checkpoint it holds is unknown", run_id=r.run_id, node=node,
+                        fix=f"check the store's credentials ('fab doctor'), then 'fab train --resume {r.run_id}'")
     if not notice.durable:  # the ranks did not all see it confirmed in the store: never resume from it
         log.warning("the notice's checkpoint (step %s) did not become durable in the store", step)
         steps = [s for s in steps if s != step]

@@ -52,6 +52,7 @@ class Cause(str, enum.Enum):
     NODE_LOST = "node lost"
     CRASHED = "crashed"
     INTERRUPTED = "interrupted"
+    STORE_UNREACHABLE = "store unreachable"  # a preemption whose checkpoint the store could not confirm or deny
 
     def __str__(self) -> str:
         return self.value
