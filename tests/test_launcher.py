@@ -31,13 +31,26 @@ def test_world_size_and_rank_to_host_follow_block_placement():
 
 def test_mpirun_argv_shape():
     argv = launcher.mpirun_argv(plan(), ssh_config="/home/u/.xeon-cluster/ssh/config", mpirun="/opt/v/bin/mpirun")
-    assert argv[:7] == ["/opt/v/bin/mpirun", "-f", "hostfile", "-n", "4", "-ppn", "2"]
+    p = plan()
+    # node 0 at a private address: mpirun runs through the shim that finds its interface, with that address
+    assert argv[:5] == ["sh", "-c", launcher.IFACE_SCRIPT, "/opt/v/bin/mpirun", p.master_addr]
+    assert argv[5:11] == ["-f", "hostfile", "-n", "4", "-ppn", "2"]
     assert "-l" in argv  # rank prefixes on every line
     i = argv.index("-bootstrap-exec-args")
     assert argv[i + 1] == "-F /home/u/.xeon-cluster/ssh/config"
     assert "-genvnone" in argv  # nothing from node 0's shell leaks into the ranks
     assert argv[-4:] == ["--learning_rate", "2e-5", "--output_dir", "out dir"]  # job args untouched
-    assert "runs/r1/rank.sh" in argv[argv.index("-c") + 1]
+    assert "runs/r1/rank.sh" in argv[len(argv) - argv[::-1].index("-c")]  # bash -c, after the shim's sh -c
+
+
+def test_iface_shim_names_the_interface_that_holds_the_address(tmp_path):
+    """Run for real: the shim puts -iface <the interface with that address> in front of mpirun's own flags."""
+    argv = ["sh", "-c", launcher.IFACE_SCRIPT, "echo", "127.0.0.1", "-f", "hostfile"]
+    assert subprocess.run(argv, capture_output=True, text=True, check=True).stdout.split() == [
+        "-iface", "lo", "-f", "hostfile"]
+    argv[4] = "192.0.2.77"  # held by no interface here: mpirun's flags alone
+    assert subprocess.run(argv, capture_output=True, text=True, check=True).stdout.split() == ["-f", "hostfile"]
+    assert launcher.iface_shim("mpirun", "127.0.0.2") == ["mpirun"]  # a local cluster: as before
 
 
 def genv(argv):

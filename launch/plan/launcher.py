@@ -8,6 +8,7 @@ Layout per node comes from launch.plan.topology.derive_layout; what reaches the 
 """
 from __future__ import annotations
 
+import ipaddress
 import shlex
 from dataclasses import dataclass, field
 
@@ -99,10 +100,25 @@ def rank_cpus(node: NodePlan) -> list[tuple[int, str]]:
     return [(lr, ",".join(map(str, cpus))) for lr, cpus in enumerate(node.layout.rank_cpus)]
 
 
+# The other nodes' proxies connect back to mpirun by node 0's host name, which on AWS (<cluster>-<instance id>, set at
+# boot) resolves on node 0 alone: the AWS twin showed it (getaddrinfo failed on node 1). The interface that holds node
+# 0's private address makes Hydra hand out that address instead; where none holds it (a NAT), Hydra keeps its way.
+IFACE_SCRIPT = ('iface=$(ip -o -4 addr show 2>/dev/null | awk -v a="$1" \'{split($4, p, "/"); if (p[1] == a) print $2}\' '
+                '| head -n 1); shift; exec "$0" ${iface:+-iface "$iface"} "$@"')
+
+
+def iface_shim(mpirun: str, address: str) -> list[str]:
+    """mpirun, run with -iface <the interface holding address> as found on node 0 itself (not for a loopback
+    address: a local cluster's nodes all resolve each other)."""
+    if ipaddress.ip_address(address).is_loopback:
+        return [mpirun]
+    return ["sh", "-c", IFACE_SCRIPT, mpirun, address]
+
+
 def mpirun_argv(plan: LaunchPlan, ssh_config: str, mpirun: str = "mpirun") -> list[str]:
     """Intel MPI: hostfile order = node order, block placement, output lines prefixed by rank."""
-    argv = [mpirun, "-f", "hostfile", "-n", str(plan.world_size), "-ppn", str(plan.ppn), "-l",
-            "-bootstrap", "ssh", "-bootstrap-exec-args", f"-F {ssh_config}", "-genvnone"]
+    argv = [*iface_shim(mpirun, plan.master_addr), "-f", "hostfile", "-n", str(plan.world_size), "-ppn", str(plan.ppn),
+            "-l", "-bootstrap", "ssh", "-bootstrap-exec-args", f"-F {ssh_config}", "-genvnone"]
     for key, value in global_env(plan).items():
         argv += ["-genv", key, value]
     rank_sh = f'exec {RunPaths(plan.run_id, HOME_EXPR).rank_script} "$@"'
