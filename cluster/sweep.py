@@ -73,7 +73,8 @@ def sweep(spec: str | None, yes: bool = False, out=None, clients: Clients | None
         return 0
     if not yes:
         print(left_line(first), file=out)
-        return 1
+        # after a clean `pulumi destroy` the store is what is left, kept on purpose: that is no failure (exit 0)
+        return 1 if include_store or any(o.kind != "s3 bucket" for o in first.orphans) else 0
     kept = [] if include_store else [o for o in first.orphans if o.kind == "s3 bucket"]
     for o in kept:
         runs = o.ref.get("runs", [])

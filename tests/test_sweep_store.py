@@ -129,3 +129,19 @@ def test_a_bare_sweep_looks_in_the_selected_stacks_region(aws_env, tmp_path, mon
     monkeypatch.setenv("XC_AWS_CLUSTER", "ernie")  # named by the environment: AWS_REGION, as before
     assert sweep.target(None) == ("ernie", None)
     assert sweep.target("pulumi") == ("bert", "eu-west-1")  # the stack named: its config, once destroyed
+
+
+def test_after_a_clean_destroy_the_kept_store_alone_exits_0(aws_env):
+    """pulumi destroy keeps the store on purpose: a sweep that finds only it says so and how it goes, and exits 0
+    (it exited 1, so a teardown script failed after a clean destroy); anything else left, or --include-store
+    asked, is still exit 1."""
+    store = plant_bucket("xc-oscar-store", "oscar", ["oscar/runs/r1/summary.json"])
+    out = io.StringIO()
+    assert sweep.sweep("aws:oscar", out=out) == 0
+    assert out.getvalue().strip().splitlines()[-1].startswith("1 resource of cluster oscar left in ")
+    assert "empty and delete it with 'fab sweep --cluster aws:oscar --yes --include-store'" in out.getvalue()
+    assert sweep.sweep("aws:oscar", include_store=True, out=io.StringIO()) == 1
+    client("ec2").create_volume(AvailabilityZone=f"{REGION}a", Size=10, VolumeType="gp2",
+                                TagSpecifications=spec("volume", "oscar"))
+    assert sweep.sweep("aws:oscar", out=io.StringIO()) == 1
+    assert store in buckets()
