@@ -127,8 +127,8 @@ def export_line(record: dict) -> str:
 
 def use(record: dict) -> None:
     """Point this process at the twin (its AWS calls go to the twin's moto, never to AWS)."""
-    os.environ.pop("AWS_SESSION_TOKEN", None)
-    os.environ.pop("AWS_PROFILE", None)
+    for key in ("AWS_SESSION_TOKEN", "AWS_PROFILE", "AWS_DEFAULT_PROFILE"):
+        os.environ.pop(key, None)
     os.environ.update(environment(record))
 
 
@@ -176,9 +176,12 @@ def _wait_http(url: str, proc: subprocess.Popen, what: str, log_file: Path, time
 
 
 def _spawn(argv: list[str], log_file: Path) -> subprocess.Popen:
+    """A twin process of its own session, with the twin's credentials only (never the operator's AWS profile)."""
+    env = {k: v for k, v in os.environ.items() if k not in ("AWS_PROFILE", "AWS_DEFAULT_PROFILE", "AWS_SESSION_TOKEN")}
+    env.update(AWS_ACCESS_KEY_ID=KEY_ID, AWS_SECRET_ACCESS_KEY=KEY_ID)
     with open(log_file, "ab") as out:
         return subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=out, stderr=out, start_new_session=True,
-                                cwd=str(PROJECT_ROOT))
+                                cwd=str(PROJECT_ROOT), env=env)
 
 
 def check_tools() -> None:
@@ -326,13 +329,23 @@ class Watcher:
             Filters=[{"Name": "tag:aws:autoscaling:groupName", "Values": groups}])
         return [i for p in pages for r in p["Reservations"] for i in r["Instances"]]
 
+    def boot_or_clean(self, inst: dict) -> None:
+        """A boot that failed leaves nothing behind, so the next round tries again."""
+        try:
+            self.boot(inst)
+        except BaseException:
+            f = self.state / "instances" / inst["InstanceId"] / "boot.json"
+            if f.is_file():
+                self.remove(json.loads(f.read_text()), quiet=True)
+            raise
+
     def once(self) -> None:
         now = {i["InstanceId"]: i for i in self.instances()}
         mine = {b["instance_id"]: b for b in booted(self.state)}
         for iid, inst in now.items():
             state = inst["State"]["Name"]
             if state == "running" and iid not in mine:
-                self.boot(inst)
+                self.boot_or_clean(inst)
             elif state in ("shutting-down", "terminated") and iid in mine:
                 self.remove(mine[iid])
         for iid, b in mine.items():
@@ -370,7 +383,7 @@ class Watcher:
         self.imds_doc(iid, ip, role, node_dir)
         imds = _spawn(["ip", "netns", "exec", ns, sys.executable, "-m", "cluster.twin_imds", str(node_dir / "imds.json")],
                       node_dir / "imds.log")
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + 30
         while not local.listens(imds.pid, "169.254.169.254", 80):  # on EC2 it answers before anything boots
             if imds.poll() is not None or time.monotonic() > deadline:
                 raise ClusterError(f"{iid}: its IMDS did not start", fix=f"see {node_dir / 'imds.log'}")
@@ -392,7 +405,7 @@ class Watcher:
         sshd = _spawn([*wrap, local.sshd_binary(), "-D", "-e", "-f", str(config)], node_dir / "sshd.log")
         boot.update(pids={"imds": imds.pid, "sshd": sshd.pid})
         (node_dir / "boot.json").write_text(json.dumps(boot))
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + 30
         while not local.listens(sshd.pid, ip, 22):
             if sshd.poll() is not None or time.monotonic() > deadline:
                 raise ClusterError(f"{iid}: sshd did not start", fix=f"see {node_dir / 'sshd.log'}")
@@ -440,7 +453,7 @@ class Watcher:
                     (node_dir / "etc" / entry["path"].rsplit("/", 1)[1]).write_text(entry.get("content", ""))
         return files
 
-    def remove(self, boot: dict) -> None:
+    def remove(self, boot: dict, quiet: bool = False) -> None:
         ns = boot["ns"]
         netns._end_processes(ns)  # an instance that is gone takes everything on it at once
         for pid in (boot.get("pids") or {}).values():
@@ -452,7 +465,8 @@ class Watcher:
         node_dir = self.state / "instances" / boot["instance_id"]
         (node_dir / "boot.json").unlink(missing_ok=True)
         (node_dir / "gone").write_text(str(time.time()))
-        print(f"{time.strftime('%H:%M:%S')} {boot['role']} {boot['instance_id']} gone", flush=True)
+        if not quiet:
+            print(f"{time.strftime('%H:%M:%S')} {boot['role']} {boot['instance_id']} gone", flush=True)
 
     # notices that end in a termination
     def due(self) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import secrets
+import socketserver
 import sys
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -72,7 +73,14 @@ def serve(doc_file: Path, address: str = ADDRESS, port: int = 80) -> ThreadingHT
             body = answer(doc, self.path)
             self._send(200, body) if body is not None else self._send(404)
 
-    return ThreadingHTTPServer((address, port), Handler)
+    return _Server((address, port), Handler)
+
+
+class _Server(ThreadingHTTPServer):
+    def server_bind(self):
+        # HTTPServer's own looks its address up in DNS (getfqdn), which in a namespace with no DNS waits 10 s
+        socketserver.TCPServer.server_bind(self)
+        self.server_name, self.server_port = self.server_address[:2]
 
 
 if __name__ == "__main__":

@@ -256,6 +256,17 @@ class Twin:
             self.client("s3").put_bucket_tagging(Bucket=bucket, Tagging={"TagSet": _tags(i["tags"])})
         return bucket, {"bucket": bucket, "arn": f"arn:aws:s3:::{bucket}"}
 
+    def bucket_policy(self, name, i):
+        """The policy less its TLS-only statements: the twin serves plain HTTP, and moto enforces them."""
+        policy = json.loads(i["policy"])
+        kept = [st for st in policy.get("Statement", []) if "aws:SecureTransport" not in json.dumps(st.get("Condition"))]
+        if len(kept) < len(policy.get("Statement", [])):
+            self.left_out[f"aws:s3/bucketPolicy:BucketPolicy {name}: TLS-only statements"] = (
+                "the twin's endpoint is plain HTTP; AWS's is TLS")
+        if kept:
+            self.client("s3").put_bucket_policy(Bucket=i["bucket"], Policy=json.dumps({**policy, "Statement": kept}))
+        return f"{i['bucket']}-{name}", {}
+
     def log_group(self, name, i):
         group = i.get("name") or _auto(name)
         self.client("logs").create_log_group(logGroupName=group)
@@ -306,7 +317,7 @@ Twin.MAKERS = {
     "aws:s3/bucket:Bucket": Twin.bucket,
     "aws:s3/bucketVersioning:BucketVersioning": _bucket_part("put_bucket_versioning",
         lambda i: {"VersioningConfiguration": {"Status": i["versioningConfiguration"]["status"]}}),
-    "aws:s3/bucketPolicy:BucketPolicy": _bucket_part("put_bucket_policy", lambda i: {"Policy": i["policy"]}),
+    "aws:s3/bucketPolicy:BucketPolicy": Twin.bucket_policy,
     "aws:s3/bucketLifecycleConfiguration:BucketLifecycleConfiguration": _bucket_part("put_bucket_lifecycle_configuration", _lifecycle),
     "aws:s3/bucketPublicAccessBlock:BucketPublicAccessBlock": _bucket_part("put_public_access_block", lambda i: {"PublicAccessBlockConfiguration": _pascal(
             {k: _bool(v) for k, v in i.items() if k != "bucket"})}),

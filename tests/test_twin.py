@@ -1,0 +1,140 @@
+"""The AWS twin (`fab local-up --aws`): the AWS flow end to end on one machine. moto is the control plane (the
+Pulumi program itself made the groups, bucket, roles and security group on it), every instance a real sshd node in
+its own network namespace with its own IMDS; fab finds them through the EC2 and Auto Scaling APIs and verifies
+their host keys from their instance tags, as on AWS. Root only (namespaces and mounts): skipped otherwise.
+"""
+from __future__ import annotations
+
+import os
+import re
+import time
+
+import boto3
+import pytest
+from conftest import FabProcess, fab, progress_step
+from fake_imds import FakeIMDS
+
+pytestmark = [pytest.mark.cluster, pytest.mark.slow,
+              pytest.mark.skipif(os.geteuid() != 0, reason="the AWS twin needs root (network namespaces, mounts)")]
+KEEP_OUT = ("XC_CLUSTER", "XC_STORE", "XC_AWS_ENDPOINT_URL", "XC_S3_ENDPOINT_URL", "XC_SSH_KEY")  # then the line's
+
+
+class Twin:
+    def __init__(self, env: dict, up_s: float, out: str):
+        self.env, self.up_s, self.out = env, up_s, out
+        self.export = next(line for line in out.splitlines() if line.startswith("export "))
+        self.env.update(dict(kv.split("=", 1) for kv in self.export.split()[1:]))
+
+    def fab(self, *args, **kw):
+        return fab(*args, env=self.env, **kw)
+
+    def start(self, *args) -> FabProcess:
+        return FabProcess(*args, env=self.env)
+
+    def client(self, service: str):
+        return boto3.client(service, region_name=self.env["AWS_REGION"], endpoint_url=self.env["XC_AWS_ENDPOINT_URL"],
+                            aws_access_key_id=self.env["AWS_ACCESS_KEY_ID"],
+                            aws_secret_access_key=self.env["AWS_SECRET_ACCESS_KEY"])
+
+    def group_ids(self, group: str) -> set[str]:
+        pages = self.client("ec2").get_paginator("describe_instances").paginate(Filters=[
+            {"Name": "tag:aws:autoscaling:groupName", "Values": [group]},
+            {"Name": "instance-state-name", "Values": ["running"]}])
+        return {i["InstanceId"] for p in pages for r in p["Reservations"] for i in r["Instances"]}
+
+    def status_ids(self) -> dict[str, str]:
+        res = self.fab("status", "--no-runs", timeout=60)
+        assert res.returncode == 0, res.stdout + res.stderr
+        return dict(re.findall(r"^(twin-(?:\d+|head))\s+(i-[0-9a-f]+)", res.stdout, re.MULTILINE))
+
+    def wait_replaced(self, gone: str, timeout: float = 60) -> set[str]:
+        """The nodes' group back at 2 running instances without `gone`, each booted and answering fab status."""
+        deadline = time.monotonic() + timeout
+        while True:
+            ids = self.group_ids("twin-nodes")
+            if gone not in ids and len(ids) == 2:
+                status = self.status_ids()
+                if set(status.values()) >= ids:
+                    return ids
+            assert time.monotonic() < deadline, f"{gone} not replaced in {timeout:.0f} s: {ids}"
+            time.sleep(1)
+
+
+@pytest.fixture(scope="module")
+def twin(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("twin")
+    env = {k: "" for k in KEEP_OUT} | {"XC_STATE_DIR": str(tmp / "state"), "XC_RUNS_DIR": str(tmp / "runs")}
+    started = time.monotonic()
+    res = fab("local-up", "--aws", "--nodes", "2", env=env, timeout=180)
+    up_s = time.monotonic() - started
+    assert res.returncode == 0, res.stdout + res.stderr
+    yield Twin(env, up_s, res.stdout)
+    down = fab("local-down", env=env, timeout=120)
+    assert down.returncode == 0 and "AWS twin down" in down.stdout, down.stdout + down.stderr
+
+
+def test_up_in_a_minute_and_status_lists_the_instances_from_the_ec2_api(twin):
+    assert twin.up_s <= 60, f"fab local-up --aws took {twin.up_s:.0f} s"
+    assert twin.env["XC_CLUSTER"] == "aws:twin" and twin.env["XC_STORE"].startswith("s3://xc-twin-")
+    assert re.match(r"http://198\.1[89]\.\d+\.1:\d+$", twin.env["XC_AWS_ENDPOINT_URL"])  # the twin's own range
+    shown = twin.status_ids()
+    assert set(shown) == {"twin-0", "twin-1", "twin-head"}
+    assert {shown["twin-0"], shown["twin-1"]} == twin.group_ids("twin-nodes")
+    assert {shown["twin-head"]} == twin.group_ids("twin-head")
+    # what the Pulumi program made, as pulumi up leaves it: the group's termination hook, the bucket, the roles
+    hooks = twin.client("autoscaling").describe_lifecycle_hooks(AutoScalingGroupName="twin-nodes")["LifecycleHooks"]
+    assert [h["LifecycleHookName"] for h in hooks] == ["xc-checkpoint"]
+    bucket = twin.env["XC_STORE"].split("/")[2]
+    assert twin.client("s3").get_bucket_versioning(Bucket=bucket)["Status"] == "Enabled"
+    roles = {r["RoleName"] for r in twin.client("iam").list_roles()["Roles"]}
+    assert any(r.startswith("twin-node") for r in roles) and any(r.startswith("twin-head") for r in roles)
+    # every instance at a private address inside 198.18.0.0/15, none with a public one
+    for res in twin.client("ec2").describe_instances()["Reservations"]:
+        for inst in res["Instances"]:
+            assert inst["PrivateIpAddress"].startswith(("198.18.", "198.19.")) and not inst.get("PublicIpAddress")
+
+
+def test_spot_notice_preempts_to_s3_the_group_replaces_the_node_and_resume_finishes(twin, small_model):
+    before = twin.group_ids("twin-nodes")
+    args = ["train", "--nodes", "2", "--save-every", "0", "--env", "XC_NOTICE_POLL_S=0.5", "--",
+            *FakeIMDS.short_args(small_model)]
+    with twin.start(*args) as running:
+        running.wait_for(lambda line: (progress_step(line) or 0) >= 8, 400)
+        said = twin.fab("local-notice", "node1", "--kind", "spot", "--after", "5", timeout=60)
+        assert said.returncode == 0 and "spot notice served by its IMDS" in said.stdout, said.stdout + said.stderr
+        node1 = re.search(r"\((i-[0-9a-f]+)\)", said.stdout)[1]
+        ended = running.finish(400)
+    assert ended.returncode == 75, ended.stdout[-3000:] + ended.stderr[-3000:]
+    run_id = re.search(r"run (\S+): results in", ended.stdout)[1]
+    # the notice's checkpoint is in the twin's S3, under the run
+    bucket, prefix = twin.env["XC_STORE"][5:].split("/", 1)
+    keys = [o["Key"] for o in twin.client("s3").list_objects_v2(Bucket=bucket, Prefix=f"{prefix}/runs/{run_id}/")
+            .get("Contents", [])]
+    assert any("/checkpoints/checkpoint-" in k for k in keys), keys
+    assert node1 in before
+    after = twin.wait_replaced(node1)  # EC2 took it, the group launched another, which booted as a node
+    assert len(after - before) == 1
+    resumed = twin.fab("train", "--resume", run_id, timeout=600)
+    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+    runs = twin.fab("runs", timeout=60)
+    assert run_id in runs.stdout
+
+
+def test_kill_without_notice_the_group_replaces_the_instance(twin):
+    old = twin.status_ids()["twin-1"]
+    said = twin.fab("local-kill", "node1", timeout=60)
+    assert said.returncode == 0 and "terminated with no notice" in said.stdout, said.stdout + said.stderr
+    assert old in said.stdout
+    twin.wait_replaced(old)
+
+
+def test_bad_input_is_one_line_and_starts_nothing(twin, tmp_path):
+    for args, want in ((["local-notice", "node7"], "no twin instance 'node7'"),
+                       (["local-notice", "node1", "--kind", "storm"], "--kind 'storm' is not a notice"),
+                       (["local-notice", "node1", "--after", "soon"], "--after 'soon' is not a number")):
+        res = twin.fab(*args, timeout=60)
+        assert res.returncode != 0 and res.stderr.strip().count("\n") == 0 and want in res.stderr, res.stderr
+    assert not list((twin.env["XC_STATE_DIR"] and __import__("pathlib").Path(twin.env["XC_STATE_DIR"]) / "twin"
+                     / "actions").glob("*.json"))
+    none = fab("local-notice", "node1", env={"XC_STATE_DIR": str(tmp_path), "XC_CLUSTER": ""}, timeout=60)
+    assert none.returncode != 0 and "no AWS twin is up" in none.stderr and "fab local-up --aws" in none.stderr
