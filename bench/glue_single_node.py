@@ -23,7 +23,7 @@ Accuracy means something only on minilm (real weights); the other shapes time th
 
     .venv/bin/python bench/glue_single_node.py [--samples 800] [--epochs 2] [--batch 16] [--levers fused-adamw,...]
         [--onednn-max-isa AVX512_CORE_BF16]     # matmuls without AMX on a Sapphire Rapids: the no-AMX target
-        [--model-shape bert-base|gpt2]          # the seeds' models (gpt2: --batch 4 fits 24 GiB at 1024 tokens)
+        [--model-shape bert-base|gpt2]          # the seeds' models (gpt2: the largest batch up to 16 that fits memory)
 """
 from __future__ import annotations
 
@@ -39,6 +39,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
+import memory_fit
 import model_shapes
 
 CONFIGS = {
@@ -260,7 +261,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--samples", type=int, default=800)
     p.add_argument("--epochs", type=int, default=2, help="enough for the model to beat the majority class")
-    p.add_argument("--batch", type=int, default=16)
+    p.add_argument("--batch", type=int, help="default 16; gpt2: the largest of 16, 8, 4, 2, 1 that fits this "
+                   "machine's memory (bench/memory_fit.py), and a --batch that does not fit is refused")
     p.add_argument("--rounds", type=int, default=1)
     p.add_argument("--seeds", default="42", help="comma-separated; eval accuracy and F1 are the mean over them")
     p.add_argument("--configs", default=",".join(CONFIGS), help="comma-separated subset; 'seeds' is always run")
@@ -272,6 +274,9 @@ def main() -> None:
                    help="minilm (real weights, accuracy measured), or the seeds' bert-base / gpt2 from a config "
                         "with random weights (gpt2 runs the clm job at 1024 tokens)")
     a = p.parse_args()
+    a.batch, why = memory_fit.pick_batch(a.model_shape, a.batch, 16, memory_fit.available_gib())  # before any run
+    if why:
+        print(why, flush=True)
     known = CLM_LEVERS if a.model_shape == "gpt2" else LEVERS
     unknown = [x for x in a.levers.split(",") if x and x not in known]
     if unknown:
