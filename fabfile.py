@@ -333,7 +333,7 @@ def kube(c, nodes=None, job="glue", out=None, image="xeon-cluster-train:latest",
           f"docker build -t {image} {paths['manifest'].parent} && kubectl create -f {paths['manifest']}")
 
 
-ns = Collection(local_up, local_down, local_kill, local_link, keys, setup, doctor, train, logs, runs, stop, status, sweep, demo, bench, kube)
+ns = Collection(local_up, local_down, local_kill, local_link, local_notice, keys, setup, doctor, train, logs, runs, stop, status, sweep, demo, bench, kube)
 
 
 # -- the cluster's store: tasks appended here, one resolver for all of them ------------------------------------------

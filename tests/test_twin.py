@@ -94,7 +94,7 @@ def test_up_in_a_minute_and_status_lists_the_instances_from_the_ec2_api(twin):
             assert inst["PrivateIpAddress"].startswith(("198.18.", "198.19.")) and not inst.get("PublicIpAddress")
 
 
-def test_spot_notice_preempts_to_s3_the_group_replaces_the_node_and_resume_finishes(twin, small_model):
+def test_spot_notice_preempts_to_s3_the_group_replaces_the_node_and_resume_finishes(twin, small_model, tmp_path):
     before = twin.group_ids("twin-nodes")
     args = ["train", "--nodes", "2", "--save-every", "0", "--env", "XC_NOTICE_POLL_S=0.5", "--",
             *FakeIMDS.short_args(small_model)]
@@ -118,6 +118,40 @@ def test_spot_notice_preempts_to_s3_the_group_replaces_the_node_and_resume_finis
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
     runs = twin.fab("runs", timeout=60)
     assert run_id in runs.stdout
+    # a second checkout (nothing of this one's state or runs), pointed at the twin by the printed line
+    elsewhere = {**twin.env, "XC_STATE_DIR": str(tmp_path / "state"), "XC_RUNS_DIR": str(tmp_path / "runs")}
+    other = fab("runs", env=elsewhere, timeout=60)
+    assert other.returncode == 0 and run_id in other.stdout, other.stdout + other.stderr
+
+
+def test_rebalance_checkpoints_and_goes_on_then_the_groups_termination_ends_it_75(twin, small_model):
+    """A rebalance recommendation: a checkpoint while training goes on. Then the group's own termination, held
+    by its lifecycle hook: exit 75 with its cause; the node completes its lifecycle action once the checkpoint is
+    in the store, and the group takes it then, long before the hook's 120 s here."""
+    args = ["train", "--nodes", "2", "--save-every", "0", "--env", "XC_NOTICE_POLL_S=0.5", "--",
+            *FakeIMDS.short_args(small_model)]
+    with twin.start(*args) as running:
+        running.wait_for(lambda line: (progress_step(line) or 0) >= 6, 400)
+        said = twin.fab("local-notice", "node1", "--kind", "rebalance", timeout=60)
+        assert said.returncode == 0 and "rebalance recommendation" in said.stdout, said.stdout + said.stderr
+        line = running.wait_for("[rebalance]", 120)
+        assert "checkpoint now, training goes on" in line
+        step = int(re.search(r"step=(\d+)", line)[1])
+        running.wait_for(lambda line: (progress_step(line) or 0) > step + 2, 200)  # it goes on
+        said = twin.fab("local-notice", "node1", "--kind", "terminate", "--after", "120", timeout=60)
+        assert said.returncode == 0, said.stdout + said.stderr
+        node1 = re.search(r"\((i-[0-9a-f]+)\)", said.stdout)[1]
+        noticed = time.monotonic()
+        ended = running.finish(400)
+    assert ended.returncode == 75, ended.stdout[-3000:] + ended.stderr[-3000:]
+    run_id = re.search(r"run (\S+): results in", ended.stdout)[1]
+    summary = twin.fab("runs", timeout=60).stdout
+    assert run_id in summary
+    record = __import__("json").loads((__import__("pathlib").Path(twin.env["XC_RUNS_DIR"]) / run_id /
+                                       "summary.json").read_text())
+    assert record["status"] == "preempted" and record.get("cause") == "group termination", record
+    twin.wait_replaced(node1, timeout=90)
+    assert time.monotonic() - noticed < 120  # the completed lifecycle action let it go before the heartbeat
 
 
 def test_kill_without_notice_the_group_replaces_the_instance(twin):
