@@ -258,6 +258,67 @@ def publish_records(run_dir: Path, url: str | None) -> None:
         log.warning("the run's records did not reach the store: %s", explain(exc, url))
 
 
+class LivePublisher:
+    """What a head's supervisor publishes of a run still going on, every few seconds: summary.json and results.json
+    only when they changed, and log.txt as appended parts (runs/<id>/log.parts/<byte offset>, whole lines), each
+    written once. A whole log.txt every 5 s left a version per upload in the versioned bucket (a 10 MB log: ~170 GB
+    a day of them); the whole log.txt is published at the run's transitions (publish_records). Raises ClusterError."""
+
+    def __init__(self, url: str):
+        self.url, self.store = url, None
+        self.sent: dict[tuple[str, str], bytes] = {}  # (run id, name) -> what the store holds
+        self.offsets: dict[str, int] = {}  # run id -> bytes of its log in parts
+
+    def _offset(self, store, run_id: str) -> int:
+        """Where the log's parts end: a restarted supervisor goes on after what its predecessor sent."""
+        if run_id not in self.offsets:
+            parts = _guard(self.url, store.list, f"{RunPaths(run_id).store}/{paths.LOG_PARTS}")
+            self.offsets[run_id] = max((int(e.key.rsplit("/", 1)[1]) + e.size for e in parts), default=0)
+        return self.offsets[run_id]
+
+    def publish(self, run_dir: Path) -> int:
+        """The changes of one run's records and log since the last call; returns how many objects it wrote."""
+        self.store = self.store or _store(self.url)  # one client: a new one per call costs more than the call
+        store, run_id, written = self.store, Path(run_dir).name, 0
+        for name in ("summary.json", "results.json"):
+            path = Path(run_dir) / name
+            data = path.read_bytes() if path.is_file() else None
+            if data is not None and self.sent.get((run_id, name)) != data:
+                _guard(self.url, store.put_bytes, RunPaths(run_id).store_record(name), data)
+                self.sent[(run_id, name)] = data
+                written += 1
+        offset = self._offset(store, run_id)
+        try:
+            with (Path(run_dir) / "log.txt").open("rb") as f:
+                f.seek(offset)
+                new = f.read()
+        except OSError:
+            new = b""
+        new = new[:new.rfind(b"\n") + 1]  # whole lines: the rest goes with the next part
+        if new:
+            key = f"{RunPaths(run_id).store}/{paths.LOG_PARTS}/{offset:012d}"
+            _guard(self.url, store.put_bytes, key, new)
+            self.offsets[run_id] = offset + len(new)
+            written += 1
+        return written
+
+
+def read_log(url: str, run_id: str, parts_seen: dict[str, bytes] | None = None) -> str | None:
+    """A run's log as the store has it: its whole log.txt (published at transitions) or the appended parts of a run
+    still going on, whichever is longer (a log only grows). ``parts_seen`` keeps parts already read (they never
+    change) across calls of a follower. None when the store has neither."""
+    store, where = _store(url), RunPaths(run_id)
+    whole = _guard(url, store.get_bytes, where.store_record("log.txt"))
+    seen = parts_seen if parts_seen is not None else {}
+    for e in _guard(url, store.list, f"{where.store}/{paths.LOG_PARTS}"):
+        if e.key not in seen:
+            seen[e.key] = _guard(url, store.get_bytes, e.key) or b""
+    parts = b"".join(seen[k] for k in sorted(seen))
+    if whole is None and not parts:
+        return None
+    return max(whole or b"", parts, key=len).decode(errors="replace")
+
+
 def put_record(url: str, run_id: str, name: str, data: bytes) -> None:
     """One record file of a run (the head's heartbeat.json) into its store; raises ClusterError."""
     _guard(url, _store(url).put_bytes, RunPaths(run_id).store_record(name), data)

@@ -4,7 +4,8 @@ records) under <cluster>/runs/<id>/, next to the nodes: a checkpoint never cross
 Private and encrypted (SSE-S3, all four public-access blocks, bucket-owner-enforced ownership, TLS-only
 policy), versioned: an object a node overwrites keeps its previous version, and nodes may not delete versions
 (infra/policies.py). Lifecycle: checkpoints expire after checkpointRetentionDays and their noncurrent versions
-after a day; other noncurrent versions after NONCURRENT_DAYS; incomplete multipart uploads after a day.
+after a day, as do noncurrent versions of logs and heartbeats; other noncurrent versions after NONCURRENT_DAYS;
+incomplete multipart uploads after a day.
 
 Kept on 'pulumi destroy' (retain_on_delete, shown there as delete[retain]), and so is every protection of it
 (encryption, versioning, public-access block, ownership, TLS-only policy, lifecycle rules): a kept bucket of
@@ -18,9 +19,10 @@ import pulumi_aws as aws
 from infra.policies import tls_only_policy
 from infra.settings import ClusterSettings
 
-CHECKPOINT_TAG_KEY = "xeon-cluster-kind"  # training/store.py CHECKPOINT_TAG tags every checkpoint object
+CHECKPOINT_TAG_KEY = "xeon-cluster-kind"  # training/paths.py tag_of: checkpoint objects, logs and heartbeats
 NONCURRENT_CHECKPOINT_DAYS = 1  # a replaced or deleted checkpoint (GBs) is billed one more day at most
 NONCURRENT_DAYS = 30  # an overwritten or deleted record or output can be restored for a month
+NONCURRENT_LOG_DAYS = 1  # logs and heartbeats (training/paths.py LOG_TAG) change often: their old versions, a day
 
 
 def lifecycle_rules(prefix: str, retention_days: int) -> list[dict]:
@@ -30,6 +32,9 @@ def lifecycle_rules(prefix: str, retention_days: int) -> list[dict]:
          "filter": {"and": {"prefix": runs, "tags": {CHECKPOINT_TAG_KEY: "checkpoint"}}},
          "expiration": {"days": retention_days},
          "noncurrent_version_expiration": {"noncurrent_days": NONCURRENT_CHECKPOINT_DAYS}},
+        {"id": "expire-noncurrent-logs", "status": "Enabled",  # the head's heartbeats, runs' logs and log parts
+         "filter": {"and": {"prefix": runs, "tags": {CHECKPOINT_TAG_KEY: "log"}}},
+         "noncurrent_version_expiration": {"noncurrent_days": NONCURRENT_LOG_DAYS}},
         {"id": "expire-noncurrent-versions", "status": "Enabled", "filter": {"prefix": f"{prefix}/"},
          "noncurrent_version_expiration": {"noncurrent_days": NONCURRENT_DAYS}},
         # a delete marker whose versions all expired is removed (S3 refuses this with a tag filter: own rule)

@@ -20,7 +20,7 @@ from infra import cost
 from infra.image import BUILD_POLICIES, SCRIPT_PATH, component_document
 from launch.life.head import HEARTBEAT
 from node_setup import profiles
-from training.paths import RunPaths
+from training.paths import LOG_TAG, RunPaths
 from training.store import PROBE_PREFIX
 
 # pulumi_aws warns about a resource of its own we never use when its ec2 module loads.
@@ -401,6 +401,11 @@ def test_the_store_bucket_is_private_encrypted_versioned_and_kept_with_its_prote
     assert checkpoints["filter"]["and"] == {"prefix": "dev/runs/", "tags": {"xeon-cluster-kind": "checkpoint"}}
     assert checkpoints["noncurrentVersionExpiration"] == {"noncurrentDays": 1}  # a replaced checkpoint: one day
     assert rules["expire-noncurrent-versions"]["noncurrentVersionExpiration"]["noncurrentDays"] == 30
+    # logs and heartbeats, tagged as they are written (issue 53 item 4): their old versions last a day
+    logs = rules["expire-noncurrent-logs"]
+    assert logs["noncurrentVersionExpiration"] == {"noncurrentDays": 1}
+    (key, value), = logs["filter"]["and"]["tags"].items()
+    assert f"{key}={value}" == LOG_TAG and logs["filter"]["and"]["prefix"] == "dev/runs/"
     assert rules["remove-expired-delete-markers"]["expiration"] == {"expiredObjectDeleteMarker": True}
     assert rules["abort-incomplete-uploads"]["abortIncompleteMultipartUpload"]["daysAfterInitiation"] == 1
     assert all(r["status"] == "Enabled" for r in rules.values())

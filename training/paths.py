@@ -120,3 +120,23 @@ def node_run_of(path: str) -> tuple[str, str]:
     if not sep or "/" in run_id:
         raise ValueError(f"{path} is not a run folder on a node")
     return home, run_id
+
+
+# -- object tags in the store: infra/store.py's lifecycle rules select by them ----------------------------------------
+CHECKPOINT_TAG = "xeon-cluster-kind=checkpoint"  # expires after checkpointRetentionDays
+# A run's log (log.txt and its appended parts) and the head's heartbeats change often: their old versions expire
+# after a day (records and outputs keep theirs for 30)
+LOG_TAG = "xeon-cluster-kind=log"
+LOG_NAMES = ("log.txt", "heartbeat.json")
+LOG_PARTS = "log.parts"  # runs/<id>/log.parts/<byte offset>: a running run's log, each piece written once
+
+
+def tag_of(key: str) -> str | None:
+    """The object tag a store key's kind carries (None: untagged)."""
+    if "/checkpoints/" in f"/{key}":
+        return CHECKPOINT_TAG
+    parts = key.split("/")  # a run's own log and heartbeat (runs/<id>/log.txt), not a file of its outputs
+    if (len(parts) >= 3 and parts[-3] == RUNS and parts[-1] in LOG_NAMES) or (
+            len(parts) >= 4 and parts[-4] == RUNS and parts[-2] == LOG_PARTS):
+        return LOG_TAG
+    return None

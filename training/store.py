@@ -22,13 +22,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import unquote, urlparse
 
-from training.paths import COMPLETE_MARKER, KEEP_CHECKPOINTS, RunPaths, checkpoint_step, parse_checkpoint_url
+from training.paths import COMPLETE_MARKER, KEEP_CHECKPOINTS, RunPaths, checkpoint_step, parse_checkpoint_url, tag_of
 
 log = logging.getLogger("training.store")
 
 CHUNK = 32 << 20  # multipart part size: a bert-base optimizer.pt (880 MB) goes up as ~28 parallel parts
 STORE_ENV = "XC_STORE"  # the ranks' store URL; read through store_url() on the nodes, RunRecord.store at home
-CHECKPOINT_TAG = "xeon-cluster-kind=checkpoint"  # infra/store.py expires objects with this tag
 CONCURRENCY = 16
 
 
@@ -152,12 +151,13 @@ class S3Store:
 
     def put_file(self, local: Path, key: str, progress=None) -> None:
         # checkpoints carry a tag: the bucket's lifecycle rule expires them (and only them) after the retention
-        extra = {"Tagging": CHECKPOINT_TAG} if "/checkpoints/" in f"/{key}" else None
+        extra = {"Tagging": tag_of(key)} if tag_of(key) else None
         self.client.upload_file(str(local), self.bucket, self.key(key), Config=self._transfer(), Callback=progress,
                                 ExtraArgs=extra)
 
     def put_bytes(self, key: str, data: bytes) -> None:
-        self.client.put_object(Bucket=self.bucket, Key=self.key(key), Body=data)
+        tag = tag_of(key)
+        self.client.put_object(Bucket=self.bucket, Key=self.key(key), Body=data, **({"Tagging": tag} if tag else {}))
 
     def get_file(self, key: str, local: Path, progress=None) -> None:
         local.parent.mkdir(parents=True, exist_ok=True)

@@ -1,7 +1,7 @@
 """The head: the machine next to the nodes that runs detached runs' supervisors (issue 40), so that recovery
 never needs the operator's machine. A supervisor there carries XC_SUPERVISOR=<its chain's first run id> in its
-environment (how `fab stop` and the liveness check find it over SSH), publishes the records and log.txt of the
-runs it runs to the store every few seconds, and a heartbeat (runs/<id>/heartbeat.json) every 30 s; `fab runs`,
+environment (how `fab stop` and the liveness check find it over SSH), publishes what changed of the records and
+log of the runs it runs to the store every few seconds (the log in appended parts), and a heartbeat (runs/<id>/heartbeat.json) every 30 s; `fab runs`,
 `fab logs` and `fab stop` read the store, so any operator machine with access to it and to the head sees the same.
 
 A local cluster's head shares this folder and its venv: the supervisor is started over SSH in a session of its
@@ -64,13 +64,16 @@ def no_head_line(spec: str, head: Node | None) -> str:
 
 # -- on the head: the heartbeat and the log, published while the supervisor lives -------------------------------
 class Beat(threading.Thread):
-    """Every publish_s: the records and log.txt of every run this process supervises that still goes on; every
-    heartbeat_s: runs/<id>/heartbeat.json for those runs and the chain's first run."""
+    """Every publish_s: what changed of the records and log.txt of every run this process supervises that still
+    goes on (store_lib.LivePublisher: the log in appended parts); every heartbeat_s: runs/<id>/heartbeat.json for
+    those runs and the chain's first run."""
 
     def __init__(self, chain: str, runs_dir: Path, url: str | None):
         super().__init__(name="heartbeat", daemon=True)
         self.chain, self.runs_dir, self.url = chain, Path(runs_dir), url
         self.stopping = threading.Event()
+        self.live = store_lib.LivePublisher(url) if url else None
+        self.last_beat: float | None = None
 
     def mine(self) -> list[RunRecord]:
         out = []
@@ -87,16 +90,20 @@ class Beat(threading.Thread):
         for run_id in {self.chain, *(r.run_id for r in current)}:
             store_lib.put_record(self.url, run_id, HEARTBEAT, data)
 
+    def tick(self, now: float) -> None:
+        """One round at monotonic time ``now``: publish what changed; beat when heartbeat_s has passed."""
+        current = self.mine()
+        for rec in current:
+            if self.live is not None:
+                self.live.publish(RunPaths(rec.run_id, runs_dir=self.runs_dir).home)
+        if self.last_beat is None or now - self.last_beat >= heartbeat_s():
+            self.beat(current)
+            self.last_beat = now
+
     def run(self) -> None:
-        last_beat = 0.0
         while not self.stopping.is_set():
             try:
-                current = self.mine()
-                for rec in current:
-                    store_lib.publish_records(RunPaths(rec.run_id, runs_dir=self.runs_dir).home, self.url)
-                if time.monotonic() - last_beat >= heartbeat_s():
-                    self.beat(current)
-                    last_beat = time.monotonic()
+                self.tick(time.monotonic())
             except Exception as exc:  # noqa: BLE001 - a store hiccup never ends the supervisor
                 log.debug("heartbeat: %s", exc)
             self.stopping.wait(publish_s())

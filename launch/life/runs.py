@@ -221,7 +221,7 @@ def _read_from(path: Path, offset: int) -> bytes:
 def _log_from_store(store: str, run_id: str, out: TextIO) -> bool:
     """The log.txt the store keeps of a run (one started from another machine); False when it has none."""
     summary = store_lib.read_summary(store, run_id)
-    text = store_lib.read_text(store, RunPaths(run_id).store_record("log.txt"))
+    text = store_lib.read_log(store, run_id)
     if summary is None or text is None:
         return False
     router = OutputRouter(detach.log_plan(RunRecord.from_json(summary)), out, io.StringIO())
@@ -233,12 +233,12 @@ def _log_from_store(store: str, run_id: str, out: TextIO) -> bool:
 def _follow_store(store: str, run_id: str, out: TextIO, poll_s: float, head: Node | None, runs_dir: Path) -> str:
     """Follow a run the store records (a head's supervisor publishes its log.txt every few seconds): on to the
     run it restarted as, until the chain's last run has ended (or its silent supervisor is confirmed gone)."""
-    key = RunPaths(run_id).store_record("log.txt")
     while True:
         rec = RunRecord.from_json(store_lib.read_summary(store, run_id) or {"run_id": run_id})
         router, shown, last = OutputRouter(detach.log_plan(rec), out, io.StringIO()), 0, False
+        parts: dict[str, bytes] = {}  # the log's parts already read: they never change
         while True:
-            text = store_lib.read_text(store, key) or ""
+            text = store_lib.read_log(store, run_id, parts) or ""
             whole = text[:text.rfind("\n") + 1]
             router.write(whole[shown:])
             shown = max(shown, len(whole))
@@ -253,6 +253,6 @@ def _follow_store(store: str, run_id: str, out: TextIO, poll_s: float, head: Nod
             return (result_line(RunResult(rec.run_id, Path(store), 0, float(rec.wall_s or 0), None))
                     if rec.status == Status.OK else f"run {rec.run_id} {rec.status}: {rec.reason or 'see the log above'}")
         out.write(f"run {rec.run_id} {rec.status}; resumed as run {rec.restarted_as}\n")
-        run_id, key = rec.restarted_as, RunPaths(rec.restarted_as).store_record("log.txt")
+        run_id = rec.restarted_as
         while store_lib.read_summary(store, run_id) is None:
             time.sleep(poll_s)
