@@ -71,6 +71,8 @@ def instance_usd_month(instance_type: str, state: str) -> float | None:
     if state not in BILLED_STATES:
         return 0.0  # a stopped instance bills only its volumes, listed on their own
     entry = catalog.CATALOG.get(instance_type)
+    if entry is None and instance_type in catalog.HEAD_USD_H:  # the head
+        return round(catalog.HEAD_USD_H[instance_type] * catalog.HOURS_PER_MONTH, 2)
     return round(entry.on_demand_usd_h * catalog.HOURS_PER_MONTH, 2) if entry else None
 
 

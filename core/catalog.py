@@ -71,3 +71,10 @@ def lookup(name: str) -> InstanceType:
         raise ClusterError(
             f"instanceType {name!r} is not in the catalog", fix=f"use one of {', '.join(CATALOG)} "
             "or add a row to core/catalog.py") from None
+
+
+# The head's types (small Intel on-demand instances) and their Linux on-demand price in us-east-1, a hint as the
+# nodes' rows are; 'fab status' and 'fab sweep' price a running head from it (the nodes' rows refuse its type).
+# The head is never spot: it must outlive the nodes' reclaims to recover them.
+HEAD_USD_H = {"t3.small": 0.0208, "t3.medium": 0.0416, "t3.large": 0.0832, "t3.xlarge": 0.1664,
+              "c6i.large": 0.085, "m6i.large": 0.096, "m7i.large": 0.1008, "r6i.xlarge": 0.252}

@@ -6,15 +6,11 @@ from dataclasses import asdict, dataclass
 from datetime import datetime, timezone
 
 from core import catalog
-from core.catalog import GP3_USD_PER_GIB_MONTH, HOURS_PER_MONTH, PUBLIC_IPV4_USD_H
+from core.catalog import GP3_USD_PER_GIB_MONTH, HEAD_USD_H, HOURS_PER_MONTH, PUBLIC_IPV4_USD_H
 from core.ec2 import ec2_client
 
 log = logging.getLogger(__name__)
 
-# The head's types (small Intel on-demand instances) and their Linux on-demand price in us-east-1, a hint as the
-# catalog's. The head is never spot: it must outlive the nodes' reclaims to recover them.
-HEAD_USD_H = {"t3.small": 0.0208, "t3.medium": 0.0416, "t3.large": 0.0832, "t3.xlarge": 0.1664,
-              "c6i.large": 0.085, "m6i.large": 0.096, "m7i.large": 0.1008, "r6i.xlarge": 0.252}
 HEAD_ROOT_GIB = 20  # the head's encrypted gp3 root volume: Ubuntu, a venv, the supervisors' logs
 
 

@@ -329,3 +329,13 @@ def test_placement_groups_on_a_stub_and_a_failure_is_one_line_and_the_sweep_goes
         stub.assert_no_pending_responses()
     assert failures == ["could not delete placement group bert-pg: InvalidPlacementGroup.InUse: in use by i-1"]
     assert out.getvalue().splitlines() == ["deleted key pair key-1 (bert-key)", failures[0]]
+
+
+def test_a_running_head_is_priced_from_the_heads_table():
+    """The head's type (t3.medium) is no node type: its month comes from the head's prices, not a '?'."""
+    from cluster import sweep_list
+    from core import catalog
+
+    assert sweep_list.instance_usd_month("t3.medium", "running") == round(
+        catalog.HEAD_USD_H["t3.medium"] * catalog.HOURS_PER_MONTH, 2) > 0
+    assert sweep_list.instance_usd_month("t9.unknown", "running") is None
