@@ -263,10 +263,11 @@ def new_record(cluster, req, plan, facts, args: list[str]) -> RunRecord:
 
     return RunRecord(
         run_id=plan.run_id, cluster=cluster.spec, nodes=[f.node.to_dict() for f in facts],
-        job=req.job if not req.script else None, script=req.script, args=list(args), module=req.module,
+        job=req.job if not req.script else None, script=req.script, args=secrets.mask_args(args), module=req.module,
         launcher=plan.launcher, workdir=plan.workdir.record() if plan.workdir is not None else None,
         world_size=plan.world_size, ppn=plan.ppn, backend=plan.backend, precision=plan.precision,
-        env={**launcher.global_env(plan), **{k: secrets.MASK for k in plan.secret_env}},
+        env={**launcher.global_env(plan), **{k: secrets.MASK for k in plan.secret_env
+                                             if not k.startswith(secrets.ARG_ENV)}},
         node_env={p.name: launcher.node_env(plan, p) for p in plan.nodes},
         pinning={p.name: dict(launcher.rank_cpus(p)) for p in plan.nodes},
         topology={f.node.name: f.topo.to_dict() for f in facts},

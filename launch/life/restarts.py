@@ -101,6 +101,9 @@ def next_request(run_id: str, req: TrainRequest, say) -> TrainRequest:
                 say(f"no checkpoint of {run_id} came home before it ended: starting it again from step 0")
                 return req
             current = earlier
+    from launch.ship import secrets  # the record masks secret arguments: this run's own values go on
+
+    nxt = dataclasses.replace(nxt, args=secrets.unmask_args(nxt.args, req.args))
     return dataclasses.replace(nxt, master_port=req.master_port, valueless=nxt.valueless | req.valueless,
                                env={**nxt.env, **{k: v for k, v in req.env.items() if k in nxt.env}})  # *** in records
 

@@ -118,7 +118,8 @@ class TrainRequest:
         from launch.ship import secrets
 
         return {"job": self.job, "script": self.script, "workdir": self.workdir, "module": self.module,
-                "launcher": self.launcher, "args": list(self.args), "ppn": self.ppn, "threads": self.threads,
+                "launcher": self.launcher, "args": secrets.mask_args(self.args), "ppn": self.ppn,
+                "threads": self.threads,
                 "backend": self.backend, "precision": self.precision, "comm_hook": self.comm_hook,
                 "env": secrets.masked(self.env, self.valueless), "save_every": self.save_every, "pin": self.pin,
                 "timeout_s": self.timeout_s,
@@ -157,6 +158,11 @@ def validate(req: TrainRequest) -> TrainRequest:
         names = ", ".join(hidden)
         raise ClusterError(f"--resume {req.resume.run_id}: its record keeps {names} as {secrets.MASK} and your "
                            f"environment has no value for it", fix=f"export {hidden[0]} or pass --env {hidden[0]}=VALUE")
+    flags = secrets.masked_arg_flags(req.args)
+    if flags and req.resume:
+        raise ClusterError(f"--resume {req.resume.run_id}: its record keeps the value of {', '.join(flags)} as "
+                           f"{secrets.MASK} and your environment has no value for it",
+                           fix=f"export {secrets.flag_env_name(flags[0])}=VALUE (the flag's name in capitals)")
     bundled = req.script is None and req.module is None
     if bundled and req.job not in launcher.JOBS:
         raise ClusterError(f"--job {req.job!r} is not a bundled job", fix=f"use one of: {', '.join(launcher.JOBS)} "
@@ -272,7 +278,8 @@ def plan_run(cluster: Cluster, req: TrainRequest, say
         run_id=req.run_id or new_run_id(label), nodes=tuple(node_plans), master_addr=nodes[0].private_host,
         master_port=master_port(nodes[0], req.master_port), backend=backend, precision=precision, entry=tuple(entry),
         args=tuple(args), env_overrides=secrets.split(env, req.valueless)[0],
-        secret_env=secrets.split(req.env, req.valueless)[1], pin=req.pin, timeout_s=req.timeout_s,
+        secret_env={**secrets.split(req.env, req.valueless)[1], **secrets.arg_env(args)}, pin=req.pin,
+        timeout_s=req.timeout_s,
         launcher=req.launcher, workdir=wd)
     return plan, facts, args, ship, req
 

@@ -4,6 +4,8 @@ A key is secret when its name looks like one (TOKEN, KEY, SECRET, PASSWORD) or w
 as ``--env KEY`` with no value (the operator's own value, read from their environment). Secret
 values never go on mpirun's command line: each node gets them in runs/<id>/secrets.env (mode
 0600, sourced by rank.sh, removed after the run), and every record and log line shows ``***``.
+A job argument named like a secret (``--hub_token hf_...``) is masked the same way in records and logs; its value
+still reaches the job on its command line.
 """
 from __future__ import annotations
 
@@ -16,6 +18,68 @@ MASK = "***"
 _SECRET_NAME = re.compile(r"TOKEN|KEY|SECRET|PASSWORD", re.IGNORECASE)
 FILE = "secrets.env"
 MIN_REDACT = 4  # shorter values would blank out ordinary text of the log
+
+
+# A job argument is secret when its flag's last word names one (--hub_token, --api-key, --db_password, --secret,
+# --credentials): the issue's *token*, *key*, *password*, *secret*, *credential*, read per word so that
+# --tokenizer_name, --max_tokens or --pad_token_id stay visible. Its value is masked in records and logs.
+_SECRET_ARG_WORD = re.compile(r"(token|key|password|passwd|secret|credentials?)$", re.IGNORECASE)
+ARG_ENV = "XC_SECRET_ARG_"  # secret argument values ride in secrets.env too, only so that every log redacts them
+
+
+def _secret_flag(word: str) -> bool:
+    name = word.lstrip("-").split("=", 1)[0]
+    return word.startswith("-") and bool(name) and bool(_SECRET_ARG_WORD.search(re.split(r"[-_.]", name)[-1]))
+
+
+def secret_args(args) -> dict[int, str]:
+    """Position -> value of every secret argument value: ``--hub_token VALUE`` and ``--hub_token=VALUE``."""
+    args, out = list(args), {}
+    for i, word in enumerate(args):
+        if not _secret_flag(word):
+            continue
+        if "=" in word:
+            out[i] = word.split("=", 1)[1]
+        elif i + 1 < len(args) and not args[i + 1].startswith("--"):
+            out[i + 1] = args[i + 1]
+    return out
+
+
+def mask_args(args) -> list[str]:
+    """The arguments as records and logs show them: secret values as ***."""
+    hidden, out = secret_args(args), list(args)
+    for i in hidden:
+        out[i] = f"{out[i].split('=', 1)[0]}={MASK}" if _secret_flag(out[i]) else MASK
+    return out
+
+
+def arg_env(args) -> dict[str, str]:
+    """The secret argument values under ARG_ENV names, for secrets.env: the log filters redact what it holds."""
+    return {f"{ARG_ENV}{i}": v for i, v in secret_args(args).items() if v and v != MASK}
+
+
+def unmask_args(masked, real) -> list[str]:
+    """A record's masked arguments with the values of the same run's own (a restart by its supervisor)."""
+    masked, real = list(masked), list(real)
+    if len(masked) != len(real):
+        return masked
+    return [r if m != r and (m == MASK or m.endswith(f"={MASK}")) else m for m, r in zip(masked, real)]
+
+
+def masked_arg_flags(args) -> list[str]:
+    """The flags whose values a record keeps as ***."""
+    out = []
+    for i, word in enumerate(args):
+        if word.endswith(f"={MASK}") and _secret_flag(word):
+            out.append(word.split("=", 1)[0])
+        elif word == MASK and i > 0 and _secret_flag(args[i - 1]):
+            out.append(args[i - 1])
+    return out
+
+
+def flag_env_name(flag: str) -> str:
+    """Where the operator gives a masked argument's value at --resume: --hub_token -> HUB_TOKEN."""
+    return re.sub(r"[^A-Za-z0-9]", "_", flag.lstrip("-")).upper()
 
 
 def is_secret(key: str, valueless: frozenset[str] | set[str] = frozenset()) -> bool:
