@@ -124,6 +124,7 @@ class Twin:
         ec2 = self.client("ec2")
         rid = ec2.create_internet_gateway()["InternetGateway"]["InternetGatewayId"]
         ec2.attach_internet_gateway(InternetGatewayId=rid, VpcId=i["vpcId"])
+        self._ec2_tag(rid, i.get("tags"))
         return rid, {}
 
     def subnet(self, name, i):
@@ -135,6 +136,7 @@ class Twin:
     def route_table(self, name, i):
         ec2 = self.client("ec2")
         rid = ec2.create_route_table(VpcId=i["vpcId"])["RouteTable"]["RouteTableId"]
+        self._ec2_tag(rid, i.get("tags"))
         for route in i.get("routes") or []:
             ec2.create_route(RouteTableId=rid, DestinationCidrBlock=route["cidrBlock"], GatewayId=route["gatewayId"])
         return rid, {}
@@ -172,7 +174,9 @@ class Twin:
         return _auto(name), {}
 
     def placement_group(self, name, i):
-        self.client("ec2").create_placement_group(GroupName=i["name"], Strategy=i.get("strategy", "cluster"))
+        self.client("ec2").create_placement_group(GroupName=i["name"], Strategy=i.get("strategy", "cluster"),
+                                                  TagSpecifications=[{"ResourceType": "placement-group",
+                                                                      "Tags": _tags(i.get("tags"))}] if i.get("tags") else [])
         return i["name"], {}
 
     def key_pair(self, name, i):
@@ -193,8 +197,8 @@ class Twin:
 
     def instance_profile(self, name, i):
         iam, profile_name = self.client("iam"), i.get("name") or _auto(name)
-        arn = iam.create_instance_profile(InstanceProfileName=profile_name, Path=i.get("path") or "/")[
-            "InstanceProfile"]["Arn"]
+        arn = iam.create_instance_profile(InstanceProfileName=profile_name, Path=i.get("path") or "/",
+                                          Tags=_tags(i.get("tags")))["InstanceProfile"]["Arn"]
         if i.get("role"):
             iam.add_role_to_instance_profile(InstanceProfileName=profile_name, RoleName=i["role"])
         return profile_name, {"name": profile_name, "arn": arn}
