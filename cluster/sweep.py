@@ -21,7 +21,7 @@ from pathlib import Path
 from cluster.sweep_delete import ORDER, delete_all
 from cluster.sweep_list import FATAL_CODES, SOURCES, Orphan
 from core import catalog
-from core.constants import TAG_CLUSTER
+from core.constants import TAG_CLUSTER, TAG_STORE
 from core.ec2 import aws_client, aws_errors
 from core.errors import ClusterError
 
@@ -58,14 +58,16 @@ class Clients(dict):
 def sweep(spec: str | None, yes: bool = False, out=None, clients: Clients | None = None,
           include_store: bool = False) -> int:
     """List what cluster ``spec`` (aws[:NAME] or pulumi[:STACK]) left; delete it with ``yes`` (the store too with
-    ``include_store``, refused while the cluster's group exists). Returns the exit code."""
+    ``include_store``; while the cluster's groups exist, only the old store buckets none of them writes, and refused
+    when a group does not say which it writes). Returns the exit code."""
     out = out or sys.stdout
     name, region = target(spec)
     with aws_errors():
         c = clients if clients is not None else Clients(region)
         first = look(c, name)
-        if yes and include_store and first.cluster:
-            refuse_while_group_exists(c, first)
+        live = live_stores(c, first) if yes and include_store and first.cluster else None
+    if live is not None:
+        return sweep_old_stores(c, first, live, out)
     if first.orphans:
         print(render(first), file=out)
     else:
@@ -79,8 +81,8 @@ def sweep(spec: str | None, yes: bool = False, out=None, clients: Clients | None
     for o in kept:
         runs = o.ref.get("runs", [])
         print(f"keeping s3 bucket {o.id} ({o.name}" + (f"; runs {', '.join(runs)}" if runs else "") + "): the "
-              f"cluster's store; delete it with 'fab sweep --cluster aws:{first.cluster} --yes --include-store'",
-              file=out)
+              f"cluster's store; delete it with 'fab sweep --cluster aws:{first.cluster} --yes --include-store', or "
+              f"let the next 'pulumi up' adopt it: 'pulumi config set storeBucket {o.id}'", file=out)
     failures = delete_all(c, [o for o in first.orphans if o not in kept], out)
     with aws_errors():
         again = look(c, first.cluster)
@@ -138,22 +140,49 @@ def _selected_stack() -> tuple[str, str] | None:
     return (name, region) if region else None
 
 
-def refuse_while_group_exists(c: Clients, found: Look) -> None:
-    """--include-store empties the store: not while the cluster's Auto Scaling group (nodes writing) is there."""
+def live_stores(c: Clients, found: Look) -> dict[str, str] | None:
+    """While the cluster's Auto Scaling groups exist (its nodes may be writing): bucket -> the group whose store it is
+    (each group's TAG_STORE); None when no group exists. Raises when a group does not say which store it writes:
+    --include-store would then empty the store under it."""
     from cluster.aws import node_group
 
     groups = [o.id for o in found.orphans if o.kind == "auto scaling group"]
     if "Auto Scaling groups" in found.unchecked:
-        groups.append("(Auto Scaling groups could not be listed)")
-    by_name = c["autoscaling"].describe_auto_scaling_groups(AutoScalingGroupNames=[node_group(found.cluster)])
-    groups += [g["AutoScalingGroupName"] for g in by_name.get("AutoScalingGroups", [])
-               if g["AutoScalingGroupName"] not in groups]
-    if groups:
+        raise ClusterError(f"--include-store: the Auto Scaling groups of cluster {found.cluster} could not be listed, "
+                           "so whether one still writes to its store is unknown; nothing was deleted",
+                           fix="grant autoscaling:DescribeAutoScalingGroups (docs/iam-policy.json) and run it again")
+    names = list(dict.fromkeys([*groups, node_group(found.cluster)]))
+    live = c["autoscaling"].describe_auto_scaling_groups(AutoScalingGroupNames=names).get("AutoScalingGroups", [])
+    if not live:
+        return None
+    owned, untold = {}, []
+    for g in live:
+        store = {t["Key"]: t["Value"] for t in g.get("Tags", [])}.get(TAG_STORE)
+        if store:
+            owned[store] = g["AutoScalingGroupName"]
+        else:
+            untold.append(g["AutoScalingGroupName"])
+    if untold:
         raise ClusterError(
             f"--include-store would empty the store of cluster {found.cluster} while its Auto Scaling group "
-            f"{', '.join(groups)} still exists (its nodes may be writing to it); nothing was deleted",
+            f"{', '.join(untold)} still exists (its nodes may be writing to it); nothing was deleted",
             fix=f"run 'pulumi destroy' (or 'fab sweep --cluster aws:{found.cluster} --yes', which keeps the store) "
                 "first, then --include-store")
+    return owned
+
+
+def sweep_old_stores(c: Clients, found: Look, live: dict[str, str], out) -> int:
+    """--yes --include-store while the cluster lives: only its store buckets that no live group writes (left by an
+    earlier stack: 'pulumi up' after 'pulumi destroy' made a second one); the live cluster and its store stay."""
+    stores = [o for o in found.orphans if o.kind == "s3 bucket"]
+    for o in stores:
+        if o.id in live:
+            print(f"keeping s3 bucket {o.id}: the store of the live Auto Scaling group {live[o.id]}", file=out)
+    old = [o for o in stores if o.id not in live]
+    print(f"cluster {found.cluster} is live (Auto Scaling group {', '.join(sorted(set(live.values())))}): only its "
+          f"{len(old)} old store bucket(s) that no live group writes are removed; the rest of it stays", file=out)
+    failures = delete_all(c, old, out)
+    return 1 if failures else 0
 
 
 def look(c: Clients, name: str) -> Look:

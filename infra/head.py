@@ -16,7 +16,7 @@ from core.constants import PROJECT_ROOT, TAG_PREFIX, TAG_SSH_USER
 from core.render import render
 from infra.checks import AwsContext
 from infra.cost import HEAD_ROOT_GIB
-from infra.nodes import TERMINATION_HOOK, group_name
+from infra.nodes import TERMINATION_HOOK, group_name, store_tag
 from infra.policies import ROLE_PATH, ec2_trust_policy, head_policy, secrets_path
 from infra.settings import ClusterSettings
 
@@ -93,7 +93,8 @@ class Head(pulumi.ComponentResource):
             instance_refresh={"strategy": "Rolling", "preferences": {
                 "min_healthy_percentage": 0, "max_healthy_percentage": 100}},
             wait_for_capacity_timeout="10m",
-            tags=[{"key": k, "value": v, "propagate_at_launch": True} for k, v in head_tags(settings).items()],
+            tags=[{"key": k, "value": v, "propagate_at_launch": True} for k, v in head_tags(settings).items()]
+            + store_tag(store),
             # its rights are in place before it boots; a zone move replaces it (old one first) so that nothing
             # is left in the old subnet when Pulumi deletes it
             opts=pulumi.ResourceOptions(parent=self, depends_on=[self.policy], delete_before_replace=True,

@@ -14,7 +14,7 @@ import base64
 import pulumi
 import pulumi_aws as aws
 
-from core.constants import PROJECT_ROOT, TAG_PROFILE, TAG_ROLE, TAG_SSH_USER
+from core.constants import PROJECT_ROOT, TAG_PROFILE, TAG_ROLE, TAG_SSH_USER, TAG_STORE
 from core.render import render
 from infra.checks import AwsContext
 from infra.policies import ROLE_PATH, ec2_trust_policy, node_policy
@@ -58,6 +58,12 @@ def node_tags(settings: ClusterSettings) -> dict[str, str]:
     """Tags every node is launched with; discovery moves the role tag to 'master' on node 0."""
     return {**settings.tags, "Name": f"{settings.cluster_name}-node", TAG_ROLE: "worker",
             TAG_SSH_USER: settings.ssh_user, TAG_PROFILE: settings.profile}
+
+
+def store_tag(store) -> list[dict]:
+    """The group names the store bucket it writes: 'fab sweep --include-store' never empties a live group's store,
+    and may remove an older bucket of the same cluster that no live group names (infra/store.py storeBucket)."""
+    return [] if store is None else [{"key": TAG_STORE, "value": store.bucket.id, "propagate_at_launch": False}]
 
 
 def template_options(settings: ClusterSettings, parent: pulumi.Resource) -> pulumi.ResourceOptions:
@@ -150,7 +156,8 @@ class Nodes(pulumi.ComponentResource):
             # in the group from its creation: the first nodes are held too, and the hook leaves with the group
             # (after draining it), not before it
             initial_lifecycle_hooks=[termination_hook()],
-            tags=[{"key": k, "value": v, "propagate_at_launch": True} for k, v in node_tags(settings).items()],
+            tags=[{"key": k, "value": v, "propagate_at_launch": True} for k, v in node_tags(settings).items()]
+            + store_tag(store),
             opts=pulumi.ResourceOptions(parent=self, depends_on=[self.node_policy], delete_before_replace=True,
                                         replace_on_changes=REPLACING_CHANGES))
         self.register_outputs({"group": self.group.name, "launch_template_id": self.launch_template.id})

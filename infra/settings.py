@@ -51,6 +51,7 @@ class ClusterSettings:
     build_instance_type: str = "c6i.2xlarge"
     vpc_cidr: str = "10.42.0.0/16"
     head_instance_type: str = "t3.medium"  # the small on-demand head that runs detached runs' supervisors
+    store_bucket: str = ""  # a kept store bucket (xc-...) to adopt (import) instead of making a new one
 
     def __post_init__(self):
         # Fill the derived defaults, then check every rule in the order a user would fix them.
@@ -147,6 +148,11 @@ class ClusterSettings:
         if not 1 <= self.checkpoint_retention_days <= 3650:
             raise ClusterError(f"checkpointRetentionDays {self.checkpoint_retention_days} must be between 1 and 3650", fix=
                                f"{_fix('checkpointRetentionDays', '14')}")
+        # the store's name: fab's and the nodes' policies reach xc-* buckets only (docs/iam-policy.json)
+        if self.store_bucket and not re.fullmatch(r"xc-[a-z0-9][a-z0-9-]{0,58}[a-z0-9]", self.store_bucket):
+            raise ClusterError(f"storeBucket {self.store_bucket!r} is not a store bucket's name (xc-<cluster>-..., as "
+                               "'fab sweep' lists a kept one)", fix=f"{_fix('storeBucket', 'xc-' + self.cluster_name + '-...')} "
+                               "with the kept bucket's name, or 'pulumi config rm storeBucket' for a new one")
 
     def _check_image(self):
         if self.image not in IMAGE_MODES and not re.fullmatch(r"ami-[0-9a-f]{8}([0-9a-f]{9})?", self.image):

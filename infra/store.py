@@ -10,6 +10,8 @@ incomplete multipart uploads after a day.
 Kept on 'pulumi destroy' (retain_on_delete, shown there as delete[retain]), and so is every protection of it
 (encryption, versioning, public-access block, ownership, TLS-only policy, lifecycle rules): a kept bucket of
 trained models stays private and keeps expiring its checkpoints. 'fab sweep' lists it with its size and cost.
+A later 'pulumi up' of the same cluster adopts it with storeBucket=<its name> (a Pulumi import) instead of
+making a second bucket beside it; its protections are written again as they were.
 """
 from __future__ import annotations
 
@@ -50,8 +52,13 @@ class Store(pulumi.ComponentResource):
         # the bucket and all that protects it stay on 'pulumi destroy'
         kept = pulumi.ResourceOptions(parent=self, retain_on_delete=True)
         self.prefix = settings.cluster_name
-        self.bucket = aws.s3.Bucket(f"{name}-store", bucket_prefix=f"xc-{settings.cluster_name}-"[:37],
-                                    force_destroy=False, tags=settings.tags, opts=kept)
+        if settings.store_bucket:  # the bucket a destroyed stack kept: adopted as it is, never a second one
+            self.bucket = aws.s3.Bucket(f"{name}-store", bucket=settings.store_bucket, force_destroy=False,
+                                        tags=settings.tags, opts=pulumi.ResourceOptions.merge(
+                                            kept, pulumi.ResourceOptions(import_=settings.store_bucket)))
+        else:
+            self.bucket = aws.s3.Bucket(f"{name}-store", bucket_prefix=f"xc-{settings.cluster_name}-"[:37],
+                                        force_destroy=False, tags=settings.tags, opts=kept)
         bucket = self.bucket.id
         aws.s3.BucketServerSideEncryptionConfiguration(
             f"{name}-store-sse", bucket=bucket, rules=[{"apply_server_side_encryption_by_default": {

@@ -35,6 +35,7 @@ class Options:
     delete_before_replace: bool
     replace_on_changes: list[str]
     dependencies: list[str]  # URNs, depends_on and input dependencies alike
+    import_id: str = ""  # the id of an existing cloud resource Pulumi adopts (ResourceOptions.import_)
 
 
 class Recorder(pulumi.runtime.Mocks):
@@ -110,7 +111,7 @@ class OptionRecorder(pulumi.runtime.mocks.MockMonitor):
         deps = list(request.dependencies) + [u for d in request.propertyDependencies.values() for u in d.urns]
         key = (request.type, request.name)
         self.by_key[key] = Options(request.retainOnDelete, request.deleteBeforeReplace,
-                                   list(request.replaceOnChanges), deps)
+                                   list(request.replaceOnChanges), deps, request.importId)
         reply = super().RegisterResource(request)
         self.urns[key] = reply.urn
         return reply

@@ -65,7 +65,8 @@ def test_the_head_is_a_small_on_demand_instance_with_imdsv2_an_encrypted_root_an
     assert run.depends_on((GROUP, "dev-head"), ("aws:iam/rolePolicy:RolePolicy", "dev-head"))
     tags = {t["key"]: t["value"] for t in group["tags"]}
     assert tags["Name"] == "dev-head" and tags["xeon-cluster:cluster"] == "dev" and TAG_ROLE not in tags
-    assert all(t["propagateAtLaunch"] for t in group["tags"])
+    assert all(t["propagateAtLaunch"] for t in group["tags"] if t["key"] != "xeon-cluster:store")
+    assert tags["xeon-cluster:store"] == m.one("aws:s3/bucket:Bucket").id  # the store it writes (fab sweep)
     assert run.outputs["headAutoScalingGroup"] == "dev-head"
     # every resource of the head says so in its name
     head = [r for r in m.resources if r.name.startswith("dev-head")]

@@ -143,7 +143,9 @@ def test_one_self_replacing_group_holds_the_nodes_in_one_zone_and_placement_grou
     assert {t["key"]: (t["value"], t["propagateAtLaunch"]) for t in asg["tags"]} == {
         "Name": ("bert-node", True), "xeon-cluster:cluster": ("bert", True), "xeon-cluster:stack": ("dev", True),
         "xeon-cluster:role": ("worker", True), "xeon-cluster:ssh-user": ("ubuntu", True),
-        "xeon-cluster:profile": ("upstream", True)}
+        "xeon-cluster:profile": ("upstream", True),
+        # the bucket its nodes write, on the group only: fab sweep never empties a live group's store (issue 53)
+        "xeon-cluster:store": (m.one("aws:s3/bucket:Bucket").id, False)}
 
 
 @pytest.mark.parametrize("old, new", [("us-east-1a", "us-east-1b"), ("us-east-1a", "us-east-1c"),
@@ -410,6 +412,25 @@ def test_the_store_bucket_is_private_encrypted_versioned_and_kept_with_its_prote
     assert rules["abort-incomplete-uploads"]["abortIncompleteMultipartUpload"]["daysAfterInitiation"] == 1
     assert all(r["status"] == "Enabled" for r in rules.values())
     assert run.outputs["storeUrl"] == f"s3://{bucket.id}/dev"
+
+
+def test_pulumi_up_after_destroy_adopts_the_kept_bucket_instead_of_making_a_second(program):
+    """Issue 53 item 6: storeBucket names the bucket 'pulumi destroy' kept; the program imports it (its name, no
+    prefix), keeps it on the next destroy, and writes its protections again. Without it: a new bucket."""
+    run = program(storeBucket="xc-dev-20261127abcd")
+    bucket = run.mocks.one("aws:s3/bucket:Bucket")
+    assert bucket.inputs["bucket"] == "xc-dev-20261127abcd" and "bucketPrefix" not in bucket.inputs
+    options = run.monitor.options(("aws:s3/bucket:Bucket", bucket.name))
+    assert options.import_id == "xc-dev-20261127abcd" and options.retain_on_delete
+    assert all(run.mocks.one(typ).inputs["bucket"] == bucket.id for typ in STORE_PROTECTIONS)
+    assert not [o for (typ, _), o in run.monitor.by_key.items() if o.import_id and typ != "aws:s3/bucket:Bucket"]
+    fresh = program()
+    new = fresh.mocks.one("aws:s3/bucket:Bucket")
+    assert "bucket" not in new.inputs and fresh.monitor.options(("aws:s3/bucket:Bucket", new.name)).import_id == ""
+    with pytest.raises(pulumi.RunError) as err:  # fab's and the nodes' policies reach xc-* buckets only
+        program(storeBucket="my-team-data")
+    assert str(err.value).startswith("storeBucket 'my-team-data' is not a store bucket's name")
+    assert "pulumi config set storeBucket" in str(err.value) and "\n" not in str(err.value)
 
 
 def test_nodes_write_only_checkpoints_outputs_and_the_probe_and_delete_only_checkpoints_and_the_probe(program):

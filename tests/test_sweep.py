@@ -197,7 +197,8 @@ def test_sweep_finds_every_orphan_deletes_them_and_spares_the_rest(aws_env):
     assert "revoked the ingress rules of security group" in swept.stdout
     # --yes keeps the store (trained models), saying what it holds and how it would go
     assert "keeping s3 bucket xc-bert-store (3 objects, 0.00 GiB; runs r1, r2): the cluster's store; delete it " \
-           "with 'fab sweep --cluster aws:bert --yes --include-store'" in swept.stdout
+           "with 'fab sweep --cluster aws:bert --yes --include-store', or let the next 'pulumi up' adopt it: " \
+           "'pulumi config set storeBucket xc-bert-store'" in swept.stdout
     assert "emptying s3 bucket" not in swept.stdout and "deleted s3 bucket" not in swept.stdout
     assert swept.stdout.strip().splitlines()[-1].startswith("nothing left of cluster bert in us-east-1 but its store "
                                                             "xc-bert-store (kept) (not checked: ")

@@ -105,6 +105,42 @@ def test_include_store_is_refused_while_the_group_exists_even_untagged(aws_env):
     assert store not in buckets() and "deleted s3 bucket xc-ernie-store" in out.getvalue()
 
 
+def test_include_store_while_the_cluster_lives_removes_only_old_buckets_no_live_group_writes(aws_env):
+    """Issue 53 item 6: 'pulumi up' after 'pulumi destroy' made a second bucket beside the kept one; the live groups
+    name their store (TAG_STORE), so --include-store may remove the old bucket and leaves the live cluster alone."""
+    from core.constants import TAG_CLUSTER, TAG_STORE
+
+    ec2 = client("ec2")
+    template = ec2.create_launch_template(LaunchTemplateName="otto-lt", LaunchTemplateData={
+        "ImageId": "ami-0123456789abcdef0", "InstanceType": "c6i.2xlarge"})["LaunchTemplate"]["LaunchTemplateId"]
+    subnet = ec2.describe_subnets()["Subnets"][0]["SubnetId"]
+    group = ec2.create_security_group(GroupName="otto-sg", Description="live", TagSpecifications=[
+        {"ResourceType": "security-group", "Tags": [{"Key": TAG_CLUSTER, "Value": "otto"}]}])["GroupId"]
+    scaling = client("autoscaling")
+    for name in ("otto-nodes", "otto-head"):
+        scaling.create_auto_scaling_group(
+            AutoScalingGroupName=name, MinSize=0, MaxSize=0, DesiredCapacity=0, VPCZoneIdentifier=subnet,
+            LaunchTemplate={"LaunchTemplateId": template, "Version": "$Latest"},
+            Tags=[{"Key": TAG_CLUSTER, "Value": "otto", "PropagateAtLaunch": True},
+                  {"Key": TAG_STORE, "Value": "xc-otto-new", "PropagateAtLaunch": False}])
+    new = plant_bucket("xc-otto-new", "otto", ["otto/runs/r2/summary.json"])
+    old = plant_bucket("xc-otto-old", "otto", ["otto/runs/r1/output/model.safetensors"])
+    out = io.StringIO()
+    assert sweep.sweep("aws:otto", yes=True, include_store=True, out=out) == 0
+    assert old not in buckets() and new in buckets(), out.getvalue()
+    said = out.getvalue()
+    assert "deleted s3 bucket xc-otto-old" in said and "keeping s3 bucket xc-otto-new: the store of the live Auto " \
+        "Scaling group otto-" in said
+    live = {g["AutoScalingGroupName"] for g in scaling.describe_auto_scaling_groups()["AutoScalingGroups"]}
+    assert {"otto-nodes", "otto-head"} <= live  # the live cluster stays, all of it
+    assert ec2.describe_security_groups(GroupIds=[group])["SecurityGroups"]
+    # a live group that does not say which store it writes (a stack from before the tag): refused, nothing deleted
+    scaling.delete_tags(Tags=[{"ResourceId": "otto-head", "ResourceType": "auto-scaling-group", "Key": TAG_STORE}])
+    with pytest.raises(ClusterError, match="while its Auto Scaling group otto-head still exists"):
+        sweep.sweep("aws:otto", yes=True, include_store=True, out=io.StringIO())
+    assert new in buckets()
+
+
 def test_a_bare_sweep_looks_in_the_selected_stacks_region(aws_env, tmp_path, monkeypatch):
     """After 'pulumi destroy' the stack has no outputs but keeps its config: its region (eu-west-1) beats
     AWS_REGION (us-east-1) when no --cluster is given."""
