@@ -18,7 +18,7 @@ from pathlib import Path
 
 from cluster import hostkeys
 from cluster.node import Node
-from core.constants import PROJECT_ROOT, REMOTE_PYTHON, TAG_CLUSTER, TAG_HOST_KEY, TAG_ROLE, TAG_SSH_USER
+from core.constants import PROJECT_ROOT, REMOTE_PYTHON, TAG_CLUSTER, TAG_HOST_KEY, TAG_IMAGE, TAG_ROLE, TAG_SSH_USER
 from core.ec2 import aws_errors, ec2_client
 from core.errors import ClusterError
 
@@ -130,7 +130,7 @@ def _aws_node(inst: dict, position: int, cluster: str) -> Node:
         labels={"instance_id": inst["InstanceId"], "instance_type": inst.get("InstanceType", ""),
                 "availability_zone": inst.get("Placement", {}).get("AvailabilityZone", ""),
                 "role": "master" if position == 0 else "worker", "cluster": cluster,
-                "lifecycle": inst.get("InstanceLifecycle", "on-demand"),
+                "lifecycle": inst.get("InstanceLifecycle", "on-demand"), "image": tags.get(TAG_IMAGE, ""),
                 "launch_time": str(inst.get("LaunchTime", "")),
                 "host_key_tags": {k: v for k, v in tags.items() if k.startswith(TAG_HOST_KEY)}},
     )

@@ -26,4 +26,5 @@ TAG_SSH_USER = TAG_PREFIX + "ssh-user"
 TAG_PROFILE = TAG_PREFIX + "profile"
 TAG_HOST_KEY = TAG_PREFIX + "host-key:"  # + key type: the node's own host public key (node_setup/publish_host_keys.py)
 TAG_IMAGE_BUILD = TAG_PREFIX + "image-build"  # on Image Builder's build instance, which is no node
+TAG_IMAGE = TAG_PREFIX + "image"  # on every node: bake | base | ami, how its software got there (restarts.py)
 TAG_STORE = TAG_PREFIX + "store"  # on the cluster's Auto Scaling groups: the store bucket they write (fab sweep)

@@ -14,7 +14,7 @@ import base64
 import pulumi
 import pulumi_aws as aws
 
-from core.constants import PROJECT_ROOT, TAG_PROFILE, TAG_ROLE, TAG_SSH_USER, TAG_STORE
+from core.constants import PROJECT_ROOT, TAG_IMAGE, TAG_PROFILE, TAG_ROLE, TAG_SSH_USER, TAG_STORE
 from core.render import render
 from infra.checks import AwsContext
 from infra.policies import ROLE_PATH, ec2_trust_policy, node_policy
@@ -57,7 +57,9 @@ def termination_hook() -> dict:
 def node_tags(settings: ClusterSettings) -> dict[str, str]:
     """Tags every node is launched with; discovery moves the role tag to 'master' on node 0."""
     return {**settings.tags, "Name": f"{settings.cluster_name}-node", TAG_ROLE: "worker",
-            TAG_SSH_USER: settings.ssh_user, TAG_PROFILE: settings.profile}
+            TAG_SSH_USER: settings.ssh_user, TAG_PROFILE: settings.profile,
+            # base: a replacement boots stock Ubuntu without the profile (--max-restarts refuses it)
+            TAG_IMAGE: settings.image if settings.image in ("bake", "base") else "ami"}
 
 
 def store_tag(store) -> list[dict]:

@@ -143,7 +143,7 @@ def test_one_self_replacing_group_holds_the_nodes_in_one_zone_and_placement_grou
     assert {t["key"]: (t["value"], t["propagateAtLaunch"]) for t in asg["tags"]} == {
         "Name": ("bert-node", True), "xeon-cluster:cluster": ("bert", True), "xeon-cluster:stack": ("dev", True),
         "xeon-cluster:role": ("worker", True), "xeon-cluster:ssh-user": ("ubuntu", True),
-        "xeon-cluster:profile": ("upstream", True),
+        "xeon-cluster:profile": ("upstream", True), "xeon-cluster:image": ("bake", True),
         # the bucket its nodes write, on the group only: fab sweep never empties a live group's store (issue 53)
         "xeon-cluster:store": (m.one("aws:s3/bucket:Bucket").id, False)}
 

@@ -44,7 +44,8 @@ def test_wait_for_nodes_says_each_new_problem_once_and_gives_up_after_the_wait(m
         restarts.wait_for_nodes("local", 2, 0, "http://x", said.append, poll_s=0)
 
 
-LOCAL = SimpleNamespace(spec="local")  # what train_with_restarts reads of a cluster: its spec, to rediscover it
+LOCAL = SimpleNamespace(spec="local", nodes=())  # what train_with_restarts reads of a cluster: its spec (to
+# rediscover it) and its nodes (none made with image=base)
 
 
 def _fake_run(runs: Path, run_id: str, status: str, step: int | None, resumed_from: str | None = None) -> None:

@@ -108,6 +108,17 @@ def next_request(run_id: str, req: TrainRequest, say) -> TrainRequest:
                                env={**nxt.env, **{k: v for k, v in req.env.items() if k in nxt.env}})  # *** in records
 
 
+def refuse_base_image(cluster: Cluster, max_restarts: int) -> None:
+    """--max-restarts resumes on the nodes the cluster has then: with image=base a replacement boots stock Ubuntu
+    without the profile and the resume fails its preflight, so it is refused before anything starts."""
+    base = [n.name for n in cluster.nodes if n.labels.get("image") == "base"]
+    if max_restarts > 0 and base:
+        raise ClusterError(f"--max-restarts {max_restarts} on cluster {cluster.spec}, whose nodes boot image=base: a "
+                           "replacement node has no software profile until 'fab setup' runs, so the restart would fail",
+                           fix="run without --max-restarts (resume with 'fab setup' then 'fab train --resume RUN'), "
+                               "or 'pulumi config set image bake' and 'pulumi up'")
+
+
 def train_with_restarts(cluster: Cluster, req: TrainRequest, max_restarts: int = 0, restart_wait: float = 600,
                         out: TextIO = sys.stdout, poll_s: float = POLL_S) -> RunResult:
     """Run, and after a preemption or a lost node wait for the cluster and resume, up to max_restarts times.
@@ -120,6 +131,7 @@ def train_with_restarts(cluster: Cluster, req: TrainRequest, max_restarts: int =
         raise ClusterError(f"--max-restarts {max_restarts} must be 0 or more", "pass 0 or more")
     if restart_wait < 0:
         raise ClusterError(f"--restart-wait {restart_wait} must be 0 or more seconds", "pass 0 or more")
+    refuse_base_image(cluster, max_restarts)
     attempt = 0
     while True:
         try:
