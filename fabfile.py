@@ -93,7 +93,7 @@ def local_up(c, nodes="2", port=str(local_lib.DEFAULT_PORT), netns=False, link=N
             "(default: spot 120, terminate 300, the hook's heartbeat)"})
 @cli
 def local_notice(c, node, kind="spot", after=None):
-    """Make an AWS twin instance's IMDS announce a notice; at its end the instance goes and its group replaces it."""
+    """Make a node's IMDS announce a notice (the AWS twin's, or a local node's own); at its end the node goes."""
     print(twin_lib.notice(node, kind, as_float(after, "--after") if after is not None else None))
 
 

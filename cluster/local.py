@@ -144,6 +144,7 @@ def up(count: int, port: int = DEFAULT_PORT, first_address: str = FIRST_ADDRESS,
                                        wrap(i) if wrap else [], HEAD if i == count else None))
     except BaseException:
         _stop([s["pid"] for s in started], [s["config"] for s in started])
+        _stop_imds(started)
         raise
     known_hosts(state).write_text("".join(_host_line(state, s) for s in started))
     top = {"head": started.pop()} if head else {}
@@ -164,8 +165,10 @@ def _start_node(state: Path, i: int, base: ipaddress.IPv4Address, port: int, cou
     if op_pub not in lines:
         auth.write_text("".join(lines) + op_pub)
     auth.chmod(0o600)
+    imds = _start_imds(node_dir, name, address, port, wrap) if name != HEAD else None
     config = node_dir / "sshd_config"
-    config.write_text(render("sshd_config.j2", name=name, address=address, port=port, node_dir=node_dir, user=user))
+    config.write_text(render("sshd_config.j2", name=name, address=address, port=port, node_dir=node_dir, user=user,
+                             imds=imds["endpoint"] if imds else None))
     log_file = node_dir / "sshd.log"
     cpus = _cpu_share(i, count)
     proc = subprocess.Popen(
@@ -178,14 +181,44 @@ def _start_node(state: Path, i: int, base: ipaddress.IPv4Address, port: int, cou
                 home=str(node_dir / "home"), python=python or sys.executable,
                 labels={"local": True, "cpus": sorted(cpus), "identity": str(operator_key(state)),
                         "known_hosts": str(known_hosts(state)), **({"role": HEAD} if name == HEAD else {})})
-    entry = {"name": name, "pid": proc.pid, "config": str(config), "node": node.to_dict(), "wrap": wrap}
+    entry = {"name": name, "pid": proc.pid, "config": str(config), "node": node.to_dict(), "wrap": wrap,
+             **({"imds": imds} if imds else {})}
     try:
         _wait_listening(proc, address, port, log_file, name)
     except BaseException:
         _stop([proc.pid], [str(config)])
+        _stop_imds([entry])
         raise
     log.info("%s up on %s:%d (pid %d, cpus %s)", name, address, port, proc.pid, ",".join(map(str, sorted(cpus))))
     return entry
+
+
+def _start_imds(node_dir: Path, name: str, address: str, port: int, wrap: list[str]) -> dict:
+    """The node's own metadata service (cluster.twin_imds) on its address, one port above sshd's: nothing to say
+    until 'fab local-notice' posts a notice there. Node sessions learn it from sshd (XC_IMDS_ENDPOINT)."""
+    imds_port = port + 1 if port < 65535 else port - 1
+    doc = node_dir / "imds.json"
+    doc.write_text(json.dumps({"instance_id": f"local-{name}", "region": "local", "local_ipv4": address,
+                               "lifecycle_state": "InService"}))
+    with open(node_dir / "imds.log", "ab") as log_out:
+        proc = subprocess.Popen([*wrap, sys.executable, "-m", "cluster.twin_imds", str(doc), address, str(imds_port)],
+                                stdin=subprocess.DEVNULL, stdout=log_out, stderr=log_out, start_new_session=True,
+                                cwd=str(PROJECT_ROOT))
+    entry = {"pid": proc.pid, "doc": str(doc), "endpoint": f"http://{address}:{imds_port}"}
+    deadline = time.monotonic() + 10
+    while not listens(proc.pid, address, imds_port):
+        if proc.poll() is not None or time.monotonic() > deadline:
+            _stop_imds([{"imds": entry}])
+            tail = ((node_dir / "imds.log").read_text(errors="replace").strip().splitlines() or ["no output"])[-1]
+            raise ClusterError(f"{name}: its metadata service did not start on {address}:{imds_port} ({tail})",
+                               fix="pick another --port (the metadata service takes the port above it)")
+        time.sleep(0.05)
+    return entry
+
+
+def _stop_imds(entries: list[dict]) -> None:
+    found = [e["imds"] for e in entries if e.get("imds")]
+    _stop([i["pid"] for i in found], [i["doc"] for i in found])
 
 
 def _host_line(state: Path, entry: dict) -> str:
@@ -318,6 +351,9 @@ def _node_pids(entry: dict) -> list[int]:
 def _kill_tree(entry: dict) -> int:
     pids = _node_pids(entry)
     _signal_and_wait(pids, signal.SIGKILL)
+    imds = entry.get("imds")
+    if imds and _alive(imds["pid"], imds["doc"]):  # a reclaimed instance's metadata goes with it
+        _signal_and_wait([imds["pid"]], signal.SIGKILL)
     return len(pids)
 
 
@@ -343,6 +379,9 @@ def down(state: Path | None = None) -> int:
         configs = [str(c) for c in (state / "nodes").glob("*/sshd_config")]
         found = [(pid, c) for pid, cmd in _cmdlines() if "[listener]" in cmd for c in configs if c + " " in cmd + " "]
         _stop([pid for pid, _ in found], [c for _, c in found])
+        docs = [str(d) for d in (state / "nodes").glob("*/imds.json")]  # the nodes' metadata services too
+        imds = [(pid, d) for pid, cmd in _cmdlines() if "cluster.twin_imds" in cmd for d in docs if d in cmd]
+        _stop([pid for pid, _ in imds], [d for _, d in imds])
         (state / "state.json").unlink()
         return len(found)
     if not data:
@@ -350,6 +389,7 @@ def down(state: Path | None = None) -> int:
     if data.get("head"):  # its supervisors have sessions of their own
         _kill_tree(data["head"])
     _stop([n["pid"] for n in _entries(data)], [n["config"] for n in _entries(data)])
+    _stop_imds(_entries(data))
     (state / "state.json").unlink()
     return len(data["nodes"])
 

@@ -557,7 +557,9 @@ def notice(name: str, kind: str, after: float | None, state: Path | None = None)
         raise ClusterError(f"--kind {kind!r} is not a notice", fix=f"use one of {', '.join(KINDS)}")
     if after is not None and after < 0:
         raise ClusterError(f"--after {after} is below 0", fix="give the seconds until the instance goes, e.g. --after 30")
-    record = require(state)
+    record = read(state)
+    if not record:
+        return local_notice(name, kind, after)
     state = state or state_dir()
     boot = resolve(name, record)
     after = DEFAULT_AFTER[kind] if after is None else after
@@ -581,6 +583,49 @@ def notice(name: str, kind: str, after: float | None, state: Path | None = None)
     how = ("EC2 terminates it" if kind == "spot" else
            "its group terminates it once it completes the lifecycle action or the heartbeat runs out")
     return f"{name} ({boot['instance_id']}): {kind} notice served by its IMDS; in {after:g} s {how}, and the group replaces it"
+
+
+def local_notice(name: str, kind: str, after: float | None, state: Path | None = None) -> str:
+    """On a local cluster: the node's own metadata service posts the notice; at its end the node goes as
+    'fab local-kill' takes it ('fab local-up' brings it back, as a group would)."""
+    state = state or local.state_dir()
+    data = local._read_state(state)
+    if not data:
+        raise ClusterError("no AWS twin and no local cluster is up", fix="start one with 'fab local-up --nodes 2' "
+                           "or 'sudo fab local-up --aws --nodes 2'")
+    entry = next((e for e in data["nodes"] if e["name"] == name), None)
+    if entry is None:
+        raise ClusterError(f"no local node {name!r}", fix=f"the nodes are {', '.join(e['name'] for e in data['nodes'])}")
+    if not entry.get("imds"):
+        raise ClusterError(f"{name} was started without a metadata service", fix="restart the cluster with 'fab "
+                           "local-down' and 'fab local-up'")
+    after = DEFAULT_AFTER[kind] if after is None else after
+    doc_file = Path(entry["imds"]["doc"])
+    doc = json.loads(doc_file.read_text())
+    now = datetime.datetime.now(datetime.timezone.utc)
+    if kind == "spot":
+        doc["notice"] = {"action": "terminate", "time": (now + datetime.timedelta(seconds=after)).strftime(
+            "%Y-%m-%dT%H:%M:%SZ")}
+    elif kind == "rebalance":
+        doc["rebalance"] = {"noticeTime": now.strftime("%Y-%m-%dT%H:%M:%SZ")}
+    else:
+        doc["lifecycle_state"] = "Terminated"
+    tmp = doc_file.with_suffix(".tmp")
+    tmp.write_text(json.dumps(doc))
+    tmp.replace(doc_file)
+    if kind == "rebalance":
+        return f"{name}: rebalance recommendation served by its metadata service; the node stays"
+    _spawn([sys.executable, "-m", "cluster.twin", "end-local", str(state), name, str(after)], state / "notices.log")
+    return (f"{name}: {kind} notice served by its metadata service; in {after:g} s the node goes as 'fab local-kill' "
+            f"takes it; 'fab local-up --nodes {len(data['nodes'])}' brings it back")
+
+
+def _end_local(state: Path, name: str, after: float) -> None:
+    time.sleep(after)
+    try:
+        local.kill_node(name, state)
+    except ClusterError as exc:  # the cluster went down meanwhile
+        print(f"{name}: {exc}", flush=True)
 
 
 def kill(name: str, state: Path | None = None) -> str:
@@ -656,3 +701,5 @@ def _is_group_leader(pid: int) -> bool:
 if __name__ == "__main__":
     if sys.argv[1:2] == ["watch"]:
         watch(Path(sys.argv[2]))
+    elif sys.argv[1:2] == ["end-local"]:
+        _end_local(Path(sys.argv[2]), sys.argv[3], float(sys.argv[4]))

@@ -48,7 +48,7 @@ def free_cluster_port(nodes: int, first: int = 2) -> int:
     hosts = [f"127.0.0.{first + i}" for i in range(nodes)]
     for _ in range(50):
         port = random.randint(20000, 40000)
-        if _port_free(port, hosts):
+        if _port_free(port, hosts) and _port_free(port + 1, hosts):  # sshd, and each node's metadata service
             return port
     raise RuntimeError("no free port for the local cluster")
 
