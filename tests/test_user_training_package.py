@@ -3,9 +3,13 @@ ranks' sys.path, yet the rank hook's spot behaviour stays on (it imports our tra
 aside and put back), a notice is taken, and `fab train --resume` fetches the checkpoint and continues. The user's
 `training.paths` shares a name with ours: each side keeps seeing its own.
 
-On the session's 2-node local cluster, against the fake IMDS on loopback."""
+The hook's imports are checked in one process without a cluster (a Trainer script's path too); the notice and the
+resume on the session's 2-node local cluster, against the fake IMDS on loopback."""
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -13,7 +17,6 @@ from fake_imds import FakeIMDS
 
 from training import notice
 
-pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 ROOT = Path(__file__).resolve().parent.parent
 TOY = (ROOT / "docs" / "examples" / "ddp_toy.py").read_text()
 INIT = 'if distributed:\n    dist.init_process_group("gloo")\n'
@@ -30,11 +33,44 @@ def _script() -> str:
     return before + TOY.replace(INIT, INIT + after, 1)
 
 
+def _project(root: Path) -> Path:
+    (root / "training").mkdir(parents=True)
+    (root / "training" / "__init__.py").write_text("ours = True  # the user's package\n")
+    (root / "training" / "paths.py").write_text("WHO = 'the project paths'\n")
+    return root
+
+
+HOOK_CHECK = """
+import training.paths as mine
+import sitecustomize as hook
+preempt = hook._ours("preempt")  # what a group or a Trainer makes the hook import
+import transformers.trainer      # the hook patches the Trainer with our preempt
+import training.paths as again
+print(mine.WHO, again.WHO, again is mine)
+print(preempt.__file__, preempt.store.__file__)
+print(transformers.trainer.Trainer._xc_patched, hook._ours("contract").preempt is preempt)
+"""
+
+
+def test_the_rank_hook_imports_ours_and_leaves_the_projects_training_in_place(tmp_path):
+    """What a rank of a --workdir run sees: its project before our code on PYTHONPATH, our runtime first."""
+    proj = _project(tmp_path / "proj")
+    runtime = ROOT / "training" / "runtime"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(runtime), str(proj), str(ROOT)]), "XC_RUN_ID": "r1",
+           "XC_RANK_REPORT": str(tmp_path / "run" / "ranks" / "{rank}.json"), "WORLD_SIZE": "2"}
+    res = subprocess.run([sys.executable, "-c", HOOK_CHECK], cwd=proj, env=env, capture_output=True, text=True,
+                         timeout=120, check=False)
+    assert res.returncode == 0, res.stderr[-3000:]
+    theirs, ours, patched = res.stdout.splitlines()
+    assert theirs == "the project paths the project paths True"
+    assert ours.split() == [str(ROOT / "training" / "preempt.py"), str(ROOT / "training" / "store.py")]
+    assert patched == "True True"  # one copy of ours: the Trainer's patch and the notice file share preempt
+
+
+@pytest.mark.cluster
+@pytest.mark.slow
 def test_a_project_with_its_own_training_package_keeps_the_spot_hook_and_resumes(cluster2, tmp_path):
-    proj = tmp_path / "proj"
-    (proj / "training").mkdir(parents=True)
-    (proj / "training" / "__init__.py").write_text("ours = True  # the user's package\n")
-    (proj / "training" / "paths.py").write_text("WHO = 'the project paths'\n")
+    proj = _project(tmp_path / "proj")
     (proj / "train.py").write_text(_script())
     imds = FakeIMDS()
     before = cluster2.run_dirs()
