@@ -74,3 +74,55 @@ def test_only_a_group_termination_on_a_nodes_first_rank_starts_one(node, monkeyp
     assert started == [beat] and beat.watcher is watcher
     monkeypatch.setenv("LOCAL_RANK", "1")  # the node's other ranks leave it to the first
     assert preempt.heartbeat(guard, notice.GROUP) is None
+
+
+def _rank(rank: int, port: int, beating: bool, out: str) -> None:
+    """One of two gloo ranks deciding whether the notice's checkpoint is durable: rank 0's upload takes 2.5 s, past
+    the hook's own wait (shortened to 1 s); rank 1's node is the one leaving, its heartbeat holding or not."""
+    import json
+    import os
+    from types import SimpleNamespace
+
+    import torch.distributed as dist
+
+    os.environ.update(LOCAL_RANK="0", RANK=str(rank), WORLD_SIZE="2")
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    publish.ON_GROUP_S, spot.GROUP_HOLD_S = 1.0, 8.0
+    started = time.monotonic()
+
+    class Upload:  # rank 0's publisher
+        def wait(self, timeout):
+            time.sleep(timeout)
+            return time.monotonic() - started > 2.5
+
+        def confirmed(self, step):
+            return True
+
+    beat = SimpleNamespace(sent=1, is_alive=lambda: True, stop=lambda: None)
+    preempt.heartbeat = lambda guard, cause: beat if rank == 1 and beating else None
+    guard = preempt.Guard(watcher=None, callback=None, publisher=SimpleNamespace(publisher=Upload() if rank == 0 else None))
+    ok = preempt.durable(guard, 20, notice.GROUP, poll=0.2)
+    dist.destroy_process_group()
+    with open(f"{out}.{rank}", "w") as f:
+        json.dump({"ok": ok, "waited": time.monotonic() - started}, f)
+
+
+@pytest.mark.parametrize("beating", [True, False])
+def test_a_heartbeat_on_the_leaving_node_lets_every_rank_wait_for_the_upload(tmp_path, beating):
+    """The ranks agree in their all-reduce that some node's heartbeat holds its action (the negated third flag), so
+    rank 0 waits up to GROUP_HOLD_S instead of the hook's 270 s; without one the slow upload is cut as before."""
+    import json
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(_rank, args=(port, beating, str(tmp_path / "r")), nprocs=2, join=True)
+    got = [json.loads((tmp_path / f"r.{rank}").read_text()) for rank in (0, 1)]
+    assert [g["ok"] for g in got] == ([True, True] if beating else [False, False])
+    if beating:
+        assert all(2.5 <= g["waited"] < 8.0 for g in got)
+    else:
+        assert all(g["waited"] < 2.5 for g in got)
