@@ -23,7 +23,8 @@ Accuracy means something only on minilm (real weights); the other shapes time th
 
     .venv/bin/python bench/glue_single_node.py [--samples 800] [--epochs 2] [--batch 16] [--levers fused-adamw,...]
         [--onednn-max-isa AVX512_CORE_BF16]     # matmuls without AMX on a Sapphire Rapids: the no-AMX target
-        [--model-shape bert-base|gpt2]          # the seeds' models (gpt2: the largest batch up to 16 that fits memory)
+        [--model-shape bert-base|gpt2]          # the seeds' models (gpt2: 16 samples, 1 epoch, the largest batch up
+                                                # to 16 that fits memory)
 """
 from __future__ import annotations
 
@@ -259,8 +260,9 @@ def run(name: str, extra: list[str], precision: str, samples: int, batch: int, o
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--samples", type=int, default=800)
-    p.add_argument("--epochs", type=int, default=2, help="enough for the model to beat the majority class")
+    p.add_argument("--samples", type=int, help="default 800; gpt2: 16 blocks of 1024 tokens (its step is timed, "
+                   "random weights learn nothing to measure)")
+    p.add_argument("--epochs", type=int, help="default 2, enough for MiniLM to beat the majority class; gpt2: 1")
     p.add_argument("--batch", type=int, help="default 16; gpt2: the largest of 16, 8, 4, 2, 1 that fits this "
                    "machine's memory (bench/memory_fit.py), and a --batch that does not fit is refused")
     p.add_argument("--rounds", type=int, default=1)
@@ -274,6 +276,8 @@ def main() -> None:
                    help="minilm (real weights, accuracy measured), or the seeds' bert-base / gpt2 from a config "
                         "with random weights (gpt2 runs the clm job at 1024 tokens)")
     a = p.parse_args()
+    gpt2 = a.model_shape == "gpt2"
+    a.samples, a.epochs = a.samples or (16 if gpt2 else 800), a.epochs or (1 if gpt2 else 2)
     a.batch, why = memory_fit.pick_batch(a.model_shape, a.batch, 16, memory_fit.available_gib())  # before any run
     if why:
         print(why, flush=True)
