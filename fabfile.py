@@ -18,6 +18,7 @@ from cluster import netns as netns_lib
 from cluster import store as store_lib
 from cluster import sweep as sweep_lib
 from cluster import twin as twin_lib
+from cluster import twin_notice as notice_lib
 from cluster.inventory import load_head
 from cluster.resolve import open_cluster
 from core.cli import as_float, as_int, cli, env_pairs, job_args, one_line_parse_errors, valueless_keys
@@ -94,7 +95,7 @@ def local_up(c, nodes="2", port=str(local_lib.DEFAULT_PORT), netns=False, link=N
 @cli
 def local_notice(c, node, kind="spot", after=None):
     """Make a node's IMDS announce a notice (the AWS twin's, or a local node's own); at its end the node goes."""
-    print(twin_lib.notice(node, kind, as_float(after, "--after") if after is not None else None))
+    print(notice_lib.notice(node, kind, as_float(after, "--after") if after is not None else None))
 
 
 @task(help={"node": "the node whose link changes, e.g. node1", "cut": "take the link down: the node runs on, "
@@ -112,7 +113,7 @@ def local_kill(c, node):
     """Take one local node away outright (its sshd and every process on it), as a reclaimed spot node goes;
     'fab local-up' with the same --nodes brings it back. On the AWS twin: terminate the instance with no notice."""
     if twin_lib.read():
-        print(twin_lib.kill(node))
+        print(notice_lib.kill(node))
         return
     n = local_lib.kill_node(node)
     print(f"{node} killed ({n} process(es)); bring it back with 'fab local-up'")

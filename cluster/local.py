@@ -21,6 +21,7 @@ from core import procs
 from core.cli import writable_dir
 from core.constants import MAX_NODES, PROJECT_ROOT
 from core.errors import ClusterError
+from core.procs import listens
 from core.render import render
 
 log = logging.getLogger(__name__)
@@ -278,27 +279,6 @@ def _wait_listening(proc: subprocess.Popen, address: str, port: int, log_file: P
     raise ClusterError(f"{name}: sshd did not listen on {address}:{port} within 10 s", fix=f"see {log_file}")
 
 
-def listens(pid: int, address: str, port: int) -> bool:
-    """Whether process pid holds the listening TCP socket on address:port (from /proc/net/tcp and its fds)."""
-    want = f"{int.from_bytes(ipaddress.IPv4Address(address).packed, 'little'):08X}:{port:04X}"
-    try:
-        rows = [line.split() for line in Path(f"/proc/{pid}/net/tcp").read_text().splitlines()[1:]]  # pid's netns
-    except OSError:
-        return False
-    inodes = {f"socket:[{r[9]}]" for r in rows if len(r) > 9 and r[1] == want and r[3] == "0A"}  # 0A: LISTEN
-    try:
-        fds = list(Path(f"/proc/{pid}/fd").iterdir())
-    except OSError:
-        return False
-    for fd in fds:
-        try:
-            if os.readlink(fd) in inodes:
-                return True
-        except OSError:
-            continue
-    return False
-
-
 def _children(pid: int) -> list[int]:
     kids = []
     for stat in Path("/proc").glob("[0-9]*/stat"):
@@ -377,10 +357,10 @@ def down(state: Path | None = None) -> int:
         data = _read_state(state)
     except CorruptState:  # stop what can be identified: this cluster's sshd listeners, by their config path
         configs = [str(c) for c in (state / "nodes").glob("*/sshd_config")]
-        found = [(pid, c) for pid, cmd in _cmdlines() if "[listener]" in cmd for c in configs if c + " " in cmd + " "]
+        found = [(pid, c) for pid, cmd in procs.cmdlines() if "[listener]" in cmd for c in configs if c + " " in cmd + " "]
         _stop([pid for pid, _ in found], [c for _, c in found])
         docs = [str(d) for d in (state / "nodes").glob("*/imds.json")]  # the nodes' metadata services too
-        imds = [(pid, d) for pid, cmd in _cmdlines() if "cluster.twin_imds" in cmd for d in docs if d in cmd]
+        imds = [(pid, d) for pid, cmd in procs.cmdlines() if "cluster.twin_imds" in cmd for d in docs if d in cmd]
         _stop([pid for pid, _ in imds], [d for _, d in imds])
         (state / "state.json").unlink()
         return len(found)
@@ -392,16 +372,6 @@ def down(state: Path | None = None) -> int:
     _stop_imds(_entries(data))
     (state / "state.json").unlink()
     return len(data["nodes"])
-
-
-def _cmdlines() -> list[tuple[int, str]]:
-    out = []
-    for f in Path("/proc").glob("[0-9]*/cmdline"):
-        try:
-            out.append((int(f.parent.name), f.read_bytes().replace(b"\0", b" ").decode(errors="replace")))
-        except OSError:  # gone meanwhile
-            pass
-    return out
 
 
 def node_status(state: Path | None = None) -> list[dict]:

@@ -1,6 +1,8 @@
-"""Is a process there, and which one is it: the one check the local cluster and run records share."""
+"""Is a process there, which one is it, what it listens on: the checks the local cluster, its twins and run records
+share."""
 from __future__ import annotations
 
+import ipaddress
 import os
 from pathlib import Path
 
@@ -26,3 +28,34 @@ def exists(pid: int) -> bool:
     if not Path("/proc/self/stat").is_file():  # no /proc (macOS): the signal's answer is all there is
         return True
     return start_time(pid) is not None
+
+
+def listens(pid: int, address: str, port: int) -> bool:
+    """Whether process pid holds the listening TCP socket on address:port (from /proc/net/tcp and its fds)."""
+    want = f"{int.from_bytes(ipaddress.IPv4Address(address).packed, 'little'):08X}:{port:04X}"
+    try:
+        rows = [line.split() for line in Path(f"/proc/{pid}/net/tcp").read_text().splitlines()[1:]]  # pid's netns
+    except OSError:
+        return False
+    inodes = {f"socket:[{r[9]}]" for r in rows if len(r) > 9 and r[1] == want and r[3] == "0A"}  # 0A: LISTEN
+    try:
+        fds = list(Path(f"/proc/{pid}/fd").iterdir())
+    except OSError:
+        return False
+    for fd in fds:
+        try:
+            if os.readlink(fd) in inodes:
+                return True
+        except OSError:
+            continue
+    return False
+
+
+def cmdlines() -> list[tuple[int, str]]:
+    out = []
+    for f in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            out.append((int(f.parent.name), f.read_bytes().replace(b"\0", b" ").decode(errors="replace")))
+        except OSError:  # gone meanwhile
+            pass
+    return out

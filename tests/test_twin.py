@@ -5,8 +5,10 @@ their host keys from their instance tags, as on AWS. Root only (namespaces and m
 """
 from __future__ import annotations
 
+import json
 import os
 import re
+import subprocess
 import time
 
 import boto3
@@ -14,8 +16,18 @@ import pytest
 from conftest import FabProcess, fab, progress_step
 from fake_imds import FakeIMDS
 
+from core import procs
+
 pytestmark = [pytest.mark.cluster, pytest.mark.slow,
               pytest.mark.skipif(os.geteuid() != 0, reason="the AWS twin needs root (network namespaces, mounts)")]
+# 40 steps (320 samples x 2 epochs at 8 per device on 2 nodes) on the 1-layer model: room for a notice at step ~8
+# and a resume, at a third of the notice tests' 100
+def short_args(model: str) -> list[str]:
+    args = list(FakeIMDS.short_args(model))
+    args[args.index("--max_train_samples") + 1] = "320"
+    return args
+
+
 KEEP_OUT = ("XC_CLUSTER", "XC_STORE", "XC_AWS_ENDPOINT_URL", "XC_S3_ENDPOINT_URL", "XC_SSH_KEY")  # then the line's
 
 
@@ -69,8 +81,13 @@ def twin(tmp_path_factory):
     up_s = time.monotonic() - started
     assert res.returncode == 0, res.stdout + res.stderr
     yield Twin(env, up_s, res.stdout)
+    record = json.loads((tmp / "state" / "twin" / "twin.json").read_text())
     down = fab("local-down", env=env, timeout=120)
     assert down.returncode == 0 and "AWS twin down" in down.stdout, down.stdout + down.stderr
+    left = subprocess.run(["ip", "-o", "link", "show"], capture_output=True, text=True, check=True).stdout
+    spaces = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, check=True).stdout
+    assert record["bridge"] not in left and f"xct-{record['id']}-" not in spaces  # nothing of the twin is left
+    assert not any(procs.exists(record[k]) for k in ("moto", "watcher"))  # a zombie (unreaped here) counts as gone
 
 
 def test_up_in_a_minute_and_status_lists_the_instances_from_the_ec2_api(twin):
@@ -97,7 +114,7 @@ def test_up_in_a_minute_and_status_lists_the_instances_from_the_ec2_api(twin):
 def test_spot_notice_preempts_to_s3_the_group_replaces_the_node_and_resume_finishes(twin, small_model, tmp_path):
     before = twin.group_ids("twin-nodes")
     args = ["train", "--nodes", "2", "--save-every", "0", "--env", "XC_NOTICE_POLL_S=0.5", "--",
-            *FakeIMDS.short_args(small_model)]
+            *short_args(small_model)]
     with twin.start(*args) as running:
         running.wait_for(lambda line: (progress_step(line) or 0) >= 8, 400)
         said = twin.fab("local-notice", "node1", "--kind", "spot", "--after", "5", timeout=60)
@@ -122,6 +139,12 @@ def test_spot_notice_preempts_to_s3_the_group_replaces_the_node_and_resume_finis
     elsewhere = {**twin.env, "XC_STATE_DIR": str(tmp_path / "state"), "XC_RUNS_DIR": str(tmp_path / "runs")}
     other = fab("runs", env=elsewhere, timeout=60)
     assert other.returncode == 0 and run_id in other.stdout, other.stdout + other.stderr
+    resumed_id = re.search(r"run (\S+): results in", resumed.stdout)[1]
+    pulled = fab("pull", resumed_id, env=elsewhere, timeout=120)
+    assert pulled.returncode == 0, pulled.stdout + pulled.stderr
+    assert (tmp_path / "runs" / resumed_id / "output" / "all_results.json").is_file()  # from the twin's S3
+    doctor = twin.fab("doctor", "--quick", timeout=300)  # the keys are in place since the run
+    assert doctor.returncode == 0 and "verdict: healthy" in doctor.stdout, doctor.stdout[-3000:] + doctor.stderr
 
 
 def test_rebalance_checkpoints_and_goes_on_then_the_groups_termination_ends_it_75(twin, small_model):
@@ -129,7 +152,7 @@ def test_rebalance_checkpoints_and_goes_on_then_the_groups_termination_ends_it_7
     by its lifecycle hook: exit 75 with its cause; the node completes its lifecycle action once the checkpoint is
     in the store, and the group takes it then, long before the hook's 120 s here."""
     args = ["train", "--nodes", "2", "--save-every", "0", "--env", "XC_NOTICE_POLL_S=0.5", "--",
-            *FakeIMDS.short_args(small_model)]
+            *short_args(small_model)]
     with twin.start(*args) as running:
         running.wait_for(lambda line: (progress_step(line) or 0) >= 6, 400)
         said = twin.fab("local-notice", "node1", "--kind", "rebalance", timeout=60)
@@ -160,6 +183,13 @@ def test_kill_without_notice_the_group_replaces_the_instance(twin):
     assert said.returncode == 0 and "terminated with no notice" in said.stdout, said.stdout + said.stderr
     assert old in said.stdout
     twin.wait_replaced(old)
+    head = twin.status_ids()["twin-head"]
+    said = twin.fab("local-kill", "head", timeout=60)
+    assert said.returncode == 0 and head in said.stdout, said.stdout + said.stderr
+    deadline = time.monotonic() + 60
+    while twin.group_ids("twin-head") in (set(), {head}) or twin.status_ids().get("twin-head") in (None, head):
+        assert time.monotonic() < deadline, "the head's group did not replace the head"
+        time.sleep(1)
 
 
 def test_bad_input_is_one_line_and_starts_nothing(twin, tmp_path):
@@ -171,4 +201,5 @@ def test_bad_input_is_one_line_and_starts_nothing(twin, tmp_path):
     assert not list((twin.env["XC_STATE_DIR"] and __import__("pathlib").Path(twin.env["XC_STATE_DIR"]) / "twin"
                      / "actions").glob("*.json"))
     none = fab("local-notice", "node1", env={"XC_STATE_DIR": str(tmp_path), "XC_CLUSTER": ""}, timeout=60)
-    assert none.returncode != 0 and "no AWS twin is up" in none.stderr and "fab local-up --aws" in none.stderr
+    assert none.returncode != 0 and "no AWS twin and no local cluster is up" in none.stderr
+    assert "fab local-up --aws" in none.stderr

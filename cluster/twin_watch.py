@@ -1,0 +1,230 @@
+"""The AWS twin's watcher (`python -m cluster.twin_watch STATE`, started by `fab local-up --aws`): every instance
+the twin's groups launch becomes a real sshd node in a network namespace of its own, at its private address, with
+its own IMDS; an instance that is terminated goes with everything on it. It also ends the notices that
+`fab local-notice` posted: EC2 takes a spot instance, the group one its hook held (early once the node completes
+its lifecycle action; later with each heartbeat it records). See cluster/twin.py for the whole twin.
+"""
+from __future__ import annotations
+
+import base64
+import getpass
+import ipaddress
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from cluster import local, netns
+from cluster.twin import KEY_ID, Names, _alive, _spawn, booted, clients, require, write_imds
+from core import procs
+from core.errors import ClusterError
+from core.render import render
+
+
+class Watcher:
+    def __init__(self, state: Path):
+        self.state = state
+        self.record = require(state)
+        self.names = Names(self.record["id"])
+        self.ec2, self.asg = clients(self.record)
+        self.user = getpass.getuser()
+        self.op_pub = local.operator_key(state).with_suffix(".pub").read_text()
+
+    def instances(self) -> list[dict]:
+        groups = list(self.record["groups"].values())
+        pages = self.ec2.get_paginator("describe_instances").paginate(
+            Filters=[{"Name": "tag:aws:autoscaling:groupName", "Values": groups}])
+        return [i for p in pages for r in p["Reservations"] for i in r["Instances"]]
+
+    def boot_or_clean(self, inst: dict) -> None:
+        """A boot that failed leaves nothing behind, so the next round tries again."""
+        try:
+            self.boot(inst)
+        except BaseException:
+            f = self.state / "instances" / inst["InstanceId"] / "boot.json"
+            if f.is_file():
+                self.remove(json.loads(f.read_text()), quiet=True)
+            raise
+
+    def once(self) -> None:
+        now = {i["InstanceId"]: i for i in self.instances()}
+        mine = {b["instance_id"]: b for b in booted(self.state)}
+        for iid, inst in now.items():
+            state = inst["State"]["Name"]
+            if state == "running" and iid not in mine:
+                self.boot_or_clean(inst)
+            elif state in ("shutting-down", "terminated") and iid in mine:
+                self.remove(mine[iid])
+        for iid, b in mine.items():
+            if iid not in now:
+                self.remove(b)
+        self.due()
+
+    # one instance's machine
+    def boot(self, inst: dict) -> None:
+        iid, ip = inst["InstanceId"], inst["PrivateIpAddress"]
+        tags = {t["Key"]: t["Value"] for t in inst.get("Tags", [])}
+        role = "head" if tags.get("aws:autoscaling:groupName") == self.record["groups"]["head"] else "node"
+        node_dir = self.state / "instances" / iid
+        for sub in ("etc", "home"):
+            (node_dir / sub).mkdir(parents=True, exist_ok=True)
+        node_dir.chmod(0o700)
+        k = 1 + max([b.get("k", 0) for b in booted(self.state)] + [_counter(self.state)])
+        (self.state / "counter").write_text(str(k))
+        ns, veth, prefix = self.names.ns(iid), self.names.veth(k), ipaddress.IPv4Network(self.record["subnet"]).prefixlen
+        hostname = f"{self.record['cluster']}-{iid}" if role == "node" else f"{self.record['cluster']}-head"
+        boot = {"instance_id": iid, "ip": ip, "role": role, "ns": ns, "veth": veth, "k": k, "host": hostname,
+                "group": tags.get("aws:autoscaling:groupName"), "since": time.time(), "ready": False}
+        (node_dir / "boot.json").write_text(json.dumps(boot))
+        netns._run(["ip", "netns", "add", ns])
+        netns._run(["ip", "link", "add", veth, "type", "veth", "peer", "name", "eth0", "netns", ns])
+        netns._run(["ip", "-n", ns, "addr", "add", f"{ip}/{prefix}", "dev", "eth0"])
+        netns._run(["ip", "-n", ns, "addr", "add", "169.254.169.254/32", "dev", "lo"])
+        for dev in ("lo", "eth0"):
+            netns._run(["ip", "-n", ns, "link", "set", dev, "up"])
+        netns._run(["ip", "-n", ns, "route", "add", "default", "via", self.record["router"]])
+        netns._run(["ip", "link", "set", veth, "master", self.names.bridge, "up"])
+        (netns.ETC_NETNS / ns).mkdir(parents=True, exist_ok=True)
+        (netns.ETC_NETNS / ns / "hosts").write_text(f"127.0.0.1 localhost\n{ip} {hostname}\n")
+        # its metadata, then what cloud-init does with its user data
+        self.imds_doc(iid, ip, role, node_dir)
+        imds = _spawn(["ip", "netns", "exec", ns, sys.executable, "-m", "cluster.twin_imds", str(node_dir / "imds.json")],
+                      node_dir / "imds.log")
+        deadline = time.monotonic() + 30
+        while not procs.listens(imds.pid, "169.254.169.254", 80):  # on EC2 it answers before anything boots
+            if imds.poll() is not None or time.monotonic() > deadline:
+                raise ClusterError(f"{iid}: its IMDS did not start", fix=f"see {node_dir / 'imds.log'}")
+            time.sleep(0.05)
+        files = self.cloud_init(inst, node_dir)
+        env_file = node_dir / "etc" / "cluster.env"
+        env_file.write_text(env_file.read_text() + f"XC_INSTANCE_ID={iid}\n")
+        local._keygen(node_dir / "ssh_host_ed25519_key", f"{hostname}")
+        auth = node_dir / "authorized_keys"
+        auth.write_text(self.op_pub)  # the launch template's key pair: the operator's key
+        auth.chmod(0o600)
+        config = node_dir / "sshd_config"
+        config.write_text(render("sshd_config_twin.j2", address=ip, node_dir=node_dir, user=self.user,
+                                 endpoint=self.record["endpoint"], host=hostname))
+        wrap = ["ip", "netns", "exec", ns, "unshare", "--uts", "--mount", "--propagation", "private", "--", "sh", "-c",
+                ('hostname "$0" && mount --bind "$1" /etc/xeon-cluster && mount --bind "$2" "$HOME/.xeon-cluster" && '
+                'mount --bind "$3" /opt/xeon-cluster/venv && shift 3 && exec "$@"'), hostname, str(node_dir / "etc"),
+                str(node_dir / "home"), self.record["venv"]]
+        sshd = _spawn([*wrap, local.sshd_binary(), "-D", "-e", "-f", str(config)], node_dir / "sshd.log")
+        boot.update(pids={"imds": imds.pid, "sshd": sshd.pid})
+        (node_dir / "boot.json").write_text(json.dumps(boot))
+        deadline = time.monotonic() + 30
+        while not procs.listens(sshd.pid, ip, 22):
+            if sshd.poll() is not None or time.monotonic() > deadline:
+                raise ClusterError(f"{iid}: sshd did not start", fix=f"see {node_dir / 'sshd.log'}")
+            time.sleep(0.05)
+        publisher = files.get("/usr/local/sbin/xc-publish-host-keys")
+        if publisher:  # the node tags itself with its host keys, through its instance profile and IMDS
+            script = node_dir / "xc-publish-host-keys"
+            script.write_text(publisher)
+            res = subprocess.run(["ip", "netns", "exec", ns, sys.executable, str(script)], check=False, capture_output=True,
+                                 text=True, timeout=60, env={**os.environ, "XC_EC2_ENDPOINT": self.record["endpoint"],
+                                                             "XC_SSH_HOST_KEY_DIR": str(node_dir)})
+            (node_dir / "publish.log").write_text(res.stdout + res.stderr)
+        boot["ready"] = True
+        (node_dir / "boot.json").write_text(json.dumps(boot))
+        print(f"{time.strftime('%H:%M:%S')} {role} {iid} up at {ip} ({ns})", flush=True)
+
+    def imds_doc(self, iid: str, ip: str, role: str, node_dir: Path) -> None:
+        write_imds(node_dir, instance_id=iid, local_ipv4=ip, region=self.record["region"],
+                   availability_zone=self.record["zone"], role=f"{self.record['cluster']}-{role}", access_key=KEY_ID,
+                   secret_key=KEY_ID, lifecycle_state="InService")
+
+    def cloud_init(self, inst: dict, node_dir: Path) -> dict[str, str]:
+        """Its launch template's user data: /etc/xeon-cluster files land in the node's own /etc/xeon-cluster;
+        returns every file by its path (the scripts the twin runs itself)."""
+        import yaml
+
+        tags = {t["Key"]: t["Value"] for t in inst.get("Tags", [])}
+        lt, version = tags.get("aws:ec2launchtemplate:id"), tags.get("aws:ec2launchtemplate:version", "$Latest")
+        files: dict[str, str] = {}
+        if not lt:
+            return files
+        data = self.ec2.describe_launch_template_versions(LaunchTemplateId=lt, Versions=[version])[
+            "LaunchTemplateVersions"][0]["LaunchTemplateData"]
+        text = base64.b64decode(data.get("UserData") or b"").decode()
+        if text.startswith("#cloud-config"):
+            for entry in (yaml.safe_load(text) or {}).get("write_files", []):
+                files[entry["path"]] = entry.get("content", "")
+                if entry["path"].startswith("/etc/xeon-cluster/"):
+                    (node_dir / "etc" / entry["path"].rsplit("/", 1)[1]).write_text(entry.get("content", ""))
+        return files
+
+    def remove(self, boot: dict, quiet: bool = False) -> None:
+        ns = boot["ns"]
+        netns._end_processes(ns)  # an instance that is gone takes everything on it at once
+        for pid in (boot.get("pids") or {}).values():
+            if _alive(pid):
+                os.kill(pid, signal.SIGKILL)
+        netns._try(["ip", "link", "del", boot["veth"]])
+        netns._try(["ip", "netns", "del", ns])
+        shutil.rmtree(netns.ETC_NETNS / ns, ignore_errors=True)
+        node_dir = self.state / "instances" / boot["instance_id"]
+        (node_dir / "boot.json").unlink(missing_ok=True)
+        (node_dir / "gone").write_text(str(time.time()))
+        if not quiet:
+            print(f"{time.strftime('%H:%M:%S')} {boot['role']} {boot['instance_id']} gone", flush=True)
+
+    # notices that end in a termination
+    def due(self) -> None:
+        actions = self.state / "actions"
+        for f in sorted(actions.glob("*.json")) if actions.is_dir() else []:
+            act = json.loads(f.read_text())
+            at = act["at"]
+            for entry in _journal(self.state, act["instance"], act["since"]):
+                if entry["call"] == "complete":
+                    at = min(at, entry["time"])
+                elif entry["call"] == "heartbeat":
+                    at = max(at, entry["time"] + act["after"])
+            if time.time() < at:
+                continue
+            try:
+                if act["kind"] == "terminate":  # the group ends what its hook held
+                    self.asg.terminate_instance_in_auto_scaling_group(InstanceId=act["instance"],
+                                                                      ShouldDecrementDesiredCapacity=False)
+                else:  # EC2 reclaims a spot instance; the group sees it gone and replaces it
+                    self.ec2.terminate_instances(InstanceIds=[act["instance"]])
+            except Exception as exc:  # noqa: BLE001 - already gone (a local-kill came first)
+                print(f"{act['instance']}: {exc}", flush=True)
+            f.unlink()
+            print(f"{time.strftime('%H:%M:%S')} {act['kind']} notice of {act['instance']} ended: terminated", flush=True)
+
+
+def _counter(state: Path) -> int:
+    try:
+        return int((state / "counter").read_text())
+    except (OSError, ValueError):
+        return 0
+
+
+def _journal(state: Path, instance: str, since: float) -> list[dict]:
+    try:
+        lines = (state / "lifecycle.jsonl").read_text().splitlines()
+    except OSError:
+        return []
+    entries = [json.loads(line) for line in lines if line.strip()]
+    return [e for e in entries if e.get("instance") == instance and e.get("time", 0) >= since]
+
+
+def watch(state: Path) -> None:
+    w = Watcher(state)
+    stop = []
+    signal.signal(signal.SIGTERM, lambda *a: stop.append(1))
+    while not stop:
+        try:
+            w.once()
+        except Exception as exc:  # noqa: BLE001 - the twin keeps watching; the log says what failed
+            print(f"{time.strftime('%H:%M:%S')} watcher: {type(exc).__name__}: {exc}", flush=True)
+        time.sleep(0.3)
+
+
+if __name__ == "__main__":
+    watch(Path(sys.argv[1]))
