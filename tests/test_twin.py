@@ -15,6 +15,7 @@ import boto3
 import pytest
 from conftest import FabProcess, fab, progress_step
 from fake_imds import FakeIMDS
+from test_netns import netns_missing
 
 from core import procs
 
@@ -74,6 +75,9 @@ class Twin:
 
 @pytest.fixture(scope="module")
 def twin(tmp_path_factory):
+    reason = netns_missing()  # root, yet a container without CAP_NET_ADMIN / CAP_SYS_ADMIN
+    if reason:
+        pytest.skip(reason)
     tmp = tmp_path_factory.mktemp("twin")
     env = {k: "" for k in KEEP_OUT} | {"XC_STATE_DIR": str(tmp / "state"), "XC_RUNS_DIR": str(tmp / "runs")}
     started = time.monotonic()
