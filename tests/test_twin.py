@@ -10,6 +10,7 @@ import os
 import re
 import subprocess
 import time
+from pathlib import Path
 
 import boto3
 import pytest
@@ -174,11 +175,23 @@ def test_rebalance_checkpoints_and_goes_on_then_the_groups_termination_ends_it_7
     run_id = re.search(r"run (\S+): results in", ended.stdout)[1]
     summary = twin.fab("runs", timeout=60).stdout
     assert run_id in summary
-    record = __import__("json").loads((__import__("pathlib").Path(twin.env["XC_RUNS_DIR"]) / run_id /
-                                       "summary.json").read_text())
+    record = json.loads((Path(twin.env["XC_RUNS_DIR"]) / run_id / "summary.json").read_text())
     assert record["status"] == "preempted" and record.get("cause") == "group termination", record
     twin.wait_replaced(node1, timeout=90)
     assert time.monotonic() - noticed < 120  # the completed lifecycle action let it go before the heartbeat
+
+
+def test_a_detached_run_is_followed_and_stopped_through_the_twin(twin, small_model):
+    res = twin.fab("train", "--nodes", "2", "--detach", "--", *short_args(small_model), timeout=300)
+    assert res.returncode == 0 and "detached" in res.stdout, res.stdout[-3000:] + res.stderr[-3000:]
+    run_id = re.search(r"run (\S+) detached", res.stdout)[1]
+    deadline = time.monotonic() + 120
+    while "[progress]" not in (logs := twin.fab("logs", run_id, timeout=60)).stdout:
+        assert time.monotonic() < deadline, logs.stdout[-2000:] + logs.stderr
+        time.sleep(2)
+    stopped = twin.fab("stop", run_id, timeout=120)
+    assert stopped.returncode == 0 and "nothing is left running" in stopped.stdout, stopped.stdout + stopped.stderr
+    assert re.search(rf"^{run_id}\s.*stopped", twin.fab("runs", timeout=60).stdout, re.MULTILINE)
 
 
 def test_kill_without_notice_the_group_replaces_the_instance(twin):
@@ -202,8 +215,18 @@ def test_bad_input_is_one_line_and_starts_nothing(twin, tmp_path):
                        (["local-notice", "node1", "--after", "soon"], "--after 'soon' is not a number")):
         res = twin.fab(*args, timeout=60)
         assert res.returncode != 0 and res.stderr.strip().count("\n") == 0 and want in res.stderr, res.stderr
-    assert not list((twin.env["XC_STATE_DIR"] and __import__("pathlib").Path(twin.env["XC_STATE_DIR"]) / "twin"
-                     / "actions").glob("*.json"))
+    assert not list((Path(twin.env["XC_STATE_DIR"]) / "twin" / "actions").glob("*.json"))
     none = fab("local-notice", "node1", env={"XC_STATE_DIR": str(tmp_path), "XC_CLUSTER": ""}, timeout=60)
     assert none.returncode != 0 and "no AWS twin and no local cluster is up" in none.stderr
     assert "fab local-up --aws" in none.stderr
+
+
+def test_sweep_removes_everything_of_the_twins_cluster_but_the_kept_store(twin):
+    """Last: it takes the cluster away, as after a 'pulumi destroy' that left things behind."""
+    res = twin.fab("sweep", "--cluster", "aws:twin", "--yes", timeout=300)
+    assert "nothing left of cluster twin" in res.stdout and "but its store" in res.stdout, res.stdout + res.stderr
+    assert not twin.group_ids("twin-nodes") and not twin.group_ids("twin-head")
+    deadline = time.monotonic() + 30
+    while list((Path(twin.env["XC_STATE_DIR"]) / "twin" / "instances").glob("*/boot.json")):
+        assert time.monotonic() < deadline, "the watcher kept namespaces of terminated instances"
+        time.sleep(0.5)
