@@ -90,6 +90,10 @@ class Twin:
     def veth(self, i: int) -> str:
         return f"xcv{self.id}{i}"
 
+    @property
+    def hosts_prefix(self) -> str:  # its folders in /etc/netns
+        return f"xc-{self.id}-"
+
     def owns_ns(self, name: str) -> bool:
         return re.fullmatch(rf"xc-{self.id}-(node\d+|probe)", name) is not None
 
@@ -134,9 +138,10 @@ def _links() -> list[str]:
 
 
 def parts(twin: Twin) -> list[str]:
-    """What of this twin exists on the machine now: namespaces, veths, the bridge, hosts folders."""
+    """What of this twin exists on the machine now: namespaces, veths, the bridge, hosts folders (``twin``: a Twin
+    here, the AWS twin's Names in cluster.twin: anything with bridge, hosts_prefix, owns_ns and owns_link)."""
     found = [s for s in _spaces() if twin.owns_ns(s)] + [n for n in _links() if twin.owns_link(n)]
-    return found + [str(d) for d in ETC_NETNS.glob(f"xc-{twin.id}-*")]
+    return found + [str(d) for d in ETC_NETNS.glob(f"{twin.hosts_prefix}*")]
 
 
 def probe(twin: Twin, latency: str | None) -> None:
@@ -293,7 +298,7 @@ def teardown(twin: Twin) -> list[str]:
     for ns in spaces:
         if _try(["ip", "netns", "del", ns]).returncode == 0:
             removed.append(ns)
-    for d in ETC_NETNS.glob(f"xc-{twin.id}-*"):
+    for d in ETC_NETNS.glob(f"{twin.hosts_prefix}*"):
         shutil.rmtree(d, ignore_errors=True)
     if ETC_NETNS.is_dir() and not any(ETC_NETNS.iterdir()):
         ETC_NETNS.rmdir()

@@ -78,8 +78,12 @@ class Names:
     def veth(self, k: int) -> str:
         return f"xcw{self.id}{k}"
 
+    @property
+    def hosts_prefix(self) -> str:
+        return f"xct-{self.id}-"
+
     def owns_ns(self, name: str) -> bool:
-        return name.startswith(f"xct-{self.id}-")
+        return name.startswith(self.hosts_prefix)
 
     def owns_link(self, name: str) -> bool:
         return name == self.bridge or re.fullmatch(rf"xcw{self.id}\d+", name) is not None
@@ -206,8 +210,8 @@ def up(count: int, state: Path | None = None) -> dict:
                                "first to start another, or use it: " + export_line(record))
         down(state)
     names = Names.of(state)
-    if _parts(names):
-        teardown(names)
+    if netns.parts(names):
+        netns.teardown(names)
     check_tools()
     netns.probe(netns.Twin(names.id), None)
     writable_dir(state, "the AWS twin's state folder", "set XC_STATE_DIR to a writable folder")
@@ -318,29 +322,6 @@ def _alive(pid: int) -> bool:
 
 
 # -- down -------------------------------------------------------------------------------------------------------
-def _parts(names: Names) -> list[str]:
-    found = [s for s in netns._spaces() if names.owns_ns(s)] + [n for n in netns._links() if names.owns_link(n)]
-    return found + [str(d) for d in netns.ETC_NETNS.glob(f"xct-{names.id}-*")]
-
-
-def teardown(names: Names) -> list[str]:
-    removed = []
-    spaces = [s for s in netns._spaces() if names.owns_ns(s)]
-    for ns in spaces:
-        netns._end_processes(ns)
-    for name in sorted(netns._links(), key=lambda n: n == names.bridge):
-        if names.owns_link(name) and netns._try(["ip", "link", "del", name]).returncode == 0:
-            removed.append(name)
-    for ns in spaces:
-        if netns._try(["ip", "netns", "del", ns]).returncode == 0:
-            removed.append(ns)
-    for d in netns.ETC_NETNS.glob(f"xct-{names.id}-*"):
-        shutil.rmtree(d, ignore_errors=True)
-    if netns.ETC_NETNS.is_dir() and not any(netns.ETC_NETNS.iterdir()):
-        netns.ETC_NETNS.rmdir()
-    return removed
-
-
 def down(state: Path | None = None) -> str | None:
     """Stop the watcher and moto, remove every instance's namespace and the bridge; None when no twin was up."""
     state = state or state_dir()
@@ -349,7 +330,7 @@ def down(state: Path | None = None) -> str | None:
     except ClusterError:
         record = None
     names = Names.of(state)
-    if not record and not _parts(names):
+    if not record and not netns.parts(names):
         return None
     netns.require_root(("removing the AWS twin needs root", "run 'fab local-down' as root"))
     for key in ("watcher", "moto"):
@@ -359,7 +340,7 @@ def down(state: Path | None = None) -> str | None:
             local._signal_and_wait([pid], signal.SIGTERM, wait_s=3)
             if _alive(pid):
                 os.kill(pid, signal.SIGKILL)
-    removed = teardown(names)
+    removed = netns.teardown(names)
     for d in reversed((record or {}).get("made_dirs", [])):
         try:
             Path(d).rmdir()
