@@ -90,6 +90,9 @@ class Watcher:
         netns._run(["ip", "link", "set", veth, "master", self.names.bridge, "up"])
         (netns.ETC_NETNS / ns).mkdir(parents=True, exist_ok=True)
         (netns.ETC_NETNS / ns / "hosts").write_text(f"127.0.0.1 localhost\n{ip} {hostname}\n")
+        # the VPC's resolver answers at once; the machine's own, routed out of the bridge, would not answer at all
+        # (each lookup a 10-20 s timeout: torch's rendezvous looks its peers up): a refusal is as quick
+        (netns.ETC_NETNS / ns / "resolv.conf").write_text("nameserver 127.0.0.1\n")
         # its metadata, then what cloud-init does with its user data
         self.imds_doc(iid, ip, role, node_dir)
         imds = _spawn(["ip", "netns", "exec", ns, sys.executable, "-m", "cluster.twin_imds", str(node_dir / "imds.json")],
