@@ -23,6 +23,7 @@ from pathlib import Path
 from urllib.parse import unquote, urlparse
 
 from training.paths import COMPLETE_MARKER, KEEP_CHECKPOINTS, RunPaths, checkpoint_step, parse_checkpoint_url, tag_of
+from training.s3client import s3_client
 
 log = logging.getLogger("training.store")
 
@@ -128,16 +129,10 @@ class S3Store:
     @property
     def client(self):
         if self._client is None:
-            import boto3
-            from botocore.config import Config
-
             region = os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION") or None
             if region is None and self.endpoint:
                 region = "us-east-1"  # an S3-compatible endpoint ignores it, boto3 wants one
-            # a session of its own: boto3's default one keeps the credentials it first found
-            self._client = boto3.session.Session().client("s3", endpoint_url=self.endpoint, region_name=region, config=Config(
-                retries={"max_attempts": 5, "mode": "standard"}, max_pool_connections=CONCURRENCY + 4,
-                connect_timeout=10, read_timeout=60))
+            self._client = s3_client(self.endpoint, region, CONCURRENCY + 4)  # one per credentials, not per store
         return self._client
 
     def key(self, key: str) -> str:
