@@ -23,10 +23,19 @@ FAB = [sys.executable, "-m", "fabric"]
 
 # The files that take minutes, longest first: make test spreads files over parallel workers in collection order,
 # and a long file that starts last is the whole suite's tail. Every other file keeps its place after these.
-LONG_FILES = ("test_cluster.py", "test_jobs.py", "test_spot.py", "test_restarts.py", "test_store_cluster.py",
-              "test_group_termination.py", "test_loss_scale.py", "test_runs.py", "test_supervisor.py",
-              "test_script_restarts.py", "test_script_notices.py", "test_bench_kube.py", "test_setup_doctor.py",
-              "test_slow_login.py", "test_workdir.py", "test_user_scripts.py", "test_netns.py", "test_ccl_path.py")
+# Order from a --durations=0 profile of the whole suite (2026-11-27, worker-seconds per file).
+LONG_FILES = ("test_jobs.py", "test_cluster.py", "test_script_restarts.py", "test_twin.py", "test_spot.py",
+              "test_loss_scale.py", "test_restarts.py", "test_setup_doctor.py", "test_store_cluster.py", "test_head.py",
+              "test_runs.py", "test_script_notices.py", "test_supervisor.py", "test_group_termination.py",
+              "test_preempt.py", "test_workdir.py", "test_netns.py", "test_bench_kube.py",
+              "test_user_training_package.py", "test_slow_login.py", "test_user_scripts.py", "test_ccl_path.py")
+
+
+def pytest_configure(config):
+    # xdist (3.7+) otherwise queues files by their number of tests, most first, whatever the order below: the long
+    # files, which have few tests each, then started last (the AWS twin's, 7 tests, at the very end)
+    if hasattr(config.option, "loadscopereorder"):
+        config.option.loadscopereorder = False
 
 
 def pytest_collection_modifyitems(config, items):
