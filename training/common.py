@@ -319,10 +319,14 @@ def train_and_record(trainer, results: dict, train_ds, info) -> None:
     if resume:
         results["resumed_from_step"] = spot.checkpoint_step(resume)
     preempt.attach(trainer)  # the same as the rank hook gives users' Trainer scripts (it finds this one attached)
+    from training import order
+
+    order.keep(trainer, train_ds, info.world_size, length_grouping(trainer.args))  # the same batches per step at any node count (--min-nodes)
     train_start = time.monotonic()
     out = trainer.train(resume_from_checkpoint=resume)
     preempt.end_if_noticed(trainer)  # on a notice: the notice line (rank 0) and exit 75; else the uploads finish
-    results["train"] = dict(out.metrics, samples=len(train_ds), wall_s=time.monotonic() - train_start)
+    results["train"] = dict(out.metrics, samples=len(train_ds), wall_s=time.monotonic() - train_start,
+                            global_step=out.global_step)
     results["ddp"] = dist.ddp_stats(trainer)
     from training import mfu
 
