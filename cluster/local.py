@@ -95,13 +95,16 @@ def _read_state(state: Path) -> dict | None:
                            "nodes' sshd by their config files) and then 'fab local-up'") from None
 
 
-def nodes(state: Path | None = None, require_running: bool = True) -> list[Node]:
-    """The cluster's nodes; ``require_running=False`` lists stopped ones too (for `fab doctor` to report)."""
+def nodes(state: Path | None = None, require_running: bool | None = True) -> list[Node]:
+    """The cluster's nodes; ``require_running=False`` lists stopped ones too (for `fab doctor` to report), None
+    leaves them out (as a lost instance leaves an AWS cluster: a run goes on with the rest, --min-nodes)."""
     state = state or state_dir()
     data = _read_state(state)
     if not data:
         raise ClusterError("no local cluster is running", fix="start one with 'fab local-up --nodes 2'")
     down = [n["name"] for n in data["nodes"] if not _alive(n["pid"], n["config"])]
+    if require_running is None:
+        return [Node(**n["node"]) for n in data["nodes"] if n["name"] not in down]
     if down and require_running:
         raise ClusterError(f"local node(s) {', '.join(down)} are not running", fix=f"restart with 'fab local-down' then 'fab local-up --nodes {len(data['nodes'])}'")
     return [Node(**n["node"]) for n in data["nodes"]]

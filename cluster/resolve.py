@@ -38,12 +38,13 @@ def state_name(spec: str, nodes) -> str:
     return re.sub(r"[^A-Za-z0-9_.-]+", "-", spec)
 
 
-def open_cluster(spec: str | None = None, require_running: bool = True) -> Cluster:
-    """``require_running=False`` keeps stopped local nodes in the list (doctor reports them as down)."""
+def open_cluster(spec: str | None = None, require_running: bool | None = True) -> Cluster:
+    """``require_running=False`` keeps stopped local nodes in the list (doctor reports them as down), None leaves
+    them out, as an AWS cluster's discovery leaves out a lost instance (a run's restart takes the rest)."""
     spec = spec or default_cluster()
     if spec.split(":", 1)[0] == "local":
         state = local.state_dir(spec.partition(":")[2] or None)
-        nodes = load_nodes(spec) if require_running else local.nodes(state, require_running=False)
+        nodes = load_nodes(spec) if require_running else local.nodes(state, require_running=require_running)
     else:
         nodes = load_nodes(spec)
         state = local.state_dir().parent / state_name(spec, nodes)

@@ -65,6 +65,11 @@ CASES = [
     T("train-notice-poll-zero", "train --env XC_NOTICE_POLL_S=0", "--env XC_NOTICE_POLL_S=0 is outside 0.1..60 seconds"),
     T("train-max-restarts", "train --max-restarts -1", "--max-restarts -1 is below 0"),
     T("train-restart-wait", "train --restart-wait soon", "--restart-wait 'soon' is not a whole number"),
+    T("train-min-nodes-zero", "train --min-nodes 0 --max-restarts 1", "--min-nodes 0 is below 1; pass 1 or more"),
+    T("train-min-nodes-above", "train --nodes 2 --min-nodes 3 --max-restarts 1", "--min-nodes 3 is above --nodes 2; "
+      "pass --min-nodes from 1 to 2"),
+    T("train-min-nodes-alone", "train --min-nodes 1", "--min-nodes 1 applies when a run restarts by itself; pass "
+      "--max-restarts K too"),
     T("train-env-unset", "train --env XC_SURELY_UNSET_VAR",
       "--env XC_SURELY_UNSET_VAR passes your own value of XC_SURELY_UNSET_VAR, which is not set"),
     T("train-env-no-key", "train --env =x", "--env '=x' is not KEY=VALUE or KEY"),
@@ -247,6 +252,8 @@ CASES = [
     C("cluster-host-key-changed", "train --script {d}/hello.py", "host key CHANGED since it was recorded in "
       "{state}/known_hosts; if the node was replaced, remove its old entry with 'ssh-keygen -f {state}/known_hosts "
       '-R "[127.0.0.2]:', prepare="changed_host_key"),
+    C("cluster-min-nodes-above", "train --min-nodes 3 --max-restarts 1", "--min-nodes 3 is above the run's 2 "
+      "node(s); pass --min-nodes from 1 to 2"),
     C("cluster-bench-sizes", "bench --nodes 1,3", "3 is more than the 2 node(s) of cluster 'local'"),
     C("cluster-doctor-nodes", "doctor --nodes 3", "--nodes 3 but the cluster 'local' has 2 nodes"),
     C("cluster-setup-nodes", "setup --nodes 3", "--nodes 3 but the cluster 'local' has 2 nodes"),

@@ -75,7 +75,7 @@ def test_restarts_resume_from_the_newest_checkpoint_along_the_resume_chain(tmp_p
         return RunResult("c", tmp_path / "c", 0, 1.0, {})
 
     monkeypatch.setattr(restarts, "train", fake_train)
-    monkeypatch.setattr(restarts, "open_cluster", lambda spec: LOCAL)
+    monkeypatch.setattr(restarts, "open_cluster", lambda spec, **_: LOCAL)
     monkeypatch.setattr(restarts, "wait_for_nodes", lambda *a, **k: None)
     lines = []
 
@@ -104,7 +104,7 @@ def test_no_restart_left_ends_with_the_failure_and_the_wait_problem(tmp_path, mo
                         "'fab train --resume a'", run_id="a", node="node1")
 
     monkeypatch.setattr(restarts, "train", preempted)
-    monkeypatch.setattr(restarts, "open_cluster", lambda spec: LOCAL)
+    monkeypatch.setattr(restarts, "open_cluster", lambda spec, **_: LOCAL)
     monkeypatch.setattr(restarts, "missing", lambda *a: "node1 has a spot interruption notice")
     req = TrainRequest(nodes=2, runs_dir=tmp_path)
     with pytest.raises(Preempted) as exc:

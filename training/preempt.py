@@ -186,6 +186,23 @@ def fix_mean_loss(trainer) -> str:
     return "warned"
 
 
+GRAD_ACCUM_ENV = "XC_GRAD_ACCUM"  # a run going on at fewer nodes: accumulate this many times more (docs/scripts.md)
+
+
+def scale_accumulation(trainer) -> int:
+    """A Trainer script resumed on fewer nodes (fab train --min-nodes) keeps its global batch: its own
+    gradient_accumulation_steps times XC_GRAD_ACCUM (once per trainer). Returns the steps it accumulates."""
+    factor = int(os.environ.get(GRAD_ACCUM_ENV) or 1)
+    if factor > 1 and not getattr(trainer, "_xc_accum_scaled", False):
+        before = trainer.args.gradient_accumulation_steps
+        trainer.args.gradient_accumulation_steps = before * factor
+        trainer._xc_accum_scaled = True
+        if _rank()[0] == 0:
+            log.warning("gradient accumulation %d -> %d (%s=%d): the run goes on at fewer nodes with its global batch",
+                        before, before * factor, GRAD_ACCUM_ENV, factor)
+    return trainer.args.gradient_accumulation_steps
+
+
 def patch(trainer_cls) -> None:
     """The rank hook's change to transformers.Trainer (once): train() gets the loss fix and attach(), resumes from
     the run's checkpoint when the script named none, and ends the rank on a notice."""
@@ -195,6 +212,7 @@ def patch(trainer_cls) -> None:
 
     def train_(self, resume_from_checkpoint=None, *args, **kwargs):
         fix_mean_loss(self)
+        scale_accumulation(self)
         attach(self)
         if resume_from_checkpoint is None:
             resume_from_checkpoint = resume_checkpoint(self)

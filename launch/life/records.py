@@ -52,6 +52,7 @@ class Cause(str, enum.Enum):
     NODE_LOST = "node lost"
     CRASHED = "crashed"
     INTERRUPTED = "interrupted"
+    RESIZED = "resized"  # ended at a checkpoint by its supervisor to go on at another node count (--min-nodes)
     STORE_UNREACHABLE = "store unreachable"  # a preemption whose checkpoint the store could not confirm or deny
 
     def __str__(self) -> str:
@@ -128,6 +129,8 @@ class RunRecord:
     restart: dict | None = None  # {"attempt", "of", "ended": status, "why"} while restarting
     restarted_as: str | None = None
     abandoned: dict | None = None  # what the look that found it abandoned saw
+    segment: dict | None = None  # {"nodes", "world_size", "accumulation", "from_step", "to_step"}: its part of a chain
+    gave_up: str | None = None  # why its supervisor did not resume it
     recovery: dict | None = None  # a resumed run: seconds from the notice to its first optimizer step, by phase
     extra: dict = field(default_factory=dict)  # keys this version does not know, kept as they were
 
@@ -271,8 +274,21 @@ def new_record(cluster, req, plan, facts, args: list[str]) -> RunRecord:
         node_env={p.name: launcher.node_env(plan, p) for p in plan.nodes},
         pinning={p.name: dict(launcher.rank_cpus(p)) for p in plan.nodes},
         topology={f.node.name: f.topo.to_dict() for f in facts},
-        request=req.to_record(),
+        request=req.to_record(), segment=_segment(req, plan, args),
         started_at=time.time())
+
+
+def _segment(req, plan, args: list[str]) -> dict:
+    from launch.plan.batch import micro_batches
+
+    return {"nodes": len(plan.nodes), "world_size": plan.world_size,
+            "accumulation": micro_batches(req, args, plan.world_size) // plan.world_size,
+            "from_step": req.resume.step if req.resume else 0}
+
+
+def _reached(record: RunRecord, step) -> None:
+    if record.segment is not None and isinstance(step, int):
+        record.segment = {**record.segment, "to_step": step}
 
 
 # -- the one writer: every change of a record is one of these, saved at home AND published to the store ---
@@ -298,6 +314,7 @@ def ended(run_dir: Path, record: RunRecord, status: Status, exit_code: int, wall
         raise BadTransition(f"run {record.run_id}: {status} is not how a run ends by itself")
     record._move(Status(status), exit_code=exit_code, wall_s=round(wall, 3), **fields)
     merge_results(record, run_dir, results)
+    _reached(record, ((results or {}).get("train") or {}).get("global_step") or (record.preempted or {}).get("step"))
     return _commit(run_dir, record)
 
 
@@ -329,10 +346,19 @@ def _back(record: RunRecord) -> Status:
     return Status((record.restart or {}).get("ended", "failed"))
 
 
-def restart_given_up(run_dir: Path) -> RunRecord:
-    """No nodes came back in time: the run keeps how it ended."""
+def restart_given_up(run_dir: Path, why: str | None = None) -> RunRecord:
+    """No nodes came back in time (or too few to go on smaller: why): the run keeps how it ended."""
     record = load(run_dir)
-    record._move(_back(record), restart=None)
+    record._move(_back(record), restart=None, gave_up=why)
+    return _commit(run_dir, record)
+
+
+def grown_back(run_dir: Path, attempt: int, of: int, step: int, why: str) -> RunRecord:
+    """Its supervisor ended it at checkpoint `step` to go on at full size: stopped, cause resized."""
+    record = load(run_dir)
+    record._move(Status.RESTARTING, cause=Cause.RESIZED.value, reason=why,
+                 restart={"attempt": attempt, "of": of, "ended": str(Status.STOPPED), "why": why, "at": time.time()})
+    _reached(record, step)
     return _commit(run_dir, record)
 
 

@@ -112,8 +112,35 @@ def list_runs(runs_dir: Path, out: TextIO, store: str | None = None, head: Node 
     header = ("run", "job", "nodes", "status", "wall", "metric", "samples/s", "where")
     widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
     out.writelines("  ".join(v.ljust(w) for v, w in zip(row, widths)).rstrip() + "\n" for row in [header, *rows])
-    out.writelines(line + "\n" for line in [*filter(None, (recovery_line(r) for r, _ in recs)), *notes])
+    out.writelines(line + "\n" for line in [*filter(None, (recovery_line(r) for r, _ in recs)),
+                                            *chain_lines([r for r, _ in recs]), *notes])
     return len(rows)
+
+
+def chain_lines(recs: list[RunRecord]) -> list[str]:
+    """One line per resume chain whose node count changed (--min-nodes): its sizes, e.g. 2→1→2 nodes, and how
+    many of its optimizer steps went on at reduced size instead of waiting."""
+    by_id = {r.run_id: r for r in recs}
+    followers = {r.restarted_as for r in recs if r.restarted_as}
+    lines = []
+    for first in recs:
+        if first.run_id in followers or not first.restarted_as:
+            continue
+        chain = [first]
+        while chain[-1].restarted_as in by_id and len(chain) <= len(recs):
+            chain.append(by_id[chain[-1].restarted_as])
+        sizes = [len(r.nodes) for r in chain]
+        if len(set(sizes)) < 2:
+            continue
+        full = max(sizes)
+        segs = [r.segment or {} for r in chain]
+        reduced = sum(s["to_step"] - s.get("from_step", 0) for s, n in zip(segs, sizes)
+                      if n < full and isinstance(s.get("to_step"), int))
+        last = segs[-1].get("to_step")
+        share = f"; {reduced} of {last} optimizer steps at reduced size" if isinstance(last, int) and last else ""
+        lines.append(f"chain {first.run_id}: {'→'.join(map(str, sizes))} nodes ({' -> '.join(r.run_id for r in chain)})"
+                     f", {chain[-1].status}{share}")
+    return lines
 
 
 def recovery_line(rec: RunRecord) -> str | None:

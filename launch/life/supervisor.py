@@ -42,9 +42,10 @@ def detached(cluster, r, out: TextIO) -> bool:
     """`fab train --detach`: on a cluster with a head every detached run is supervised there (--max-restarts 0
     included); without one this machine keeps the role (one line says so): a supervised run's supervisor starts
     here, a plain detached run is left to the caller (node 0's wrapper). True when the run was started."""
-    from launch.life.restarts import refuse_base_image
+    from launch.life.restarts import check_min_nodes, refuse_base_image
 
     refuse_base_image(cluster, r.max_restarts)  # here, before a supervisor starts anywhere
+    check_min_nodes(cluster, r.req)
     if head.runs_on_head(cluster.head):
         start_on_head(cluster, r.req, r.max_restarts, r.restart_wait, out)
         return True

@@ -17,6 +17,7 @@ from core.cli import writable_dir
 from core.constants import PROJECT_ROOT
 from core.errors import ClusterError
 from launch.plan import jobflags, launcher, topology
+from launch.plan.batch import micro_batches, same_global_batch, smaller_sizes
 from launch.plan.probe import NodeFacts, master_port, probe, resolve_backend, resolve_precision
 from launch.ship import jobdata, secrets, workdir
 from training import spot
@@ -105,6 +106,8 @@ class TrainRequest:
     detach: bool = False  # return once the ranks run; launch.life.detach concludes the run later
     # what validate() found (the scanned --workdir), so the plan does not check again; set by validate only
     checked: tuple | None = field(default=None, repr=False, compare=False)
+    min_nodes: int | None = None  # --min-nodes: a restart may go on with this many nodes or more (None: all)
+    grow_back: bool = True  # after going on smaller, back to full size at the next checkpoint once nodes return
     concurrent: bool = False  # run even while another run holds the cluster's lock  # chosen by the caller (doctor) so it can end the run by id; default: a new one
 
     @property
@@ -259,11 +262,18 @@ def plan_run(cluster: Cluster, req: TrainRequest, say
     node_plans = [launcher.NodePlan(name=f.node.name, layout=lay, malloc=f.topo.malloc)
                   for f, lay in zip(facts, layouts)]
     args, ship = rewrite_files(req.args, "../data" if wd is not None else "data")  # the rank's cwd: work/ or not
+    world = ppn * len(node_plans)
     if req.resume:
-        world = ppn * len(node_plans)
-        args, note = same_global_batch(args, req.resume.world_size, world)
+        req, args, note = same_global_batch(req, args, req.resume.world_size, world)
         if note:
             say(note)
+    elif req.min_nodes is not None and req.min_nodes < len(nodes):
+        units = micro_batches(req, args, world)
+        if not smaller_sizes(units, ppn, req.min_nodes, len(nodes) - 1):
+            raise ClusterError(f"--min-nodes {req.min_nodes}: no node count from {req.min_nodes} to {len(nodes) - 1} "
+                               f"({ppn} rank(s) each) divides the run's {units} per-device batch(es) per step, so it "
+                               "could never go on smaller", fix="pass a --min-nodes whose rank count divides it, or "
+                               "--gradient_accumulation_steps that makes it divisible")
     if req.script:
         entry = (("-m", req.module) if req.module else (workdir.relative_script(wd, req.script),) if wd
                  else (f"script/{Path(req.script).name}",))
@@ -342,28 +352,3 @@ def file_digest(path: str) -> str:
         for chunk in iter(lambda: f.read(1 << 20), b""):
             h.update(chunk)
     return h.hexdigest()
-
-
-def _flag(args: list[str], name: str) -> str | None:
-    return jobflags.get(args, name)
-
-
-def _without(args: list[str], name: str) -> list[str]:
-    return jobflags.without(args, name)
-
-
-def same_global_batch(args: list[str], old_world: int, new_world: int) -> tuple[list[str], str | None]:
-    """Job args whose gradient accumulation keeps the global batch of a run on old_world ranks."""
-    if old_world == new_world:
-        return args, None
-    per_device = int(_flag(args, "--per_device_train_batch_size") or 8)
-    accum = int(_flag(args, "--gradient_accumulation_steps") or 1)
-    global_batch = per_device * accum * old_world
-    if global_batch % (per_device * new_world):
-        raise ClusterError(f"--resume on {new_world} rank(s): the global batch {global_batch} ({per_device} x {accum} "
-                           f"x {old_world} ranks) is not a multiple of {per_device} x {new_world}", fix="resume on a node "
-                           "count that divides it")
-    new_accum = global_batch // (per_device * new_world)
-    note = (f"resuming on {new_world} rank(s) instead of {old_world}: gradient accumulation {accum} -> {new_accum} "
-            f"keeps the global batch at {global_batch}")
-    return _without(args, "--gradient_accumulation_steps") + ["--gradient_accumulation_steps", str(new_accum)], note

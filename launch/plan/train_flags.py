@@ -55,6 +55,11 @@ class TrainFlags:
     max_restarts: str | None = _flag("after a preemption or a lost node, resume by itself up to K times (default 0)")
     restart_wait: str | None = _flag("seconds to wait for the cluster to have its nodes again before a restart "
                                      "(default 600)")
+    min_nodes: str | None = _flag("after a preemption or a lost node, go on with M to N-1 nodes when not all N are back "
+                                  "within --restart-wait, at the same global batch (more gradient accumulation); "
+                                  "default: all N")
+    no_grow_back: bool = _flag("with --min-nodes: stay at the smaller size when the missing nodes return (default: "
+                               "back to N nodes at the next complete checkpoint)", False)
     concurrent: bool = _flag("run even while another run holds the cluster (by default one run at a time)", False)
     detach: bool = _flag("return once every rank runs, printing the run id; follow with 'fab logs RUN -f'", False)
     cluster: str | None = _flag("local | hosts:PATH | aws[:NAME] | pulumi[:STACK]")
@@ -130,7 +135,15 @@ def resolve(f: TrainFlags, runs_dir: Path, store: str | None = None) -> Resolved
         env, valueless, pin = env_pairs(f.env), valueless_keys(f.env), not f.no_pin
     restarts = as_int(f.max_restarts if f.max_restarts is not None else 0, "--max-restarts", 0)
     wait = as_int(f.restart_wait if f.restart_wait is not None else 600, "--restart-wait", 0)
+    least = as_int(f.min_nodes, "--min-nodes", 1) if f.min_nodes is not None else None
+    if least is not None and n is not None and least > n:
+        raise ClusterError(f"--min-nodes {least} is above --nodes {n}", fix=f"pass --min-nodes from 1 to {n}")
+    if least is not None and not restarts:
+        raise ClusterError(f"--min-nodes {least} applies when a run restarts by itself", fix="pass --max-restarts K too")
+    if f.no_grow_back and least is None:
+        raise ClusterError("--no-grow-back goes with --min-nodes", fix="pass --min-nodes M too, or drop --no-grow-back")
     supervised = bool(f.detach and restarts)
     req = dataclasses.replace(req, env=env, valueless=valueless, pin=pin, concurrent=bool(f.concurrent),
+                              min_nodes=least, grow_back=not f.no_grow_back,
                               detach=bool(f.detach) and not supervised, **given)
     return Resolved(req, restarts, wait, supervised)
