@@ -84,6 +84,17 @@ def predict(measured: Measured, instance_type: str, nodes: int, spot_usd_h: floa
             "wire": wire, "steps": steps()}
 
 
+def reduced(measured: Measured, instance_type: str, nodes: int, at: int, share: float) -> dict:
+    """A run on `nodes` that went on at `at` nodes for `share` of its steps (fab train --min-nodes): the same
+    steps and global batch, each reduced step at the smaller size's speed and price."""
+    full, small = predict(measured, instance_type, nodes), predict(measured, instance_type, at)
+    wall_full, wall_small = (1 - share) * full["wall_s"], share * small["wall_s"]
+    usd_h = CATALOG[instance_type].on_demand_usd_h
+    return {"instance_type": instance_type, "nodes": nodes, "at": at, "share": share,
+            "wall_s": wall_full + wall_small, "on_demand_usd": usd_h * (nodes * wall_full + at * wall_small) / 3600,
+            "full_wall_s": full["wall_s"], "full_on_demand_usd": full["on_demand_usd"]}
+
+
 def table(measured: Measured, spot_usd_h: dict[str, float] | None = None) -> list[dict]:
     spot_usd_h = spot_usd_h or {}
     return [predict(measured, t, n, spot_usd_h.get(t)) for t in TYPES for n in NODES]
@@ -136,4 +147,12 @@ def report_lines(measured: Measured, rows: list[dict]) -> list[str]:
         precision = r["precision"] + (f" ({r['caveat']})" if r["caveat"] else "")
         lines.append(f"| {r['instance_type']} | {r['nodes']} | {precision} | {r['step_s']:.3f} | {r['comm_s']:.3f} "
                      f"| {r['wall_s'] / 60:.1f} | {r['on_demand_usd']:.3f} | {spot} |")
+    lines += ["", ("At reduced size (`fab train --min-nodes`): the same run when half its steps went on with half the "
+              "nodes after a preemption, instead of waiting for all of them; same steps and global batch."), "",
+              "| instance type | nodes | half the steps at | wall time (min) | on-demand (USD) | at full size throughout |",
+              "|---|---:|---:|---:|---:|---|"]
+    for t in TYPES:
+        r = reduced(measured, t, NODES[-1], NODES[-1] // 2, 0.5)
+        lines.append(f"| {t} | {r['nodes']} | {r['at']} | {r['wall_s'] / 60:.1f} | {r['on_demand_usd']:.3f} | "
+                     f"{r['full_wall_s'] / 60:.1f} min, {r['full_on_demand_usd']:.3f} USD |")
     return lines

@@ -85,3 +85,15 @@ def test_bench_report_predicts_from_the_bert_base_bench_or_the_one_node_run(tmp_
     assert measured.fp32_samples_per_s == 2.0
     assert rows[0]["instance_type"] == "c6i.16xlarge" and rows[0]["node_samples_per_s"] == pytest.approx(2.0 * 32 / 2)
     assert rows[3]["instance_type"] == "r7iz.16xlarge" and rows[3]["node_samples_per_s"] == pytest.approx(5.0 * 32 / 2)
+
+
+def test_a_run_that_went_on_at_reduced_size_is_priced_by_the_part_at_each_size():
+    measured = predict.Measured(samples_per_s=4.0, cores=2, source="test", precision="fp32")
+    four, two = (predict.predict(measured, "c6i.16xlarge", n) for n in (4, 2))
+    r = predict.reduced(measured, "c6i.16xlarge", 4, 2, 0.5)
+    assert r["wall_s"] == pytest.approx(0.5 * four["wall_s"] + 0.5 * two["wall_s"])
+    assert r["on_demand_usd"] == pytest.approx(2.72 * (4 * 0.5 * four["wall_s"] + 2 * 0.5 * two["wall_s"]) / 3600)
+    assert r["full_wall_s"] == four["wall_s"] and r["wall_s"] > four["wall_s"]
+    lines = predict.report_lines(measured, predict.table(measured))
+    assert any(line.startswith("At reduced size (`fab train --min-nodes`)") for line in lines)
+    assert sum(line.startswith(("| c6i.16xlarge | 4 | 2 |", "| r7iz.16xlarge | 4 | 2 |")) for line in lines) == 2
