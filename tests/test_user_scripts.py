@@ -106,6 +106,12 @@ def test_an_unchanged_trainer_script_trains_as_one_job_and_brings_its_output_hom
     row = next(line for line in listing.splitlines() if line.startswith(run_dir.name))
     assert "loss " in row, row  # the eval loss from the Trainer's all_results.json
     assert row.split()[-1] != "-", row  # and its samples/s
+    # the outputs reach the store like a bundled job's: 'fab pull' brings them to a checkout without runs/<id>
+    to = tmp_path / "pulled"
+    pulled = cluster2.fab("pull", run_dir.name, "--store", summary["env"]["XC_STORE"], "--to", str(to), timeout=300)
+    assert pulled.returncode == 0, pulled.stdout + pulled.stderr
+    for name in ("all_results.json", "trainer_state.json"):  # what this script writes (it saves no model)
+        assert (to / "output" / name).is_file(), (name, sorted(p.name for p in (to / "output").glob("*")))
 
 
 def test_a_plain_torch_script_without_workdir_reads_its_data_and_brings_output_home(cluster2, tmp_path):

@@ -124,6 +124,10 @@ def end(r: Run, o: Outcome, say) -> RunResult:
                  "cleanup": swept.to_dict()}
     else:
         results = fetch_results(r) if r.is_job else userscript.trainer_results(r.run_dir / "output")
+        if not r.is_job:  # a script's outputs came home to runs/<id>/output: the store keeps them for any checkout
+            from launch.ship import store_run
+
+            store_run.publish_outputs(r)
         if r.record.detached:  # nobody watched its processes: nothing may be left
             extra = {"cleanup": r.sweep().to_dict()}
     alone = userscript.one_job_problem(r.nodes, r.run_id, r.plan.world_size, HOME_EXPR)

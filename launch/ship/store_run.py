@@ -39,8 +39,9 @@ def has_checkpoint(req: TrainRequest, run_id: str) -> bool:
 
 
 def publish_outputs(r) -> None:
-    """[store] A run that ends without its job's own publish (a failure): the outputs that came home to
-    runs/<id>/output/ (small: metrics, state, logs; weights only if fetched) into the store beside its records.
+    """[store] A run that ends without its job's own publish (a failure, or a --script run, whose ranks publish
+    nothing but checkpoints): the outputs that came home to runs/<id>/output/ (metrics, state, logs; weights only
+    if fetched) into the store beside its records, so 'fab pull' brings them to any checkout.
     From here, not node 0: the run's secrets, the only credentials a node off AWS has, are gone by now. Never
     raises: the run's ending is recorded whatever the store does."""
     from training import store as training_store
@@ -51,6 +52,6 @@ def publish_outputs(r) -> None:
     try:
         sent = training_store.publish_output(r.run_dir / "output", url, r.run_id)
         if sent is not None:
-            log.info("the failed run's outputs are in the store %s (%.1f MB)", url, sent / 1e6)
+            log.info("run %s: its outputs are in the store %s (%.1f MB)", r.run_id, url, sent / 1e6)
     except training_store.StoreError as exc:
-        log.warning("the failed run's outputs did not reach the store: %s", exc)
+        log.warning("run %s: its outputs did not reach the store: %s", r.run_id, exc)
