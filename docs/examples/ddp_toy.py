@@ -7,6 +7,7 @@ The contract (docs/scripts.md, "Spot notices in your own script"), all environme
   XC_CHECKPOINT_DIR  where rank 0 saves checkpoint-<step>/, writing an empty file `xc-complete` in it last
   exit 75            preempted: fab records the run `preempted` and `fab train --resume` restarts it
   XC_RESUME_FROM     on a resume: the checkpoint folder to continue from
+  XC_GRAD_ACCUM      going on with fewer nodes (fab train --min-nodes): this many batches per optimizer step
 Outside fab none is set: the script trains as any DDP script does (torchrun, or one process).
 """
 import argparse
@@ -53,11 +54,13 @@ def save(step: int) -> None:
 
 
 notice_file = os.environ.get("XC_NOTICE_FILE")
+accum = int(os.environ.get("XC_GRAD_ACCUM", "1"))  # fewer ranks, more batches each: the same global batch
 while step < a.steps:
-    x = torch.randn(32, 8, generator=gen)
-    loss = torch.nn.functional.mse_loss(ddp(x).squeeze(-1), x @ w_true)
     opt.zero_grad()
-    loss.backward()
+    for _ in range(accum):
+        x = torch.randn(32, 8, generator=gen)
+        loss = torch.nn.functional.mse_loss(ddp(x).squeeze(-1), x @ w_true) / accum
+        loss.backward()
     opt.step()
     step += 1
     time.sleep(a.sleep)
@@ -74,9 +77,9 @@ while step < a.steps:
             dist.destroy_process_group()
         sys.exit(75)
     if rank == 0 and step % 50 == 0:
-        print(f"step {step} loss {loss.item():.4f}", flush=True)
+        print(f"step {step} loss {loss.item() * accum:.4f}", flush=True)
 
 if rank == 0:
-    print(f"done at step {step} loss {loss.item():.4f}", flush=True)
+    print(f"done at step {step} loss {loss.item() * accum:.4f}", flush=True)
 if distributed:
     dist.destroy_process_group()
