@@ -24,7 +24,7 @@ FAB = [sys.executable, "-m", "fabric"]
 # The files that take minutes, longest first: make test spreads files over parallel workers in collection order,
 # and a long file that starts last is the whole suite's tail. Every other file keeps its place after these.
 # Order from a --durations=0 profile of the whole suite (2026-11-27, worker-seconds per file).
-LONG_FILES = ("test_jobs.py", "test_cluster.py", "test_script_restarts.py", "test_twin.py", "test_spot.py",
+LONG_FILES = ("test_jobs.py", "test_elastic.py", "test_cluster.py", "test_script_restarts.py", "test_twin.py", "test_spot.py",
               "test_loss_scale.py", "test_restarts.py", "test_setup_doctor.py", "test_store_cluster.py", "test_head.py",
               "test_runs.py", "test_script_notices.py", "test_supervisor.py", "test_group_termination.py",
               "test_preempt.py", "test_workdir.py", "test_netns.py", "test_bench_kube.py",
