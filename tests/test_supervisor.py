@@ -119,3 +119,13 @@ def test_an_attached_run_whose_fab_was_killed_is_recorded_abandoned(cluster2, tm
     assert rec.status == Status.ABANDONED and rec.abandoned["was"] == "running"
     assert rec.abandoned["found"] == "no process of the run on node0, node1" and rec.abandoned["unchecked"] == {}
     assert rec.abandoned["supervisor"]["pid"] == running.proc.pid
+    # its lock on node 0 is no obstacle, also to a run recorded in another runs folder (a bench's, another
+    # checkout's): the lock names the folder where the holder's record says it ended
+    from cluster.node import Node
+    from launch.life import lock
+
+    said = []
+    nodes = [Node(**n) for n in rec.nodes]
+    lock.take(nodes, "a-later-run", said.append, tmp_path / "other-runs")
+    lock.release(nodes, "a-later-run")
+    assert said == [f"note: run {run_id} held the cluster but has no process left on any node: taking over its lock"]

@@ -36,9 +36,10 @@ def _holder(nodes: list[Node]) -> dict | None:
 
 
 def take(nodes: list[Node], run_id: str, say, runs_dir: Path | None = None) -> None:
-    """Hold the cluster for run_id, or raise naming the run that holds it. A holder whose summary.json is
-    in runs_dir has ended (every run that made a folder writes one), whatever its node 0 kept."""
-    holder = json.dumps({"run_id": run_id, "since": time.time()})
+    """Hold the cluster for run_id, or raise naming the run that holds it. A holder whose summary.json (in the runs
+    folder it named, or in runs_dir) says it ended has ended (every run that made a folder writes one), whatever its
+    node 0 kept."""
+    holder = json.dumps({"run_id": run_id, "since": time.time(), "runs_dir": str(runs_dir) if runs_dir else None})
     for _ in range(2):
         with connect(nodes[0]) as conn:
             res = run(conn, f"mkdir -p {HOME_EXPR} && mkdir {LOCK} 2>/dev/null && "
@@ -49,7 +50,9 @@ def take(nodes: list[Node], run_id: str, say, runs_dir: Path | None = None) -> N
         other = held.get("run_id", "?")
         alive = runs_alive(nodes).get(other)
         since = float(held.get("since") or 0)
-        ended = runs_dir is not None and _ended(RunPaths(other, runs_dir=runs_dir).home / "summary.json")
+        # its record where its operator keeps runs (another checkout's runs/, a bench's XC_RUNS_DIR), or in ours
+        ended = any(_ended(RunPaths(other, runs_dir=Path(d)).home / "summary.json")
+                    for d in dict.fromkeys((held.get("runs_dir"), runs_dir)) if d)
         if alive or (time.time() - since < STALE_S and not ended):
             where = ", ".join(f"{n} ({c} process(es))" for n, c in (alive or {}).items()) or "starting"
             raise ClusterError(f"run {other} holds this cluster ({where}, since "
