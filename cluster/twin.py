@@ -176,13 +176,15 @@ def _wait_http(url: str, proc: subprocess.Popen, what: str, log_file: Path, time
             time.sleep(0.1)
 
 
-def _spawn(argv: list[str], log_file: Path) -> subprocess.Popen:
-    """A twin process of its own session, with the twin's credentials only (never the operator's AWS profile)."""
+def _spawn(argv: list[str], log_file: Path, cpus: set[int] | None = None) -> subprocess.Popen:
+    """A twin process of its own session, with the twin's credentials only (never the operator's AWS profile); with
+    cpus, on those CPUs only (a node's share, as a local node's: its ranks then see the cores an instance has)."""
     env = {k: v for k, v in os.environ.items() if k not in ("AWS_PROFILE", "AWS_DEFAULT_PROFILE", "AWS_SESSION_TOKEN")}
     env.update(AWS_ACCESS_KEY_ID=KEY_ID, AWS_SECRET_ACCESS_KEY=KEY_ID)
     with open(log_file, "ab") as out:
         return subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=out, stderr=out, start_new_session=True,
-                                cwd=str(PROJECT_ROOT), env=env)
+                                cwd=str(PROJECT_ROOT), env=env,
+                                preexec_fn=(lambda: os.sched_setaffinity(0, cpus)) if cpus else None)  # noqa: PLW1509
 
 
 def check_tools() -> None:

@@ -116,7 +116,10 @@ class Watcher:
                 ('hostname "$0" && mount --bind "$1" /etc/xeon-cluster && mount --bind "$2" "$HOME/.xeon-cluster" && '
                 'mount --bind "$3" /opt/xeon-cluster/venv && shift 3 && exec "$@"'), hostname, str(node_dir / "etc"),
                 str(node_dir / "home"), self.record["venv"]]
-        sshd = _spawn([*wrap, local.sshd_binary(), "-D", "-e", "-f", str(config)], node_dir / "sshd.log")
+        # a node gets its share of this machine's CPUs, as a local node does: otherwise every node's ranks see them all
+        # and two nodes' threads fight over the same cores (a 40-step run 18 s instead of 5)
+        cpus = local._cpu_share((k - 1) % int(self.record["nodes"]), int(self.record["nodes"])) if role == "node" else None
+        sshd = _spawn([*wrap, local.sshd_binary(), "-D", "-e", "-f", str(config)], node_dir / "sshd.log", cpus)
         boot.update(pids={"imds": imds.pid, "sshd": sshd.pid})
         (node_dir / "boot.json").write_text(json.dumps(boot))
         deadline = time.monotonic() + 30
