@@ -117,7 +117,7 @@ class Watcher:
                 'mount --bind "$3" /opt/xeon-cluster/venv && shift 3 && exec "$@"'), hostname, str(node_dir / "etc"),
                 str(node_dir / "home"), self.record["venv"]]
         # a node gets its share of this machine's CPUs, as a local node does: otherwise every node's ranks see them all
-        # and two nodes' threads fight over the same cores (a 40-step run 18 s instead of 5)
+        # and two nodes' threads fight over the same cores (test_twin's spot test took 71 s instead of 52)
         cpus = local._cpu_share((k - 1) % int(self.record["nodes"]), int(self.record["nodes"])) if role == "node" else None
         sshd = _spawn([*wrap, local.sshd_binary(), "-D", "-e", "-f", str(config)], node_dir / "sshd.log", cpus)
         boot.update(pids={"imds": imds.pid, "sshd": sshd.pid})
