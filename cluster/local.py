@@ -340,25 +340,17 @@ def _kill_tree(entry: dict) -> int:
     return len(pids)
 
 
-def node_entry(name: str, state: Path | None = None, nodes_only: bool = False,
-               none: tuple[str, str] = ("no local cluster is running", "start one with 'fab local-up --nodes 2'")
-               ) -> tuple[dict, dict]:
-    """(the cluster's state, node `name`'s entry in it), or one error naming the fix: `none` when no cluster is up,
-    the nodes' names when there is no such node (the head among them unless nodes_only)."""
-    data = _read_state(state or state_dir())
-    if not data:
-        raise ClusterError(none[0], fix=none[1])
-    entries = data["nodes"] if nodes_only else _entries(data)
-    entry = next((e for e in entries if e["name"] == name), None)
-    if entry is None:
-        raise ClusterError(f"no local node {name!r}", fix=f"the nodes are {', '.join(e['name'] for e in entries)}")
-    return data, entry
-
-
 def kill_node(name: str, state: Path | None = None) -> int:
     """Take one node away outright, as a reclaimed instance goes: SIGKILL its sshd and every process on it,
     no clean-up. 'fab local-up' with the same --nodes brings it back. Returns how many processes died."""
-    return _kill_tree(node_entry(name, state)[1])
+    state = state or state_dir()
+    data = _read_state(state)
+    if not data:
+        raise ClusterError("no local cluster is running", fix="start one with 'fab local-up --nodes 2'")
+    entry = next((e for e in _entries(data) if e["name"] == name), None)
+    if entry is None:
+        raise ClusterError(f"no local node {name!r}", fix=f"the nodes are {', '.join(e['name'] for e in _entries(data))}")
+    return _kill_tree(entry)
 
 
 def down(state: Path | None = None) -> int:

@@ -335,12 +335,16 @@ def set_link(name: str, cut: bool = False, restore: bool = False, link: str | No
     if not (cut or restore or link or latency):
         raise ClusterError(f"nothing to change on {name}'s link", fix="pass --cut, --restore, --link RATE or --latency DELAY")
     state = state or local.state_dir()
-    data, entry = local.node_entry(name, state, nodes_only=True, none=(
-        "no local cluster is running", "start one with 'fab local-up --nodes 2 --netns'"))
+    data = local._read_state(state)
+    if not data:
+        raise ClusterError("no local cluster is running", fix="start one with 'fab local-up --nodes 2 --netns'")
     record = data.get("netns")
     if not record:
         raise ClusterError("the local cluster was started without --netns, so its nodes have no links", fix="restart it "
                            "with 'fab local-down' and 'fab local-up --netns'")
+    entry = next((e for e in data["nodes"] if e["name"] == name), None)
+    if entry is None:
+        raise ClusterError(f"no local node {name!r}", fix=f"the nodes are {', '.join(e['name'] for e in data['nodes'])}")
     require_root(("fab local-link needs root (it changes links with ip and tc)", "run it as root"))
     twin, i = Twin(record["id"]), entry["node"]["index"]
     done = []

@@ -81,9 +81,13 @@ def local_notice(name: str, kind: str, after: float | None, state: Path | None =
     """On a local cluster: the node's own metadata service posts the notice; at its end the node goes as
     'fab local-kill' takes it ('fab local-up' brings it back, as a group would)."""
     state = state or local.state_dir()
-    data, entry = local.node_entry(name, state, nodes_only=True, none=(
-        "no AWS twin and no local cluster is up", ("start one with 'fab local-up --nodes 2' or 'sudo fab local-up --aws "
-        "--nodes 2'")))
+    data = local._read_state(state)
+    if not data:
+        raise ClusterError("no AWS twin and no local cluster is up", fix="start one with 'fab local-up --nodes 2' "
+                           "or 'sudo fab local-up --aws --nodes 2'")
+    entry = next((e for e in data["nodes"] if e["name"] == name), None)
+    if entry is None:
+        raise ClusterError(f"no local node {name!r}", fix=f"the nodes are {', '.join(e['name'] for e in data['nodes'])}")
     if not entry.get("imds"):
         raise ClusterError(f"{name} was started without a metadata service", fix="restart the cluster with 'fab "
                            "local-down' and 'fab local-up'")
