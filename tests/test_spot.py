@@ -12,7 +12,7 @@ from fake_imds import FakeIMDS
 
 from launch.life import records
 from launch.run import DEMO_ARGS
-from training import spot
+from training import paths, spot
 
 
 def test_watcher_takes_a_token_then_sees_the_notice():
@@ -66,12 +66,31 @@ def test_only_complete_checkpoints_count(tmp_path, monkeypatch):
         (d / "trainer_state.json").write_text(json.dumps({"global_step": step}))
         if complete:
             (d / spot.COMPLETE_MARKER).write_text("{}")
-    assert [p.name for p in spot.complete_checkpoints(tmp_path)] == ["checkpoint-10", "checkpoint-20"]
+    assert [p.name for _, p in paths.complete_checkpoints(tmp_path)] == ["checkpoint-10", "checkpoint-20"]
     monkeypatch.setenv("XC_RESUME_FROM", str(tmp_path / "checkpoint-30"))
     with pytest.raises(ValueError, match="not a complete checkpoint"):
         spot.resume_from()
     monkeypatch.setenv("XC_RESUME_FROM", str(tmp_path / "checkpoint-20"))
-    assert spot.resume_from().endswith("checkpoint-20") and spot.checkpoint_step(spot.resume_from()) == 20
+    assert spot.resume_from().endswith("checkpoint-20") and spot.trainer_state_step(spot.resume_from()) == 20
+
+
+def test_the_checkpoints_owner_finds_the_latest_and_purges_down_to_keep(tmp_path):
+    for step in (5, 40, 300):  # numeric order, not the names' (checkpoint-300 < checkpoint-40 as text)
+        d = tmp_path / paths.checkpoint_name(step)
+        d.mkdir()
+        paths.mark_complete(d, step)
+    (tmp_path / "checkpoint-900").mkdir()  # no marker: partial, never the latest, never purged
+    (tmp_path / "notes-7").mkdir()
+    assert json.loads((tmp_path / "checkpoint-40" / paths.COMPLETE_MARKER).read_text())["step"] == 40
+    assert paths.latest_checkpoint(tmp_path) == (300, tmp_path / "checkpoint-300")
+    assert [d.name for d in paths.purge_checkpoints(tmp_path, keep=2)] == ["checkpoint-5"]
+    assert sorted(d.name for d in tmp_path.iterdir()) == ["checkpoint-300", "checkpoint-40", "checkpoint-900", "notes-7"]
+    assert paths.latest_checkpoint(tmp_path / "missing") is None and paths.complete_checkpoints(tmp_path / "missing") == []
+    assert paths.is_checkpoint("checkpoint-12") and paths.is_checkpoint("step-12") and not paths.is_checkpoint("notes-7")
+    assert list(tmp_path.glob(paths.CHECKPOINT_GLOB)) and paths.CHECKPOINT_GLOB == "checkpoint-*"
+    from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+
+    assert paths.checkpoint_name(7) == f"{PREFIX_CHECKPOINT_DIR}-7"  # the Trainer's own name for what it saves
 
 
 @pytest.mark.parametrize("value, expect", [("600s", ("seconds", 600.0)), ("10m", ("seconds", 600.0)),

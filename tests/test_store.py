@@ -102,7 +102,7 @@ def test_a_resume_takes_the_checkpoint_from_s3_onto_the_node(s3, tmp_path, monke
     monkeypatch.setenv("LOCAL_RANK", "0")
     got = shared.fetch_resume()
     assert got == "resume/checkpoint-4" and spot.resume_from() == "resume/checkpoint-4"
-    assert spot.checkpoint_step(got) == 4 and (tmp_path / "resume/checkpoint-4/optimizer.pt").stat().st_size == 3 << 20
+    assert spot.trainer_state_step(got) == 4 and (tmp_path / "resume/checkpoint-4/optimizer.pt").stat().st_size == 3 << 20
 
 
 def test_a_file_store_is_resumed_from_where_it_lies(tmp_path, monkeypatch):

@@ -317,7 +317,7 @@ def train_and_record(trainer, results: dict, train_ds, info) -> None:
     dist.ready_for_ddp(trainer)
     resume = preempt.resume_checkpoint(trainer)
     if resume:
-        results["resumed_from_step"] = spot.checkpoint_step(resume)
+        results["resumed_from_step"] = spot.trainer_state_step(resume)
     preempt.attach(trainer)  # the same as the rank hook gives users' Trainer scripts (it finds this one attached)
     from training import order
 

@@ -18,14 +18,13 @@ import atexit
 import json
 import logging
 import os
-import re
 import sys
 import threading
 from pathlib import Path
 
 # preempt at the top, not where it is used: the rank hook imports this module with a user's own `training` set
 # aside, and a later `from training import ...` would find theirs (training/runtime/sitecustomize.py)
-from training import notice, preempt, publish, spot, store
+from training import notice, paths, preempt, publish, spot, store
 
 log = logging.getLogger("training.contract")
 NOTICE_KEY, DONE_KEY = "xc/notice", "xc/notice-durable"
@@ -33,7 +32,7 @@ NOTICE_KEY, DONE_KEY = "xc/notice", "xc/notice-durable"
 
 def complete_steps(folder: str | os.PathLike) -> list[int]:
     """Steps of the complete checkpoint-<step>/ folders in folder, oldest first."""
-    return [int(re.fullmatch(r"checkpoint-(\d+)", p.name).group(1)) for p in spot.complete_checkpoints(folder)]
+    return [step for step, _ in paths.complete_checkpoints(folder)]
 
 
 def _trainer_owns_it() -> bool:

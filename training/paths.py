@@ -11,7 +11,11 @@ those strings itself. It imports nothing outside the standard library: the ranks
 """
 from __future__ import annotations
 
+import json
+import os
 import re
+import shutil
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -30,6 +34,41 @@ def checkpoint_step(name: str) -> int | None:
     """The step of a checkpoint folder's name, else None; step-N is what stores and homes held before."""
     m = _CHECKPOINT_RE.fullmatch(name) or re.fullmatch(r"step-(\d+)", name)
     return int(m.group(1)) if m else None
+
+
+# The one owner of checkpoints in a folder (a node's output_dir, the operator's runs/<id>/checkpoints); the store's
+# are listed by training/store.py from these same names.
+CHECKPOINT_GLOB = _CHECKPOINT.format("*")  # what a glob (pathlib's, a shell's) finds them by
+
+
+def is_checkpoint(name: str) -> bool:
+    return checkpoint_step(name) is not None
+
+
+def mark_complete(folder: str | os.PathLike, step: int) -> None:
+    """Written last, once everything else of the checkpoint is: from then on it counts."""
+    (Path(folder) / COMPLETE_MARKER).write_text(json.dumps({"step": int(step), "time": time.time()}))
+
+
+def complete_checkpoints(folder: str | os.PathLike) -> list[tuple[int, Path]]:
+    """(step, folder) of the complete checkpoints in folder, oldest first; a partial one never counts."""
+    base = Path(folder)
+    found = [(checkpoint_step(d.name), d) for d in base.iterdir()] if base.is_dir() else []
+    return sorted((step, d) for step, d in found if step is not None and (d / COMPLETE_MARKER).is_file())
+
+
+def latest_checkpoint(folder: str | os.PathLike) -> tuple[int, Path] | None:
+    found = complete_checkpoints(folder)
+    return found[-1] if found else None
+
+
+def purge_checkpoints(folder: str | os.PathLike, keep: int = KEEP_CHECKPOINTS) -> list[Path]:
+    """Delete all but the newest `keep` complete checkpoints in folder; returns the deleted ones."""
+    found = complete_checkpoints(folder)
+    old = [d for _, d in found[:max(0, len(found) - keep)]]
+    for d in old:
+        shutil.rmtree(d, ignore_errors=True)
+    return old
 
 
 @dataclass(frozen=True)

@@ -22,7 +22,7 @@ import urllib.request
 from pathlib import Path
 
 from training import notice as _notice
-from training.paths import COMPLETE_MARKER, checkpoint_name
+from training.paths import COMPLETE_MARKER, checkpoint_name, mark_complete
 
 log = logging.getLogger("training.spot")
 
@@ -160,17 +160,8 @@ class NoticeWatcher(threading.Thread):
         self._halt.set()
 
 
-def complete_checkpoints(output_dir: str | os.PathLike) -> list[Path]:
-    """Checkpoints with their completion marker, oldest first; partial ones are never returned."""
-    found = []
-    for d in Path(output_dir).glob("checkpoint-*"):
-        m = re.fullmatch(r"checkpoint-(\d+)", d.name)
-        if m and d.is_dir() and (d / COMPLETE_MARKER).is_file():
-            found.append((int(m.group(1)), d))
-    return [d for _, d in sorted(found)]
-
-
-def checkpoint_step(folder: str | os.PathLike) -> int | None:
+def trainer_state_step(folder: str | os.PathLike) -> int | None:
+    """The global step a Trainer checkpoint's trainer_state.json records."""
     try:
         return int(json.loads((Path(folder) / "trainer_state.json").read_text())["global_step"])
     except (OSError, ValueError, KeyError):
@@ -280,7 +271,7 @@ def spot_callback(watcher: NoticeWatcher | None = None, save_every: str | None =
             folder = Path(args.output_dir) / checkpoint_name(state.global_step)
             gather_rng_states(folder, state.is_world_process_zero)
             if state.is_world_process_zero and folder.is_dir():  # the Trainer has finished writing it: it counts
-                (folder / COMPLETE_MARKER).write_text(json.dumps({"step": state.global_step, "time": time.time()}))
+                mark_complete(folder, state.global_step)
 
     return Spot()
 

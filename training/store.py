@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import unquote, urlparse
 
+from training import paths
 from training.paths import COMPLETE_MARKER, KEEP_CHECKPOINTS, RunPaths, checkpoint_step, parse_checkpoint_url, tag_of
 from training.s3client import s3_client
 
@@ -389,6 +390,6 @@ def publish_output(output_dir: str | os.PathLike, url: str | None = None, run_id
         return None
     try:
         return upload_tree(open_store(url), Path(output_dir), RunPaths(run_id).store_output,
-                           skip=lambda rel: rel.split("/", 1)[0].startswith(("checkpoint-", ".xc-")))
+                           skip=lambda rel: paths.is_checkpoint(rel.split("/", 1)[0]) or rel.startswith(".xc-"))
     except Exception as exc:  # noqa: BLE001
         raise explain(exc, url) from None

@@ -14,7 +14,16 @@ from pathlib import Path
 from cluster.node import Node
 from cluster.remote import connect, run
 from core.errors import ClusterError
-from training.paths import COMPLETE_MARKER, KEEP_CHECKPOINTS, RunPaths, checkpoint_name, checkpoint_step
+from training.paths import (
+    CHECKPOINT_GLOB,
+    COMPLETE_MARKER,
+    RunPaths,
+    checkpoint_name,
+    checkpoint_step,
+    complete_checkpoints,
+    is_checkpoint,
+    purge_checkpoints,
+)
 
 log = logging.getLogger(__name__)
 
@@ -53,7 +62,7 @@ def fetch_output(node: Node, remote_dir: str, local_dir: Path, with_model: bool 
     copied = []
     with connect(node) as conn:
         for size, rel in _listing(conn, remote_dir):
-            if rel.startswith("checkpoint-") or (not with_model and rel.endswith(MODEL_SUFFIXES)):
+            if is_checkpoint(rel.split("/", 1)[0]) or (not with_model and rel.endswith(MODEL_SUFFIXES)):
                 continue
             _get(conn, f"{remote_dir}/{rel}", local_dir / rel, size, say)
             copied.append(rel)
@@ -64,7 +73,7 @@ def fetch_output(node: Node, remote_dir: str, local_dir: Path, with_model: bool 
 
 def latest_remote_checkpoint(conn, remote_dir: str) -> tuple[int, str] | None:
     """(step, path) of node 0's newest checkpoint with its completion marker."""
-    res = run(conn, f"ls -d {shlex.quote(remote_dir)}/checkpoint-*/{COMPLETE_MARKER} 2>/dev/null", timeout=60)
+    res = run(conn, f"ls -d {shlex.quote(remote_dir)}/{CHECKPOINT_GLOB}/{COMPLETE_MARKER} 2>/dev/null", timeout=60)
     best = None
     for line in res.stdout.split():
         folder = line.rsplit("/", 1)[0]
@@ -76,13 +85,7 @@ def latest_remote_checkpoint(conn, remote_dir: str) -> tuple[int, str] | None:
 
 def home_checkpoints(run_dir: Path) -> list[tuple[int, Path]]:
     """Complete checkpoints at home, oldest first (a transfer cut short is never counted)."""
-    found = []
-    folder = RunPaths(run_dir.name, runs_dir=run_dir.parent).home_checkpoints
-    for d in folder.glob("*") if folder.is_dir() else []:
-        step = checkpoint_step(d.name)
-        if step is not None and (d / COMPLETE_MARKER).is_file():
-            found.append((step, d))
-    return sorted(found)
+    return complete_checkpoints(RunPaths(run_dir.name, runs_dir=run_dir.parent).home_checkpoints)
 
 
 def fetch_checkpoint(node: Node, run_dir: Path, remote_dir: str, with_model: bool = True,
@@ -117,8 +120,7 @@ def fetch_checkpoint(node: Node, run_dir: Path, remote_dir: str, with_model: boo
                 run(conn, f"rm -rf {q(snap)}", timeout=60)
     for stale in dest.parent.glob("*.partial"):  # copies cut short by an earlier round
         shutil.rmtree(stale, ignore_errors=True)
-    for _, old in home_checkpoints(run_dir)[:-KEEP_CHECKPOINTS]:
-        shutil.rmtree(old, ignore_errors=True)
+    purge_checkpoints(dest.parent)
     return step, dest
 
 
