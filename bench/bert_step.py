@@ -6,7 +6,12 @@ frozen word embeddings, fused AdamW). Variants:
   autocast      fp32 weights under bf16 autocast: the glue job's --bf16_weights False
   bf16w         bf16 weights with fp32 masters (training/master.py) under autocast: the glue job's default in bf16
   pure          bf16 weights with fp32 masters, no autocast: layer norm, softmax and GELU in bf16 too
-  compile-<v>   the model torch.compile'd (inductor), lengths rounded up to multiples of --multiple
+  fp32          fp32 weights, no autocast
+  compile-<v>   the whole model torch.compile'd (inductor); use --multiple 16 or 32 to bound the recompiles
+  regional-<v>  each encoder layer compiled on its own (nn.Module.compile): one graph reused 12 times
+  <v>-torch     training/native's kernels off for this variant: torch's own dropout, output block and AdamW step
+                (what XC_NATIVE_KERNELS=0 gives a job), in the same process
+  <v>-no-<k>    one kernel off (k: dropout, output, adamw; training/native.KERNELS), or several: a+b
 Each variant trains its own copy of the same model on the same batches; rounds of --steps steps alternate between
 the variants so that the shared machine's drift hits all alike; the figure is the median step of all rounds after
 the first (warm-up, compilation). MFU: the model FLOPs of the real tokens over torch's bf16 matmul at the FFN shape,
@@ -14,7 +19,7 @@ measured in the same run (best one-second window before and after). Also the ste
 variant against autocast's (same weights, same batch). Prints the CPU model and flags and the load. Last line:
     <variant>_mfu=... (from the median step) for each variant, then best=<variant>
 MFU from the best step is printed too: on a shared machine the neighbours only ever slow a step down.
-    .venv/bin/python bench/bert_step.py [--variants autocast,bf16w,pure] [--rounds 12] [--steps 1] [--multiple 16] [--batch 16]
+    .venv/bin/python bench/bert_step.py [--variants autocast,bf16w,pure,bf16w-torch,bf16w-no-adamw,regional-bf16w] [--rounds 12] [--steps 1] [--multiple 16] [--batch 16]
 """
 from __future__ import annotations
 
@@ -33,7 +38,29 @@ from compile_step import batches
 from glue_single_node import cpu_line, load_line, matmul_peak
 
 
+def kernels(variant: str):
+    """The context a variant builds and steps in: training/native off for <v>-torch, one kernel off for
+    <v>-no-<kernel>."""
+    import contextlib
+
+    from training import native
+
+    if variant.endswith("-torch"):
+        return native.off()
+    _, _, kernels = variant.partition("-no-")
+    return native.off(*kernels.split("+")) if kernels else contextlib.nullcontext()
+
+
+def base(variant: str) -> str:
+    return variant.removeprefix("compile-").removeprefix("regional-").removesuffix("-torch").partition("-no-")[0]
+
+
 def build(variant: str, state: dict | None):
+    with kernels(variant):
+        return _build(variant, state)
+
+
+def _build(variant: str, state: dict | None):
     import torch
     from transformers import BertConfig, BertForSequenceClassification
 
@@ -49,13 +76,15 @@ def build(variant: str, state: dict | None):
     fastdrop.install(model)
     fused.install(model)
     model.get_input_embeddings().weight.requires_grad_(False)
-    base = variant.removeprefix("compile-")
-    if base == "autocast":
+    if base(variant) in ("autocast", "fp32"):
         opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4, fused=True)
     else:
         model, (opt, _) = master.bf16_master(model, _Args(), [n for n, _ in model.named_parameters()])
+    if variant.startswith("regional-"):
+        for layer in model.bert.encoder.layer:
+            layer.compile()
     run = torch.compile(model) if variant.startswith("compile-") else model
-    return model, run, opt, base != "pure"
+    return model, run, opt, base(variant) not in ("pure", "fp32")
 
 
 class _Args:
@@ -92,7 +121,8 @@ def main() -> None:
     print(cpu_line())
     print(f"bert-base shape, batch {a.batch}, {tokens:.0f} real tokens/sample, {torch.get_num_threads()} threads; "
           f"{load_line()}", flush=True)
-    peak = matmul_peak("bf16", d=768, ffn=3072)
+    fp32 = any(base(v) == "fp32" for v in variants)
+    peaks = {d: matmul_peak(d, d=768, ffn=3072) for d in ("bf16", "fp32")[:1 + fp32]}
     # the step-1 loss without dropout, same weights and batch, against autocast's
     from transformers import BertConfig, BertForSequenceClassification
     torch.manual_seed(0)
@@ -104,7 +134,8 @@ def main() -> None:
     for v in variants:
         model, run, opt, autocast = build(v, state)
         model.eval()  # no dropout; gradients still flow
-        losses[v] = step(run, opt, autocast, *data[0])
+        with kernels(v):
+            losses[v] = step(run, opt, autocast, *data[0])
     models = {v: build(v, state) for v in variants}
     times: dict[str, list[float]] = {v: [] for v in variants}
     first: dict[str, float] = {}
@@ -113,21 +144,25 @@ def main() -> None:
             _, run, opt, autocast = models[v]
             start = time.perf_counter()
             for enc, labels in data[r * a.steps:(r + 1) * a.steps]:
-                t = time.perf_counter()
-                step(run, opt, autocast, enc, labels)
+                with kernels(v):
+                    t = time.perf_counter()
+                    step(run, opt, autocast, enc, labels)
                 (times[v] if r else []).append(time.perf_counter() - t)
             if not r:
                 first[v] = time.perf_counter() - start
         print(f"round {r + 1}/{a.rounds}: " + " ".join(
             f"{v} {1000 * statistics.median(times[v][-a.steps:]):.0f} ms" for v in variants if r), load_line(),
             flush=True)
-    peak = max(peak, matmul_peak("bf16", d=768, ffn=3072))
-    print(f"matmul peak bf16 {peak / 1e9:.0f} GFLOP/s (FFN shape, best window before and after); {load_line()}")
+    for d, before in peaks.items():
+        peaks[d] = max(before, matmul_peak(d, d=768, ffn=3072))
+        print(f"matmul peak {d} {peaks[d] / 1e9:.0f} GFLOP/s (FFN shape, best window before and after); "
+              f"{load_line()}")
     print(f"{'variant':<18}{'ms/step':>9}{'best':>6}{'worst':>7}{'samples/s':>10}{'MFU':>7}{'best MFU':>9}"
           f"{'first round s':>14}{'step-1 loss':>13}{'vs autocast':>12}")
     mfus = {}
     ref = losses.get("autocast", next(iter(losses.values())))
-    for v in variants:
+    for v in variants:  # an fp32 variant's MFU is over the fp32 peak, the others' over bf16's
+        peak = peaks["fp32" if base(v) == "fp32" else "bf16"]
         ms = statistics.median(times[v])
         mfus[v] = per_token * tokens * a.batch / ms / peak
         best = per_token * tokens * a.batch / min(times[v]) / peak

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import hashlib
 import io
+import json
 import shlex
 import tarfile
 from pathlib import Path
@@ -114,3 +115,14 @@ def standalone(tail: str, modules: tuple[str, ...] = ("paths", "notice", "s3clie
             "            exec(compile(_SOURCES[module.__name__], module.__name__, 'exec'), module.__dict__)\n"
             "_sys.meta_path.insert(0, _Shipped())\n"
             + tail)
+
+
+def native_kernels(conn, code_dir: str, python: str) -> tuple[bool | None, str]:
+    """training/native's kernels built (unless cached) and loaded on the node by `python` (a shell word): (True,
+    where), (False, why not), or (None, why it could not be asked or means nothing there)."""
+    res = run(conn, f"cd {shlex.quote(code_dir)} && {python} -m training.native", timeout=300)
+    try:
+        got = json.loads(res.stdout.strip().splitlines()[-1])
+        return (None if got["ok"] is None else bool(got["ok"])), str(got["detail"])
+    except (ValueError, IndexError, KeyError, TypeError):
+        return None, f"not checked: {(res.stderr.strip() or 'no output').splitlines()[-1]}"

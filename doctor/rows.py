@@ -66,7 +66,20 @@ def hardware_rows(f: Facts) -> list[Row]:
         ok = f.free_gib >= MIN_FREE_GIB
         rows.append(Row(name, "disk", ok, f"{f.free_gib:.1f} GiB free under {f.home} (at least {MIN_FREE_GIB:g})",
                         "" if ok else "free space there or grow the root volume (rootVolumeGib)"))
+    rows.append(kernels_row(f))
     return rows
+
+
+def kernels_row(f: Facts) -> Row:
+    """training/native's library: built for this node's CPU and loaded by its python."""
+    if f.kernels is None:
+        return Row(f.node.name, "kernels", True, "not checked: this revision's code is not on the node yet (fab "
+                   "setup or fab train ships it)", skipped=True)
+    ok, detail = f.kernels
+    if ok is None:
+        return Row(f.node.name, "kernels", True, detail, skipped=True)
+    return Row(f.node.name, "kernels", bool(ok), detail, "" if ok else
+               "install gcc on the node (fab setup's profiles do); without it the jobs take torch's slower ops")
 
 
 def package_rows(facts: list[Facts], profile: profiles.Profile | None, venv: str | None) -> list[Row]:

@@ -166,6 +166,10 @@ def _setup_one(node: Node, profile: profiles.Profile, venv: str, script: str, di
                 log.debug("setup on %s", node.name, exc_info=True)
                 return failed(f"the setup script did not finish: {type(exc).__name__}: {exc}")
             sink.close_line()
+            if res.ok:
+                ok, detail = shipping.native_kernels(conn, f"{home}/code/{digest}", f"{shlex.quote(venv)}/bin/python")
+                say(out, out_lock, f"{node.name}: native kernels {detail}" if ok is not False else
+                    f"{node.name}: no native kernels ({detail}): torch's own ops")
     seconds = time.monotonic() - started
     if res.exited == 124:
         return NodeSetup(node.name, FAILED, seconds, log_path, f"error: the setup script ran past {SETUP_TIMEOUT_S} s")

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -115,6 +116,13 @@ def test_two_node_glue_run_learns_and_records_everything(uninterrupted_demo):
     mfu = results["mfu"]
     assert mfu["peak_flops_per_s"] > 1e9 and 0 < mfu["mfu"] < 1 and mfu["precision"] == results["precision"]
     assert mfu["model_flops_per_s"] == pytest.approx(results["train"]["total_flos"] / results["train"]["train_runtime"])
+    # the path each kernel took, from the run's own calls; bf16-only kernels say why not in fp32
+    speed, native = results["speed"], "native" if shutil.which("gcc") else "torch: the library could not be built"
+    assert speed["model"] == "eager" and speed["dropout"].startswith(native)
+    if results["precision"] == "fp32":
+        assert speed["output"] == "torch (the kernel is for bf16 weights and activations on the CPU)"
+    else:
+        assert speed["output"].startswith(native) and speed["adamw"].startswith(native), speed
     assert set(summary["topology"]) == {"node0", "node1"}
     assert summary["command"][0].endswith("mpirun")
     assert (run_dir / "log.txt").read_text().count("[progress]") >= 5

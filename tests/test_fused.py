@@ -1,6 +1,6 @@
-"""An encoder layer's fused dense blocks in bf16 training (training/fused.py, training/native's kernels): dense +
-GELU, and dense + dropout + residual + layer norm, give the values and gradients torch's own ops give within
-bf16's rounding, and each block runs its own forward wherever the fused path does not apply."""
+"""An encoder layer's fused output blocks in bf16 training (training/fused.py, training/native's kernels): dense +
+dropout + residual + layer norm give the values and gradients torch's own ops give within bf16's rounding, and
+each block runs its own forward wherever the fused path does not apply."""
 from __future__ import annotations
 
 import shutil
@@ -22,27 +22,6 @@ def fresh_native():
     native.reset()
 
 
-def _block(width=96, ffn=384, dtype=torch.bfloat16):
-    from transformers import BertConfig
-    from transformers.models.bert.modeling_bert import BertIntermediate
-
-    torch.manual_seed(0)
-    block = BertIntermediate(BertConfig(hidden_size=width, intermediate_size=ffn, hidden_act="gelu")).to(dtype)
-    with torch.no_grad():
-        block.dense.bias.normal_(0.0, 0.5)
-    return block
-
-
-def _reference(block, x, grad):
-    """dense + exact GELU in fp32 on the same bf16 values: what the fused path rounds to bf16 once more."""
-    w = block.dense.weight.detach().float().requires_grad_()
-    b = block.dense.bias.detach().float().requires_grad_()
-    x32 = x.detach().float().requires_grad_()
-    y = torch.nn.functional.gelu(torch.nn.functional.linear(x32, w, b))
-    y.backward(grad.float())
-    return y.detach(), x32.grad, w.grad, b.grad
-
-
 @pytest.fixture(params=[1, 3])
 def threads(request):
     """The kernels split rows (and the bias gradient's partial sums) over torch's threads: one, and three."""
@@ -52,71 +31,20 @@ def threads(request):
     torch.set_num_threads(before)
 
 
-def test_the_gelu_block_forward_and_every_gradient_are_torchs_within_bf16_rounding(threads):
-    block = _block()
-    assert fused.install(block) == 1
-    x = (torch.randn(3, 37, 96) * 2).bfloat16().requires_grad_()  # rows not a multiple of anything the kernel blocks
-    grad = torch.randn(3, 37, 384).bfloat16()
-    y = block(x)
-    assert y.dtype == torch.bfloat16 and y.grad_fn is not None and type(y.grad_fn).__name__ == "_DenseGeluBackward"
-    y.backward(grad)
-    ry, rx, rw, rb = _reference(block, x, grad)
-
-    def close(got, want, what):
-        err = (got.float() - want).abs().max().item()
-        assert err <= 2 ** -7 * want.abs().max().item() + 1e-4, f"{what}: max error {err}"
-
-    close(y, ry, "gelu(dense(x))")
-    close(x.grad, rx, "input gradient")
-    close(block.dense.weight.grad, rw, "weight gradient")
-    close(block.dense.bias.grad, rb, "bias gradient")
-    assert block.dense.weight.grad.dtype == block.dense.bias.grad.dtype == torch.bfloat16
-
-
-def test_the_slope_matters_a_wrong_one_fails_the_comparison():
-    """The backward multiplies by the kept slope: checked against a GELU whose slope is plainly not the erf
-    form's, so the comparison above is one that can fail."""
-    block = _block()
-    fused.install(block)
-    x = torch.randn(64, 96).bfloat16().requires_grad_()
-    grad = torch.randn(64, 384).bfloat16()
-    block(x).backward(grad)
-    w = block.dense.weight.detach().float()
-    h = torch.nn.functional.linear(x.detach().float(), w, block.dense.bias.detach().float())
-    wrong = (grad.float() * torch.sigmoid(1.702 * h)) @ w  # x * sigmoid(1.702 x)'s first term only
-    right = (grad.float() * torch.ops.aten.gelu_backward(torch.ones_like(h), h)) @ w
-    assert (x.grad.float() - right).abs().max() < (x.grad.float() - wrong).abs().max() / 4
-
-
-@pytest.mark.parametrize("case", ["eval", "fp32", "no-grad", "native-off"])
-def test_where_it_does_not_apply_the_block_runs_its_own_forward_bit_for_bit(case, monkeypatch):
-    block = _block(dtype=torch.float32 if case == "fp32" else torch.bfloat16)
-    own = type(block).forward
-    fused.install(block)
-    x = torch.randn(5, 96, dtype=next(block.parameters()).dtype)
-    if case == "eval":
-        block.eval()
-    if case == "native-off":
-        monkeypatch.setenv(native.ENV, "0")
-        native.reset()
-    with torch.set_grad_enabled(case != "no-grad"):
-        y = block(x.requires_grad_(case != "no-grad"))
-    assert torch.equal(y, own(block, x))
-    assert y.grad_fn is None or type(y.grad_fn).__name__ != "_DenseGeluBackward"
-
-
-def test_install_routes_bert_blocks_only_and_the_checkpoint_is_unchanged():
+def test_install_routes_bert_output_blocks_only_and_the_checkpoint_is_unchanged():
     from transformers import BertConfig, BertForSequenceClassification, GPT2Config, GPT2LMHeadModel
+
+    from training import fastdrop
 
     bert = BertForSequenceClassification(BertConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
                                                     intermediate_size=64, vocab_size=100))
     keys = list(bert.state_dict())
-    assert fused.install(bert) == 2
+    assert fused.install(bert) == 0  # torch's nn.Dropout: the user asked for its masks
+    fastdrop.install(bert, attention=False)
+    assert fused.install(bert) == 4  # per layer: the attention's output and the FFN's
     assert list(bert.state_dict()) == keys
-    tanh = BertForSequenceClassification(BertConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
-                                                    intermediate_size=64, vocab_size=100, hidden_act="gelu_new"))
-    assert fused.install(tanh) == 0  # not the erf GELU the kernel computes
     gpt2 = GPT2LMHeadModel(GPT2Config(n_embd=32, n_layer=1, n_head=2, vocab_size=100, n_positions=16))
+    fastdrop.install(gpt2, attention=False)
     assert fused.install(gpt2) == 0
 
 
@@ -135,7 +63,7 @@ def test_a_bf16_bert_trains_the_same_with_and_without_it():
 
     for model in (base, routed):
         fastdrop.install(model, attention=False)  # p = 0: no draws, and the output blocks may route
-    assert fused.install(routed) == 6  # per layer: the intermediate block, the attention's and the FFN's output
+    assert fused.install(routed) == 4  # per layer: the attention's output and the FFN's
     ids, labels = torch.randint(0, 200, (8, 24)), torch.randint(0, 2, (8,))
     losses = {}
     for name, model in (("base", base), ("routed", routed)):
@@ -224,19 +152,29 @@ def test_the_output_blocks_dropout_keeps_one_minus_p_follows_the_seed_and_its_gr
     _close(block.dense.weight.grad, gw, "weight gradient through the mask", rel=2 ** -6)
 
 
-def test_the_output_block_with_torchs_dropout_or_in_eval_runs_its_own_forward():
-    from transformers import BertConfig
-    from transformers.models.bert.modeling_bert import BertOutput
+@pytest.mark.parametrize("case", ["eval", "fp32", "no-grad", "native-off"])
+def test_where_it_does_not_apply_the_output_block_runs_its_own_forward_bit_for_bit(case, monkeypatch):
+    block = _output(width=32, inner=64, p=0.1, dtype=torch.float32 if case == "fp32" else torch.bfloat16)
+    fused.install(block)
+    dtype = next(block.parameters()).dtype
+    x, res = torch.randn(4, 64, dtype=dtype), torch.randn(4, 32, dtype=dtype)
+    if case == "eval":
+        block.eval()
+    if case == "native-off":
+        monkeypatch.setenv(native.ENV, "0")
+        native.reset()
+    with torch.set_grad_enabled(case != "no-grad"):
+        torch.manual_seed(3)
+        y = block(x.requires_grad_(case != "no-grad"), res)
+        torch.manual_seed(3)
+        assert torch.equal(y, type(block).forward(block, x, res))
+    assert y.grad_fn is None or type(y.grad_fn).__name__ != "_DenseDropAddNormBackward"
 
-    torch.manual_seed(0)
-    plain = BertOutput(BertConfig(hidden_size=32, intermediate_size=64)).to(torch.bfloat16)
-    assert fused.install(plain) == 0  # torch's nn.Dropout: the user asked for its masks
+
+def test_a_bad_dropout_probability_gets_fastdrops_own_error():
     block = _output(width=32, inner=64, p=0.1)
     fused.install(block)
-    block.eval()
     x, res = torch.randn(4, 64).bfloat16(), torch.randn(4, 32).bfloat16()
-    assert torch.equal(block(x, res), type(block).forward(block, x, res))
-    block.train()
     block.dropout.p = 1.0
     with pytest.raises(ValueError, match="not in"):  # fastdrop's own error, not a division by zero
         block(x, res)

@@ -331,6 +331,9 @@ def train_and_record(trainer, results: dict, train_ds, info) -> None:
     from training import mfu
 
     mfu.record(results, trainer, bool(trainer.args.bf16))
+    from training import native  # the path each kernel took, and why torch's where it did
+
+    results["speed"] = {"model": "compiled" if trainer.args.torch_compile else "eager", **native.report()}
 
 
 def finish(info, args, results: dict, started: float, line: str | None = None, trainer=None) -> None:

@@ -85,12 +85,13 @@ def _kernels(lib, dtype):
     return getattr(lib, f"xc_dropout_{_DTYPE[dtype]}_forward"), getattr(lib, f"xc_dropout_{_DTYPE[dtype]}_backward")
 
 
-def _native_lib(x: torch.Tensor):
-    if x.device.type != "cpu" or x.dtype not in (torch.bfloat16, torch.float32):
-        return None
+def _native_lib(x: torch.Tensor, kernel: str):
     from training import native
 
-    return native.lib()
+    if x.device.type != "cpu" or x.dtype not in (torch.bfloat16, torch.float32):
+        native.took(kernel, f"torch ({x.dtype} on {x.device.type}: the kernel takes bf16 or fp32 on the CPU)")
+        return None
+    return native.lib(kernel)
 
 
 def dropout(x: torch.Tensor, p: float, training: bool = True) -> torch.Tensor:
@@ -98,7 +99,7 @@ def dropout(x: torch.Tensor, p: float, training: bool = True) -> torch.Tensor:
         return x
     if not 0.0 < p < 1.0:
         raise ValueError(f"dropout probability {p} is not in [0, 1)")
-    lib = _native_lib(x)
+    lib = _native_lib(x, "dropout")
     if lib is not None:
         return _Native.apply(x, p, lib)
     n = x.numel()
@@ -120,68 +121,12 @@ class FastDropout(torch.nn.Module):
         return f"p={self.p}"
 
 
-ROW_MAX = 4096  # kernels.c's ROW_MAX: longer rows of keys take torch's ops
-_ATTN = {(torch.bfloat16, torch.bfloat16): "xc_attn_bf16", (torch.bfloat16, torch.float32): "xc_attn_bf16_f32",
-         (torch.float32, torch.float32): "xc_attn_f32"}
-
-
-class _AttentionProbs(torch.autograd.Function):
-    """dropout(softmax(scores * scaling + mask)) in one pass over the scores, and its backward in one
-    (training/native/kernels.c): torch's ops take a pass each for the scale, the mask, the softmax and the
-    dropout, and its bf16 softmax computes a row's last elements one at a time (rows of 65-128 keys here)."""
-
-    @staticmethod
-    def forward(ctx, scores, mask, scaling, p, kernel):
-        scores = scores.contiguous()
-        batch, heads, queries, cols = scores.shape
-        out_dtype = scores.dtype if mask is None else torch.result_type(scores, mask)
-        m, strides = None, (0, 0, 0)
-        if mask is not None:
-            m = mask.to(torch.float32).expand(batch, heads, queries, cols)
-            if m.stride(3) != 1:
-                m = m.contiguous()
-            strides = m.stride()[:3]
-        y, probs = (torch.empty(scores.shape, dtype=out_dtype) for _ in range(2))
-        keep = torch.empty(scores.shape, dtype=torch.uint8)
-        seed = mask_seed()
-        ctx.scaling, ctx.scale_drop, ctx.kernel = scaling, 1.0 / (1.0 - p), kernel
-        kernel[0](scores.data_ptr(), None if m is None else m.data_ptr(), heads, queries, cols, *strides, scaling,
-                  y.data_ptr(), probs.data_ptr(), keep.data_ptr(), batch * heads * queries, seed, round(p * 65536),
-                  ctx.scale_drop, torch.get_num_threads())
-        ctx.save_for_backward(probs, keep)
-        ctx.in_dtype = scores.dtype
-        return y
-
-    @staticmethod
-    def backward(ctx, grad):
-        probs, keep = ctx.saved_tensors
-        grad = grad.contiguous()
-        out = torch.empty(grad.shape, dtype=ctx.in_dtype)
-        cols = grad.shape[-1]
-        ctx.kernel[1](grad.data_ptr(), probs.data_ptr(), keep.data_ptr(), grad.numel() // cols, cols, ctx.scaling,
-                      ctx.scale_drop, out.data_ptr(), torch.get_num_threads())
-        return out, None, None, None, None
-
-
-def _attention_kernels(lib, scores: torch.Tensor, mask):
-    key = (scores.dtype, scores.dtype if mask is None else torch.result_type(scores, mask))
-    if key not in _ATTN or scores.dim() != 4 or scores.shape[-1] > ROW_MAX:
-        return None
-    return getattr(lib, _ATTN[key] + "_forward"), getattr(lib, _ATTN[key] + "_backward")
-
-
 def eager_attention(module, query, key, value, attention_mask, scaling=None, dropout_p=None, **kwargs):
-    """transformers' eager attention (BERT's), with the dropout above; in training, the scale, mask, softmax and
-    dropout as one native kernel where it is built."""
+    """transformers' eager attention (BERT's), with the dropout above."""
     p = kwargs.pop("dropout", 0.0) if dropout_p is None else dropout_p
     if scaling is None:
         scaling = query.size(-1) ** -0.5
     scores = torch.matmul(query, key.transpose(2, 3))
-    lib = _native_lib(scores) if module.training else None
-    kernel = None if lib is None else _attention_kernels(lib, scores, attention_mask)
-    if kernel is not None:
-        weights = _AttentionProbs.apply(scores, attention_mask, scaling, p, kernel)
-        return torch.matmul(weights, value).transpose(1, 2).contiguous(), weights
     weights = scores * scaling
     if attention_mask is not None:
         weights = weights + attention_mask

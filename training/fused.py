@@ -1,16 +1,13 @@
-"""An encoder layer's dense blocks in bf16 training, each as a bias-free matmul and one native pass
-(training/native) forward and one backward, where torch's ops take a pass each:
-
-- the FFN's first half, dense + GELU: the bias added, GELU and its slope computed and kept (torch's addmm first
-  copies the bias into every row of its output, and GELU's backward computes erf and exp again); backward, GELU's
-  gradient and the bias gradient's column sums in one pass.
-- the attention's and the FFN's output, dense + dropout + residual + layer norm: the bias, the dropout (drawn as
-  training/fastdrop.py's native kernel draws it), the residual and the layer norm in one pass; backward, the layer
-  norm's gradient, the dropout's and the column sums for gamma, beta and the bias in one.
+"""An encoder layer's output blocks in bf16 training (the attention's and the FFN's): dense + dropout + residual +
+layer norm as a bias-free matmul and one native pass (training/native) forward and one backward, where torch's
+ops take a pass each. Forward: the bias, the dropout (drawn as training/fastdrop.py's native kernel draws it),
+the residual and the layer norm; backward: the layer norm's gradient, the dropout's and the column sums for gamma,
+beta and the bias.
 
 The matmuls are the ones autograd would run. Training in bf16 with the kernels built only: eval, fp32, autocast
 over fp32 weights, torch's own dropout (--fast_dropout False) and XC_NATIVE_KERNELS=0 keep the block's own
-forward."""
+forward. (The FFN's dense + GELU had a kernel too; on an AMX Xeon it saved under 3% of a step, and it was
+deleted: docs/benchmarks.md.)"""
 from __future__ import annotations
 
 import types
@@ -31,33 +28,6 @@ def _input_grads(ctx, gz, x2, weight):
     gx = torch.mm(gz, weight).view(ctx.in_shape) if ctx.needs_input_grad[0] else None
     gw = torch.mm(gz.t(), x2) if ctx.needs_input_grad[1] else None
     return gx, gw
-
-
-class _DenseGelu(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, weight, bias, lib):
-        x2 = _rows(x)
-        h = torch.mm(x2, weight.t())
-        rows, cols = h.shape
-        y, slope = torch.empty_like(h), torch.empty_like(h)
-        lib.xc_bias_gelu_bf16_forward(h.data_ptr(), bias.data_ptr(), y.data_ptr(), slope.data_ptr(), rows, cols,
-                                      torch.get_num_threads())
-        ctx.save_for_backward(x2, weight, slope)
-        ctx.lib, ctx.in_shape = lib, x.shape
-        return y.view(*x.shape[:-1], cols)
-
-    @staticmethod
-    def backward(ctx, grad):
-        x2, weight, slope = ctx.saved_tensors
-        rows, cols = slope.shape
-        g = _rows(grad)
-        threads = torch.get_num_threads()
-        gz, gb = torch.empty_like(g), torch.empty(cols, dtype=torch.float32)
-        scratch = torch.empty(threads * cols, dtype=torch.float32)
-        ctx.lib.xc_gelu_bf16_backward(g.data_ptr(), slope.data_ptr(), gz.data_ptr(), gb.data_ptr(),
-                                      scratch.data_ptr(), rows, cols, threads)
-        gx, gw = _input_grads(ctx, gz, x2, weight)
-        return gx, gw, gb.to(weight.dtype) if ctx.needs_input_grad[2] else None, None
 
 
 class _DenseDropAddNorm(torch.autograd.Function):
@@ -100,39 +70,26 @@ class _DenseDropAddNorm(torch.autograd.Function):
                 d_gamma if need[4] else None, d_beta if need[5] else None, None, None, None)
 
 
-def _native(module, *tensors):
+def _native(kernel: str, module, *tensors):
     """training/native's library where the block trains in bf16 on CPU with a gradient, else None."""
     if not (module.training and torch.is_grad_enabled()):
         return None
-    if any(t is None or t.device.type != "cpu" or t.dtype != torch.bfloat16 for t in tensors):
-        return None
     from training import native
 
-    return native.lib()
-
-
-def _gelu_forward(self, hidden_states):
-    d = self.dense
-    lib = _native(self, hidden_states, d.weight, d.bias)
-    if lib is None:
-        return type(self).forward(self, hidden_states)
-    return _DenseGelu.apply(hidden_states, d.weight, d.bias, lib)
+    if any(t is None or t.device.type != "cpu" or t.dtype != torch.bfloat16 for t in tensors):
+        native.took(kernel, "torch (the kernel is for bf16 weights and activations on the CPU)")
+        return None
+    return native.lib(kernel)
 
 
 def _output_forward(self, hidden_states, input_tensor):
     d, norm = self.dense, self.LayerNorm
-    lib = _native(self, hidden_states, input_tensor, d.weight, d.bias, norm.weight, norm.bias)
+    lib = _native("output", self, hidden_states, input_tensor, d.weight, d.bias, norm.weight, norm.bias)
     if (lib is None or input_tensor.shape[-1] > ROW_MAX or input_tensor.shape[:-1] != hidden_states.shape[:-1]
             or not 0.0 <= self.dropout.p < 1.0):  # the own forward says what is wrong with p
         return type(self).forward(self, hidden_states, input_tensor)
     return _DenseDropAddNorm.apply(hidden_states, d.weight, d.bias, input_tensor, norm.weight, norm.bias,
                                    self.dropout.p, norm.eps, lib)
-
-
-def _exact_gelu(act) -> bool:
-    from transformers.activations import GELUActivation
-
-    return isinstance(act, GELUActivation) and act.act is torch.nn.functional.gelu
 
 
 def _output_block(module) -> bool:
@@ -146,16 +103,11 @@ def _output_block(module) -> bool:
 
 
 def install(model) -> int:
-    """Route every encoder intermediate block (Linear `dense` then exact GELU) and output block (`dense`, fast
-    dropout, residual, `LayerNorm`) through the fused path when it trains in bf16. Returns how many were routed."""
+    """Route every encoder output block (`dense`, fast dropout, residual, `LayerNorm`) through the fused path when
+    it trains in bf16. Returns how many were routed."""
     routed = 0
     for module in model.modules():
-        if not isinstance(getattr(module, "dense", None), torch.nn.Linear):
-            continue
-        if _exact_gelu(getattr(module, "intermediate_act_fn", None)):
-            module.forward = types.MethodType(_gelu_forward, module)
-            routed += 1
-        elif _output_block(module):
+        if _output_block(module):
             module.forward = types.MethodType(_output_forward, module)
             routed += 1
     return routed

@@ -97,11 +97,13 @@ class MasterAdamW(torch.optim.AdamW):
         if self._native is None:
             from training import native
 
-            lib = native.lib()
             plain = all(not g.get(k) for g in self.param_groups for k in ("amsgrad", "maximize", "capturable",
                                                                             "differentiable"))
             # the kernel takes one beta1, beta2 and eps for every tensor
             plain = plain and len({(tuple(g["betas"]), g["eps"]) for g in self.param_groups}) == 1
+            if not plain:
+                native.took("adamw", "torch (the kernel takes no amsgrad, maximize, capturable, differentiable or per-group betas)")
+            lib = native.lib("adamw") if plain else None
             self._native = lib if lib is not None and plain else False
             if self._native:
                 size = 1 << 16  # one OpenMP task: large enough to stream, small enough to share out evenly

@@ -124,6 +124,7 @@ class RunRecord:
     crashed_after_finish: dict | None = None
     train_samples_per_second: float | None = None
     eval: dict | None = None
+    speed: dict | None = None  # results.json's: the path each native kernel took
     stopped_at: str | None = None
     supervisor: dict | None = None  # {"pid", "host", "start"}: the process that ends this run
     restart: dict | None = None  # {"attempt", "of", "ended": status, "why"} while restarting
@@ -233,7 +234,7 @@ def supervisor_alive(sup: dict | None) -> bool | None:
 def merge_results(record: RunRecord, run_dir: Path, results: dict | None) -> None:
     if results:
         record.train_samples_per_second = results.get("train", {}).get("train_samples_per_second")
-        record.eval = results.get("eval")
+        record.eval, record.speed = results.get("eval"), results.get("speed")
         (Path(run_dir) / "results.json").write_text(json.dumps(results, indent=2, sort_keys=True))
 
 

@@ -113,8 +113,20 @@ def list_runs(runs_dir: Path, out: TextIO, store: str | None = None, head: Node 
     widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
     out.writelines("  ".join(v.ljust(w) for v, w in zip(row, widths)).rstrip() + "\n" for row in [header, *rows])
     out.writelines(line + "\n" for line in [*filter(None, (recovery_line(r) for r, _ in recs)),
-                                            *chain_lines([r for r, _ in recs]), *notes])
+                                            *chain_lines([r for r, _ in recs]), *speed_lines([r for r, _ in recs]),
+                                            *notes])
     return len(rows)
+
+
+def speed_lines(recs: list[RunRecord]) -> list[str]:
+    """One line per run whose native kernels would have run but took torch's ops, with why (results.json's
+    speed: 'torch: <why>'; a kernel that does not apply, 'torch (<why>)', is no fallback)."""
+    lines = []
+    for rec in recs:
+        off = {k: v.removeprefix("torch: ") for k, v in (rec.speed or {}).items() if str(v).startswith("torch: ")}
+        if off:
+            lines.append(f"speed {rec.run_id}: torch's ops for {', '.join(off)}: {'; '.join(sorted(set(off.values())))}")
+    return lines
 
 
 def chain_lines(recs: list[RunRecord]) -> list[str]:

@@ -43,6 +43,7 @@ class Facts:
     free_gib: float | None = None
     versions: dict[str, str] | None = None
     clock_offset: float | None = None
+    kernels: tuple[bool | None, str] | None = None  # shipping.native_kernels; None: the code is not there
 
 
 def _marker_path(node: Node) -> str | None:
@@ -86,6 +87,9 @@ def gather(node: Node, digest: str, full: bool, python_word: str | None = None,
         if res.ok and len(fields) >= 4 and fields[3].isdigit():
             facts.free_gib = int(fields[3]) / 2**20
         facts.versions = installed_versions(conn, python_word or shlex.quote(node.python), list(packages))
+        if facts.code:
+            facts.kernels = shipping.native_kernels(conn, f"{facts.home}/code/{digest}",
+                                                    python_word or shlex.quote(node.python))
         # The node's clock against the operator's, halfway through the round trip.
         before = time.time()
         res = run(conn, "date +%s.%N", timeout=30)

@@ -6,6 +6,8 @@ The library is built with -fopenmp: its libgomp.so.1 is the one torch has alread
 parallel loops run on torch's OpenMP threads rather than on a second pool spinning beside them."""
 from __future__ import annotations
 
+import collections
+import contextlib
 import ctypes
 import hashlib
 import logging
@@ -24,6 +26,12 @@ ENV = "XC_NATIVE_KERNELS"
 
 _lib: ctypes.CDLL | None = None
 _tried = False
+# each caller asks for its kernel by name, so that a bench can time the job with one of them off
+# attn and gelu were deleted: on an AMX Xeon they saved under 3% of a step (docs/benchmarks.md)
+KERNELS = ("dropout", "output", "adamw")
+_off: frozenset[str] = frozenset()
+_why = ""  # why _load() gave None
+_paths: dict[str, collections.Counter] = {}  # kernel -> calls by path, for report()
 
 
 class Chunk(ctypes.Structure):
@@ -43,12 +51,7 @@ SIGNATURES = {
     **{f"xc_dropout_{t}_forward": [_P, _P, _P, _I64, ctypes.c_uint64, ctypes.c_uint32, _F, _INT]
        for t in ("bf16", "f32")},
     **{f"xc_dropout_{t}_backward": [_P, _P, _P, _I64, _F, _INT] for t in ("bf16", "f32")},
-    **{f"xc_attn_{t}_forward": [_P, _P, _I64, _I64, _I64, _I64, _I64, _I64, _F, _P, _P, _P, _I64, ctypes.c_uint64,
-                                ctypes.c_uint32, _F, _INT] for t in ("bf16", "bf16_f32", "f32")},
-    **{f"xc_attn_{t}_backward": [_P, _P, _P, _I64, _I64, _F, _F, _P, _INT] for t in ("bf16", "bf16_f32", "f32")},
     "xc_sumsq_bf16": [_PP, ctypes.POINTER(Chunk), _I64, _P, _INT],
-    "xc_bias_gelu_bf16_forward": [_P, _P, _P, _P, _I64, _I64, _INT],
-    "xc_gelu_bf16_backward": [_P, _P, _P, _P, _P, _I64, _I64, _INT],
     "xc_dense_out_bf16_forward": [_P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _I64, _I64, ctypes.c_uint64,
                                   ctypes.c_uint32, _F, _F, _INT],
     "xc_dense_out_bf16_backward": [_P, _P, _P, _P, _P, _P, _F, _P, _P, _P, _P, _P, _P, _I64, _I64, _INT],
@@ -91,13 +94,22 @@ def build(cc: str = "gcc") -> Path:
     return out
 
 
-def lib() -> ctypes.CDLL | None:
-    """The kernels, or None (logged once) where they cannot be built or XC_NATIVE_KERNELS=0 turns them off."""
-    global _lib, _tried
+def lib(kernel: str | None = None) -> ctypes.CDLL | None:
+    """The kernels, or None (logged once) where they cannot be built or XC_NATIVE_KERNELS=0 turns them off;
+    None too where kernel is one that off() holds. A named kernel's answer is tallied for report()."""
+    got, why = (None, "off in this bench") if kernel in _off else (_load(), _why)
+    if kernel is not None:
+        took(kernel, "native" if got is not None else f"torch: {why}")
+    return got
+
+
+def _load() -> ctypes.CDLL | None:
+    global _lib, _tried, _why
     if _tried:
         return _lib
     _tried = True
     if os.environ.get(ENV, "1") == "0":
+        _why = f"{ENV}=0"
         return None
     import torch  # noqa: F401  (its libgomp first: the library's OpenMP calls resolve to it)
 
@@ -105,8 +117,9 @@ def lib() -> ctypes.CDLL | None:
         _lib = ctypes.CDLL(str(build()))
     except (OSError, subprocess.CalledProcessError) as e:
         detail = getattr(e, "stderr", "") or str(e)
-        log.warning("native kernels unavailable (%s): torch's own ops instead (install gcc to get them)",
-                    detail.strip().splitlines()[-1] if detail.strip() else type(e).__name__)
+        detail = detail.strip().splitlines()[-1] if detail.strip() else type(e).__name__
+        _why = f"the library could not be built or loaded ({detail}); install gcc to get it"
+        log.warning("native kernels unavailable (%s): torch's own ops instead (install gcc to get them)", detail)
         return None
     for name, argtypes in SIGNATURES.items():
         fn = getattr(_lib, name)
@@ -114,7 +127,49 @@ def lib() -> ctypes.CDLL | None:
     return _lib
 
 
+def why() -> str:
+    """Why lib() gave None ('' while it has not)."""
+    return _why
+
+
+def took(kernel: str, path: str) -> None:
+    """Tally one call of kernel by path: 'native', 'torch: <why>' where the kernel would have run but could not,
+    or 'torch (<why>)' where it does not apply (a caller that decides before lib(): an fp32 block, say)."""
+    _paths.setdefault(kernel, collections.Counter())[path] += 1
+
+
+def report() -> dict[str, str]:
+    """{kernel: path} for results.json's speed (see took()), or each path with its share of the calls where a
+    run took more than one. A kernel no training step asked for is left out."""
+    out = {}
+    for kernel in KERNELS:
+        paths = _paths.get(kernel)
+        if paths:
+            total = sum(paths.values())
+            out[kernel] = (next(iter(paths)) if len(paths) == 1 else
+                           "; ".join(f"{p} ({100 * n / total:.0f}% of calls)" for p, n in paths.most_common()))
+    return out
+
+
 def reset() -> None:
-    """Forget the loaded library's state (tests switching XC_NATIVE_KERNELS)."""
-    global _lib, _tried
-    _lib, _tried = None, False
+    """Forget the loaded library's state and the tally (tests switching XC_NATIVE_KERNELS)."""
+    global _lib, _tried, _why
+    _lib, _tried, _why = None, False, ""
+    _paths.clear()
+
+
+
+@contextlib.contextmanager
+def off(*kernels: str):
+    """lib() answers None inside, for the named kernels (all of them if none is named): torch's path, for a bench
+    that times both paths in one process."""
+    global _off
+    unknown = set(kernels) - set(KERNELS)
+    if unknown:
+        raise ValueError(f"no native kernel {min(unknown)}; the kernels: {', '.join(KERNELS)}")
+    saved = _off
+    _off = frozenset(kernels or KERNELS)
+    try:
+        yield
+    finally:
+        _off = saved
