@@ -5,8 +5,10 @@ import dataclasses
 import json
 import logging
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -188,3 +190,35 @@ def test_the_precision_line_says_which_nodes_answered_from_their_cache(caplog):
 def test_the_probe_sends_training_mfu_py_which_exists():
     # launch/plan/probe.py is two folders below the project root: a wrong parent made every probe fail on the nodes
     assert probe.MFU_PY.is_file(), probe.MFU_PY
+
+
+def test_the_bf16_timing_counts_cpu_seconds_so_a_stretch_without_the_cpu_does_not_lower_it():
+    """Under `make test` a window the scheduler gave to other processes read bf16 at 0.95x fp32 where it is 2x,
+    and the node remembered it: every later run took fp32. Timed per second of CPU, a stopped stretch is no loss."""
+    code = ("import sys, time, torch\nfrom training import mfu\nclock = getattr(time, sys.argv[1])\n"
+            "mfu.matmul_flops(torch.float32, 64, 64, 64, 0.05)\nprint('go', flush=True)\n"
+            "print(f'rate={mfu.matmul_flops(torch.float32, 64, 64, 64, 0.6, warmup=0, clock=clock):.0f}', flush=True)")
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+
+    def rate(clock: str, stop_s: float) -> float:
+        proc = subprocess.Popen([sys.executable, "-c", code, clock], env=env, stdout=subprocess.PIPE, text=True)
+        assert proc.stdout.readline().strip() == "go"
+        if stop_s:
+            time.sleep(0.1)
+            proc.send_signal(signal.SIGSTOP)  # the scheduler's worst: no CPU at all for a stretch of the window
+            time.sleep(stop_s)
+            proc.send_signal(signal.SIGCONT)
+        out = proc.communicate(timeout=120)[0]
+        return float(out.split("rate=")[1])
+
+    free, stopped = rate("process_time", 0), rate("process_time", 0.6)
+    assert stopped > 0.7 * free, (free, stopped)
+    wall_free, wall_stopped = rate("perf_counter", 0), rate("perf_counter", 0.6)
+    assert wall_stopped < 0.75 * wall_free, (wall_free, wall_stopped)  # what wall time read: the check can fail
+    # and precision auto's timing uses that clock for every window it takes
+    code2 = ("import time\nfrom training import mfu\nmeasure, clocks = mfu.matmul_flops, set()\n"
+             "mfu.matmul_flops = lambda *a, **k: clocks.add(k.get('clock')) or measure(*a, **k)\n"
+             "mfu.bf16_speedup(rows=64, d=64, ffn=256, seconds=0.03)\nprint(clocks == {time.process_time})")
+    out = subprocess.run([sys.executable, "-c", code2], env=env, capture_output=True, text=True, timeout=120,
+                         check=True).stdout
+    assert out.strip() == "True", out
