@@ -115,6 +115,10 @@ def local_kill(c, node):
     if twin_lib.read():
         print(notice_lib.kill(node))
         return
+    if node == local_lib.HEAD and local_lib.nodes(require_running=False) and local_lib.head() is None:
+        raise ClusterError("this local cluster has no head (it was started with --no-head)",
+                           fix="kill a node instead (fab status lists them), or restart it with a head: 'fab local-down' "
+                           "then 'fab local-up --nodes N'")
     n = local_lib.kill_node(node)
     print(f"{node} killed ({n} process(es)); bring it back with 'fab local-up'")
 

@@ -153,3 +153,27 @@ def test_a_silent_supervisor_is_abandoned_only_when_the_head_confirms_it_gone(tm
     assert "recorded abandoned" in note
     assert store_lib.read_summary(store, rec.run_id)["status"] == "abandoned"
     assert records.load(tmp_path / "runs" / rec.run_id).abandoned["was"] == "running"
+
+
+@pytest.mark.cluster
+def test_a_head_that_does_not_answer_refuses_a_detached_run_in_one_line_and_starts_nothing(tmp_path, cluster2):
+    lc = start_cluster(tmp_path, 1, head=True)
+    try:
+        assert lc.fab("local-kill", "head", timeout=60).returncode == 0
+        res = lc.fab("train", "--nodes", "1", "--detach", "--max-restarts", "1", "--", "--max_steps", "5",
+                     timeout=180)
+        assert res.returncode == 1, res.stdout[-2000:] + res.stderr[-2000:]
+        last = res.stderr.strip().splitlines()[-1]
+        assert re.fullmatch(r"error: the head head does not answer \(.+\): run \S+ was not started; check the head "
+                            r"with 'fab status' and 'fab doctor', or pass --no-head to supervise from this machine",
+                            last), last
+        assert "Traceback" not in res.stderr
+        run_id = re.search(r"run (\S+) was not started", last).group(1)
+        assert not list(lc.runs.glob(f"{run_id}*")) and not processes_with_env(f"XC_RUN_ID={run_id}")
+    finally:
+        lc.fab("local-down", timeout=60)
+    # a cluster without a head: local-kill head says so and kills nothing
+    res = cluster2.fab("local-kill", "head", timeout=60)
+    assert res.returncode == 1 and res.stderr.strip().splitlines()[-1].startswith(
+        "error: this local cluster has no head (it was started with --no-head); kill a node instead"), res.stderr
+    assert cluster2.fab("status", "--no-runs", timeout=60).returncode == 0  # its nodes still answer

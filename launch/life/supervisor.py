@@ -70,7 +70,13 @@ def start_on_head(cluster, req, max_restarts: int, restart_wait: float, out: Tex
     command = (f"cd {shlex.quote(str(PROJECT_ROOT))} && exec env "
                + " ".join(shlex.quote(f"{k}={v}") for k, v in env.items())
                + f" {shlex.quote(cluster.head.python)} -m launch.life.supervisor --on-head")
-    with connect(cluster.head) as conn:
+    try:
+        conn = connect(cluster.head)
+    except ClusterError as exc:  # nothing sent yet: no run folder, no process anywhere
+        raise ClusterError(f"the head {cluster.head.name} does not answer ({exc.what}): run {req.run_id} was not "
+                           "started", fix="check the head with 'fab status' and 'fab doctor', or pass --no-head to "
+                           "supervise from this machine") from None
+    with conn:
         res = conn.run(command, warn=True, pty=False, hide=False, in_stream=io.StringIO(job + "\n"), out_stream=out,
                        err_stream=out)
     if res.exited != 0:
