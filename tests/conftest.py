@@ -5,6 +5,7 @@ import json
 import os
 import random
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -281,6 +282,20 @@ def small_model(tmp_path_factory) -> str:
             AutoTokenizer.from_pretrained(src).save_pretrained(tmp)
             tmp.rename(folder)
     return str(folder)
+
+
+NEEDS_GCC = pytest.mark.skipif(shutil.which("gcc") is None, reason="no gcc: training/native's kernels are not built")
+
+
+@pytest.fixture
+def fresh_native():
+    """training/native's loaded library and tally forgotten before and after the test (one that switches
+    XC_NATIVE_KERNELS or reads the tally leaves nothing to the next)."""
+    from training import native
+
+    native.reset()
+    yield
+    native.reset()
 
 
 def processes_with_env(needle: str, prefix: bool = False) -> list[int]:

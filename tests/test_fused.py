@@ -3,23 +3,15 @@ dropout + residual + layer norm give the values and gradients torch's own ops gi
 each block runs its own forward wherever the fused path does not apply."""
 from __future__ import annotations
 
-import shutil
-
 import pytest
+from conftest import NEEDS_GCC
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 from training import fused, native
 
-pytestmark = pytest.mark.skipif(shutil.which("gcc") is None, reason="no gcc: training/native's kernels are not built")
-
-
-@pytest.fixture(autouse=True)
-def fresh_native():
-    native.reset()
-    yield
-    native.reset()
+pytestmark = [NEEDS_GCC, pytest.mark.usefixtures("fresh_native")]
 
 
 @pytest.fixture(params=[1, 3])

@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+from conftest import NEEDS_GCC
 
 from cluster.node import Node
 from doctor.rows import kernels_row
@@ -19,17 +19,10 @@ from launch.plan.preflight import Facts
 from training import fastdrop, fused, native
 
 ROOT = Path(__file__).resolve().parent.parent
-gcc = pytest.mark.skipif(shutil.which("gcc") is None, reason="no gcc: training/native's kernels are not built")
+pytestmark = pytest.mark.usefixtures("fresh_native")
 
 
-@pytest.fixture(autouse=True)
-def fresh_native():
-    native.reset()
-    yield
-    native.reset()
-
-
-@gcc
+@NEEDS_GCC
 def test_one_kernel_off_leaves_the_others_and_the_report_says_which_path_each_took():
     x = torch.randn(64, 32)
     with native.off("output"):
@@ -70,7 +63,7 @@ def _check(env: dict[str, str]) -> dict:
     return json.loads(res.stdout.strip().splitlines()[-1])
 
 
-@gcc
+@NEEDS_GCC
 def test_the_node_side_check_builds_and_loads_the_library():
     got = _check({})
     assert got["ok"] is True and got["detail"].startswith("built for this CPU and loaded: ")
