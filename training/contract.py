@@ -117,8 +117,8 @@ class Agent(threading.Thread):
             return
         ok = False
         if self.rank == 0:
-            steps = complete_steps(self.folder) if self.folder.is_dir() else []
-            step = steps[-1] if steps else -1
+            latest = paths.latest_checkpoint(self.folder)
+            step = latest[0] if latest else -1
             if self.publisher is not None and step >= 0:
                 ok = self.publisher.wait(preempt.wait_seconds(self.notice["cause"])) and self.publisher.confirmed(step)
             print(notice.Notice(cause=self.notice["cause"], rank=int(self.notice["rank"]), step=step,

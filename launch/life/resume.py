@@ -11,8 +11,8 @@ from cluster import store as store_lib
 from core.errors import ClusterError, NoCheckpoint, NoRecord
 from launch.life import records
 from launch.plan.request import Resume, TrainRequest, file_digest
-from launch.ship import outputs, secrets
-from training.paths import RunPaths
+from launch.ship import secrets
+from training.paths import RunPaths, latest_checkpoint
 
 
 def _summary(run_id: str, run_dir: Path, runs_dir: Path, store: str | None) -> dict:
@@ -57,13 +57,13 @@ def resume_request(run_id: str, runs_dir: Path, nodes: int | None = None, fetch_
         step, url = in_store
         checkpoint = None
     else:
-        home = outputs.home_checkpoints(run_dir)
-        if not home:
+        latest = latest_checkpoint(RunPaths(run_id, runs_dir=runs_dir).home_checkpoints)
+        if not latest:
             where = records.RunRecord.from_json(summary).store or store
             in_where = f"{where}/{RunPaths(run_id).store_checkpoints} nor in " if where else ""
             raise NoCheckpoint(f"--resume {run_id}: no complete checkpoint in {in_where}{run_dir}/checkpoints", fix="start "
                                "the run anew")
-        (step, checkpoint), url = home[-1], None
+        (step, checkpoint), url = latest, None
         if not fetch_model_ok(checkpoint):
             raise ClusterError(f"--resume {run_id}: checkpoint {checkpoint.name} has no model weights (the run used "
                                "--no-fetch-model)", fix="start the run anew")
