@@ -87,7 +87,7 @@ sshd:
 	  fi; \
 	fi
 
-# gcc builds training/native's kernels (without it the jobs take torch's slower path and their tests skip).
+# gcc builds training/speed/native's kernels (without it the jobs take torch's slower path and their tests skip).
 gcc:
 	@if ! command -v gcc >/dev/null && [ "$$(id -u)" = 0 ]; then \
 	  echo "installing gcc"; \

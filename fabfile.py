@@ -27,14 +27,13 @@ from core.errors import ClusterError
 from doctor import run as doctor_lib
 from doctor import status as status_lib
 from launch import run as train_lib
-from launch.life import records
-from launch.life import restarts as restarts_lib
+from launch.chain import restarts as restarts_lib
+from launch.chain import supervisor as supervisor_lib
+from launch.chain import train_flags as flags_lib
+from launch.life import records, store_run
 from launch.life import runs as runs_lib
 from launch.life import stop as stop_lib
-from launch.life import supervisor as supervisor_lib
 from launch.plan import request as request_lib
-from launch.plan import train_flags as flags_lib
-from launch.ship import store_run
 from node_setup import profiles as profiles_lib
 from node_setup import setup as setup_lib
 from reports import bench as bench_lib
@@ -151,11 +150,12 @@ def keys(c, cluster=None):
           f"node 0 reaches every node with verified host keys ({res.ssh_dir}/config)")
 
 
-@task(**flags_lib.task_options())  # every flag and its help line: launch/plan/train_flags.py's TrainFlags
+@task(**flags_lib.task_options())  # every flag and its help line: launch/chain/train_flags.py's TrainFlags
 @cli
 @flags_lib.takes_flags
 def train(c, flags: flags_lib.TrainFlags):
-    """Run a training job across the cluster with mpirun; results land in runs/<run-id>/."""
+    """Run a training job across the cluster with mpirun; results land in runs/<run-id>/.
+    Each flag in full: docs/train.md#flags."""
     cluster = _cluster(c, flags.cluster)
     chosen_store = store_lib.choose(flags.store, c.config, cluster)  # one resolver for every task
     r = flags_lib.resolve(flags, request_lib.RUNS, store=chosen_store.url)

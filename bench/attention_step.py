@@ -2,7 +2,7 @@
 
 MiniLM-L6 with a 2-label head, a batch of the bundled paraphrase pairs padded to each length, bf16
 autocast, fused AdamW, this process's threads; the mean of 10 steps after 3 warm-up steps, eager and
-sdpa measured alternately. This is what training/glue.py's `--attn_implementation auto` rests on
+sdpa measured alternately. This is what training/jobs/glue.py's `--attn_implementation auto` rests on
 (eager up to 128 tokens, sdpa beyond). Prints the CPU model and flags. Last line:
     eager_over_sdpa=<speed ratio at 128 tokens>
 
@@ -27,8 +27,8 @@ def step_ms(attn: str, length: int, batch: int, steps: int = 10) -> float:
     import torch
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
-    from training.common import DEFAULT_MODEL, resolve_model
-    from training.glue import BUNDLED
+    from training.jobs.common import DEFAULT_MODEL, resolve_model
+    from training.jobs.glue import BUNDLED
 
     path = resolve_model(DEFAULT_MODEL)
     tok = AutoTokenizer.from_pretrained(path)

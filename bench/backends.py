@@ -105,8 +105,8 @@ def train_step(steps: int, batch: int, rank: int, world: int, ccl=None, hooks: t
     from transformers import BertConfig, BertForSequenceClassification
     from transformers.utils import logging
 
-    from training import fastdrop
-    from training.dist import cpu_flags
+    from training.speed import fastdrop
+    from training.speed.mfu import cpu_flags
 
     logging.set_verbosity_error()
     s = model_shapes.BERT_BASE

@@ -4,14 +4,14 @@ bert-base-cased's shape with random weights (bench/model_shapes.py), a 2-label h
 paraphrase pairs (seeded shuffle, padded per batch), the glue job's levers (eager attention with fast dropout,
 frozen word embeddings, fused AdamW). Variants:
   autocast      fp32 weights under bf16 autocast: the glue job's --bf16_weights False
-  bf16w         bf16 weights with fp32 masters (training/master.py) under autocast: the glue job's default in bf16
+  bf16w         bf16 weights with fp32 masters (training/speed/master.py) under autocast: the glue job's default in bf16
   pure          bf16 weights with fp32 masters, no autocast: layer norm, softmax and GELU in bf16 too
   fp32          fp32 weights, no autocast
   compile-<v>   the whole model torch.compile'd (inductor); use --multiple 16 or 32 to bound the recompiles
   regional-<v>  each encoder layer compiled on its own (nn.Module.compile): one graph reused 12 times
-  <v>-torch     training/native's kernels off for this variant: torch's own dropout, output block and AdamW step
+  <v>-torch     training/speed/native's kernels off for this variant: torch's own dropout, output block and AdamW step
                 (what XC_NATIVE_KERNELS=0 gives a job), in the same process
-  <v>-no-<k>    one kernel off (k: dropout, output, adamw; training/native.KERNELS), or several: a+b
+  <v>-no-<k>    one kernel off (k: dropout, output, adamw; training/speed/native.KERNELS), or several: a+b
 Each variant trains its own copy of the same model on the same batches; rounds of --steps steps alternate between
 the variants so that the shared machine's drift hits all alike; the figure is the median step of all rounds after
 the first (warm-up, compilation). MFU: the model FLOPs of the real tokens over torch's bf16 matmul at the FFN shape,
@@ -39,11 +39,11 @@ from glue_single_node import cpu_line, load_line, matmul_peak
 
 
 def kernels(variant: str):
-    """The context a variant builds and steps in: training/native off for <v>-torch, one kernel off for
+    """The context a variant builds and steps in: training/speed/native off for <v>-torch, one kernel off for
     <v>-no-<kernel>."""
     import contextlib
 
-    from training import native
+    from training.speed import native
 
     if variant.endswith("-torch"):
         return native.off()
@@ -64,7 +64,7 @@ def _build(variant: str, state: dict | None):
     import torch
     from transformers import BertConfig, BertForSequenceClassification
 
-    from training import fastdrop, fused, master
+    from training.speed import fastdrop, fused, master
 
     s = model_shapes.BERT_BASE
     config = BertConfig(vocab_size=30522, hidden_size=s.width, num_hidden_layers=s.layers, num_attention_heads=s.heads,

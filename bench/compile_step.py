@@ -34,8 +34,8 @@ def batches(steps: int, batch: int, multiple: int):
     import torch
     from transformers import AutoTokenizer
 
-    from training.common import DEFAULT_MODEL, resolve_model
-    from training.glue import BUNDLED
+    from training.jobs.common import DEFAULT_MODEL, resolve_model
+    from training.jobs.glue import BUNDLED
 
     tok = AutoTokenizer.from_pretrained(resolve_model(DEFAULT_MODEL))
     with (BUNDLED / "train.csv").open() as f:
@@ -54,8 +54,8 @@ def step_times(compiled: bool, data) -> list[float]:
     import torch
     from transformers import AutoModelForSequenceClassification
 
-    from training import fastdrop
-    from training.common import DEFAULT_MODEL, resolve_model
+    from training.jobs.common import DEFAULT_MODEL, resolve_model
+    from training.speed import fastdrop
 
     torch.manual_seed(0)
     model = AutoModelForSequenceClassification.from_pretrained(resolve_model(DEFAULT_MODEL), num_labels=2,

@@ -3,13 +3,13 @@
 Starts its own local cluster (its own state folder, sshd on --port, default 2422, so that a cluster someone
 else runs is left alone), makes it warm with one run of the same job (the page cache holds the venv, each
 node remembers its bf16 timing), then runs `fab train --nodes 2` --runs times with XC_TIMELINE=1: rank 0
-prints its milestones (training/timeline.py), and fab's own lines are timed as they arrive. Phases:
+prints its milestones (training/runtime/timeline.py), and fab's own lines are timed as they arrive. Phases:
 
     cli        fab's own start-up, up to its first line
     probing    the cluster, node facts and the precision probe, up to the launch plan
     staging    keys, the mesh check, code and data on every node, up to 'launching ... with mpirun'
     mpirun     from there to rank 0's process start (mpirun, ssh, the rank script)
-    torch      rank 0's torch import and its process group (training/dist.py's setup)
+    torch      rank 0's torch import and its process group (training/jobs/dist.py's setup)
     imports    transformers and the job's modules
     data       reading the data set, and tokenizing it
     model      loading the model and applying the speed levers

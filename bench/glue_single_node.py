@@ -57,7 +57,7 @@ ONEDNN_ISAS = ["SSE41", "AVX", "AVX2", "AVX2_VNNI", "AVX2_VNNI_2", "AVX512_CORE"
 # Levers on the default path, measured with --levers (each alone, against "default" in the same run)
 MALLOC = {"jemalloc": "/lib/x86_64-linux-gnu/libjemalloc.so.2", "tcmalloc": "/lib/x86_64-linux-gnu/libtcmalloc.so.4"}
 # levers that are environment variables of the job
-LEVER_ENV = {"no-native-kernels": {"XC_NATIVE_KERNELS": "0"}}  # torch's ops where training/native has kernels
+LEVER_ENV = {"no-native-kernels": {"XC_NATIVE_KERNELS": "0"}}  # torch's ops where training/speed/native has kernels
 LEVERS = {
     "bf16": ([], "bf16"),  # bf16 autocast whatever auto picks
     "sdpa": (["--attn_implementation", "sdpa"], "auto"),
@@ -76,7 +76,7 @@ LEVERS = {
     "fused-adamw": (["--optim", "adamw_torch_fused"], "auto"),  # the Trainer's own default in transformers 5
     "eager": (["--attn_implementation", "eager"], "auto"),
     "fp32": ([], "fp32"),
-    "no-native-kernels": ([], "auto"),  # AdamW step and dropout by torch (and numpy), not training/native
+    "no-native-kernels": ([], "auto"),  # AdamW step and dropout by torch (and numpy), not training/speed/native
     "jemalloc": ([], "auto"),
     "tcmalloc": ([], "auto"),
     "glibc-malloc": ([], "auto"),  # no preloaded allocator: glibc's malloc, as a job started by hand gets
@@ -88,7 +88,7 @@ def padding_bound(samples: int, max_len: int = 128) -> tuple[int, int]:
 
     from transformers import AutoTokenizer
 
-    from training.glue import BUNDLED, DEFAULT_MODEL, resolve_model
+    from training.jobs.glue import BUNDLED, DEFAULT_MODEL, resolve_model
 
     tok = AutoTokenizer.from_pretrained(resolve_model(DEFAULT_MODEL))
     with (BUNDLED / "train.csv").open() as f:
@@ -115,7 +115,7 @@ def matmul_peak(dtype_name: str, rows: int = 2048, d: int = 384, ffn: int = 1536
     best of `windows` one-second windows (the VM's neighbours only ever slow a window down)."""
     import torch
 
-    from training.mfu import matmul_flops
+    from training.speed.mfu import matmul_flops
 
     dt = {"bf16": torch.bfloat16, "fp32": torch.float32}[dtype_name]
     return max(matmul_flops(dt, rows, d, ffn, 1.0) for _ in range(windows))
@@ -191,7 +191,7 @@ def shape_args(shape: str, model_dir: Path | None, out: Path) -> list[str]:
     return []
 
 
-# gpt2 runs the clm job. "previous" is its path before the levers of training/levers.py (causal_lm): sdpa with
+# gpt2 runs the clm job. "previous" is its path before the levers of training/speed/levers.py (causal_lm): sdpa with
 # GPT-2's attention dropout (torch's unfused math attention), the full fp32 logits and transformers' loss,
 # torch's dropout, gelu_new. The seeds' recipe is that path in fp32 with the unfused AdamW of their transformers.
 # The check: one step of each path with every dropout at 0 (else the two draw different masks: 1.3e-3 apart in
@@ -230,7 +230,7 @@ def rank_malloc() -> str | None:
 
 def run(name: str, extra: list[str], precision: str, samples: int, batch: int, out: Path, epochs: int = 1,
         seed: int = 42, shape: str = "minilm", model_dir: Path | None = None) -> dict:
-    job, evals = ("training.clm", []) if shape == "gpt2" else ("training.glue", ["--do_eval"])
+    job, evals = ("training.jobs.clm", []) if shape == "gpt2" else ("training.jobs.glue", ["--do_eval"])
     args = [sys.executable, "-m", job, "--output_dir", str(out / name), "--do_train", *evals,
             "--num_train_epochs", str(epochs), "--per_device_train_batch_size", str(batch), "--learning_rate", "1e-4",
             "--max_train_samples", str(samples), "--seed", str(seed), *shape_args(shape, model_dir, out), *extra]
@@ -295,7 +295,7 @@ def main() -> None:
         real, padded = padding_bound(a.samples)
     tokens = round(real / a.samples)
     # bf16 only where the runs can be bf16: emulated bf16 (no bf16 instructions) times at ~1 GFLOP/s, minutes
-    from training.dist import cpu_flags
+    from training.speed.mfu import cpu_flags
 
     has_bf16 = bool({"amx_bf16", "avx512_bf16"} & cpu_flags())
     wanted = ("bf16", "fp32") if has_bf16 or "bf16" in a.levers.split(",") else ("fp32",)

@@ -42,7 +42,7 @@ GPT2 = Shape("gpt2", 12, 768, 12, 3072, 50257, head_vocab=50257)
 def minilm() -> Shape:
     from transformers import AutoConfig
 
-    from training.common import DEFAULT_MODEL, resolve_model
+    from training.jobs.common import DEFAULT_MODEL, resolve_model
 
     c = AutoConfig.from_pretrained(resolve_model(DEFAULT_MODEL))
     return Shape("minilm", c.num_hidden_layers, c.hidden_size, c.num_attention_heads, c.intermediate_size,
@@ -66,7 +66,7 @@ def write_bert_base(dest: Path, num_labels: int = 2) -> Path:
     import torch
     from transformers import AutoTokenizer, BertConfig, BertForSequenceClassification
 
-    from training.common import DEFAULT_MODEL, resolve_model
+    from training.jobs.common import DEFAULT_MODEL, resolve_model
 
     tokenizer = AutoTokenizer.from_pretrained(resolve_model(DEFAULT_MODEL))
     s = BERT_BASE

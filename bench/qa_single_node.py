@@ -2,7 +2,7 @@
 
 The bundled encyclopedia QA set, MiniLM-L6 with a fresh QA head, one process, side by side:
   torch-dropout-trained   torch's dropout, every weight trained (the job before the levers)
-  fast-dropout            training/fastdrop.py's dropout, every weight trained
+  fast-dropout            training/speed/fastdrop.py's dropout, every weight trained
   autocast                the default with fp32 weights under autocast (--bf16_weights False)
   default                 the job's default: fast dropout, frozen word embeddings, bf16 weights where bf16 trains
 Speed is the best of the seeds' runs (interleaved, so drift hits every config alike); exact match and
@@ -39,7 +39,7 @@ CONFIGS = {
 
 
 def run(extra: list[str], samples: int, epochs: int, batch: int, seed: int, out: Path) -> dict:
-    args = [sys.executable, "-m", "training.qa", "--output_dir", str(out), "--do_train", "--do_eval",
+    args = [sys.executable, "-m", "training.jobs.qa", "--output_dir", str(out), "--do_train", "--do_eval",
             "--num_train_epochs", str(epochs), "--per_device_train_batch_size", str(batch),
             "--learning_rate", "1e-4", "--max_train_samples", str(samples), "--seed", str(seed), *extra]
     res = subprocess.run(args, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True,

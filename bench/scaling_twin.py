@@ -120,7 +120,7 @@ class Neighbour:
     def __init__(self, tmp: Path, cpus: list[int], batch: int):
         env = {**os.environ, "XC_PRECISION": "auto", "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": str(len(cpus))}
         self.log = tmp / "neighbour.log"
-        cmd = ["taskset", "-c", ",".join(map(str, cpus)), sys.executable, "-m", "training.glue", "--do_train",
+        cmd = ["taskset", "-c", ",".join(map(str, cpus)), sys.executable, "-m", "training.jobs.glue", "--do_train",
                "--output_dir", str(tmp / "neighbour"), "--max_steps", "100000", "--save_strategy", "no",
                "--per_device_train_batch_size", str(batch), "--learning_rate", "1e-4", "--seed", "43"]
         with self.log.open("w") as f:

@@ -9,9 +9,9 @@ Trainer saves it (model.safetensors + optimizer.pt + a few small files).
   before, save:   notice -> the node saves -> its files cross the operator's link (a TCP stream standing in for
                   the SFTP copy launch/ship/outputs.py made: the same bytes, without SSH's few % of framing)
   before, resume: the operator's copy crosses the link back to the new node (launch/run.py's _stage did so)
-  after, save:    notice -> the node saves -> training.store.publish_checkpoint uploads it to S3 (boto3's
+  after, save:    notice -> the node saves -> training.runtime.store.publish_checkpoint uploads it to S3 (boto3's
                   transfer manager, multipart, marker last); the operator sends the notice and hears "durable"
-  after, resume:  the operator sends the store URL; the node downloads it (training.store.download_tree)
+  after, resume:  the operator sends the store URL; the node downloads it (training.runtime.store.download_tree)
 Bytes over the operator's link come from its veth's counters (both directions), commands and replies included.
 Last line:  notice_to_durable_s=<after, save> operator_bytes_resume=<after, resume>      (goals: <= 60, < 10e6)
 
@@ -30,7 +30,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from training.paths import RunPaths
+from training.runtime.paths import RunPaths
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -88,7 +88,7 @@ def node_main(work: Path) -> None:
     from transformers import BertConfig, BertForSequenceClassification
     from transformers.utils import logging as hf_logging
 
-    from training import store
+    from training.runtime import store
 
     hf_logging.disable_progress_bar()
     torch.manual_seed(0)

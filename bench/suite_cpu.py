@@ -71,7 +71,7 @@ def kind(proc: dict) -> str:
             rest = argv[i + 2:]
             flags = [x for x in rest if x.startswith("--") and x != "--model_name_or_path"][:3]
             model = [Path(rest[j + 1]).name for j, x in enumerate(rest[:-1]) if x == "--model_name_or_path"]
-            return f"rank {argv[i + 1][9:]} {' '.join(flags)}" + (f" ({model[0]})" if model else "")
+            return f"rank {argv[i + 1].rpartition('.')[2]} {' '.join(flags)}" + (f" ({model[0]})" if model else "")
         if a == "-m" and i + 1 < len(argv) and argv[i + 1] == "fabric":
             return f"fab {argv[i + 2] if i + 2 < len(argv) else ''}".strip()
     if "accelerate" in line or line.endswith(".py") or any(a.endswith("train.py") for a in argv):

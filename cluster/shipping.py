@@ -98,14 +98,14 @@ def ensure_verified_code(conn, home: str, digest: str, tarball: bytes) -> str:
 
 def standalone(tail: str, modules: tuple[str, ...] = ("paths", "notice", "s3client", "store", "spot")) -> str:
     """A Python program for a node that has python but not the shipped code (a probe before setup, a check
-    between runs): the named training/ modules travel inside it as text and import as `training.<name>`;
+    between runs): the named training/runtime modules travel inside it as text and import as `training.runtime.<name>`;
     `tail` runs after them and imports what it needs."""
-    sources = {f"training.{m}": (PROJECT_ROOT / "training" / f"{m}.py").read_text() for m in modules}
+    sources = {f"training.runtime.{m}": (PROJECT_ROOT / "training" / "runtime" / f"{m}.py").read_text() for m in modules}
     return ("import importlib.abc as _abc, importlib.util as _util, sys as _sys, types as _types\n"
             f"_SOURCES = {sources!r}\n"
             "class _Shipped(_abc.MetaPathFinder, _abc.Loader):\n"
             "    def find_spec(self, name, path=None, target=None):\n"
-            "        if name == 'training':\n"
+            "        if name in ('training', 'training.runtime'):\n"
             "            return _util.spec_from_loader(name, self, is_package=True)\n"
             "        return _util.spec_from_loader(name, self) if name in _SOURCES else None\n"
             "    def create_module(self, spec):\n"
@@ -118,9 +118,9 @@ def standalone(tail: str, modules: tuple[str, ...] = ("paths", "notice", "s3clie
 
 
 def native_kernels(conn, code_dir: str, python: str) -> tuple[bool | None, str]:
-    """training/native's kernels built (unless cached) and loaded on the node by `python` (a shell word): (True,
+    """training/speed/native's kernels built (unless cached) and loaded on the node by `python` (a shell word): (True,
     where), (False, why not), or (None, why it could not be asked or means nothing there)."""
-    res = run(conn, f"cd {shlex.quote(code_dir)} && {python} -m training.native", timeout=300)
+    res = run(conn, f"cd {shlex.quote(code_dir)} && {python} -m training.speed.native", timeout=300)
     try:
         got = json.loads(res.stdout.strip().splitlines()[-1])
         return (None if got["ok"] is None else bool(got["ok"])), str(got["detail"])

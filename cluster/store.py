@@ -1,4 +1,4 @@
-"""The operator's view of the cluster's store (training.store holds the shared code): which store a task
+"""The operator's view of the cluster's store (training.runtime.store holds the shared code): which store a task
 uses, whether it answers, what the ranks need to reach it, and bringing a run home from it.
 
 Choosing it, the same for every task (train, pull, runs, logs, doctor): --store URL > XC_STORE > fabric.yaml
@@ -18,10 +18,10 @@ from pathlib import Path
 
 from core.constants import PROJECT_ROOT
 from core.errors import ClusterError
-from training import paths
-from training import store as shared
-from training.paths import RunPaths
-from training.store import STORE_ENV, StoreError, explain, open_store
+from training.runtime import paths
+from training.runtime import store as shared
+from training.runtime.paths import RunPaths
+from training.runtime.store import STORE_ENV, StoreError, explain, open_store
 
 log = logging.getLogger(__name__)
 

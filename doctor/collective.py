@@ -138,7 +138,7 @@ import signal, sys, time
 signal.alarm(int(sys.argv[1]))
 import torch
 import torch.distributed as dist
-from training import dist as xdist
+from training.jobs import dist as xdist
 t0 = time.monotonic()
 info = xdist.setup(precision="fp32", timeout_s=int(sys.argv[2]))
 rank, world = dist.get_rank(), dist.get_world_size()
@@ -153,7 +153,7 @@ print(f"allreduce rank={rank} world={world} ok={int(ok)} init_s={t1 - t0:.3f} al
       f"backend={dist.get_backend()}", flush=True)
 dist.destroy_process_group()
 if ok:
-    from training.common import FINISHED_TAG
+    from training.runtime.wire import FINISHED_TAG
     print(FINISHED_TAG, "rank", rank, flush=True)
 sys.exit(0 if ok else 1)
 '''

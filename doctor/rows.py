@@ -71,7 +71,7 @@ def hardware_rows(f: Facts) -> list[Row]:
 
 
 def kernels_row(f: Facts) -> Row:
-    """training/native's library: built for this node's CPU and loaded by its python."""
+    """training/speed/native's library: built for this node's CPU and loaded by its python."""
     if f.kernels is None:
         return Row(f.node.name, "kernels", True, "not checked: this revision's code is not on the node yet (fab "
                    "setup or fab train ships it)", skipped=True)

@@ -19,10 +19,10 @@ TAG = "xc-store-probe"
 
 
 def program(url: str, env: dict[str, str]) -> str:
-    """training/store.py (and what it imports) inside the program, then the probe: the node needs only python and
+    """training/runtime/store.py (and what it imports) inside the program, then the probe: the node needs only python and
     boto3, not the shipped code."""
     return shipping.standalone(
-        "from training.store import StoreError, probe\n"
+        "from training.runtime.store import StoreError, probe\n"
         "import os as _os\n"
         f"_os.environ.update({env!r})\n"
         "import json as _json\n"

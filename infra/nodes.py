@@ -43,7 +43,7 @@ def user_data(settings: ClusterSettings) -> str:
 
 
 def node_env(settings: ClusterSettings) -> dict[str, str]:
-    """/etc/xeon-cluster/cluster.env of a node (training/spot.py reads the group and hook names there)."""
+    """/etc/xeon-cluster/cluster.env of a node (training/runtime/spot.py reads the group and hook names there)."""
     return {"XC_CLUSTER": settings.cluster_name, "XC_STACK": settings.stack, "XC_PROFILE": settings.profile,
             "XC_IMAGE_MODE": settings.image, "XC_REGION": settings.region, "XC_ASG_NAME": group_name(settings),
             "XC_LIFECYCLE_HOOK": TERMINATION_HOOK}

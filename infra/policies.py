@@ -15,10 +15,10 @@ from infra.checks import AwsContext
 # (docs/iam-policy-pulumi.json), its iam:PassRole and fab sweep's IAM deletes (docs/iam-policy.json) reach only it.
 ROLE_PATH = "/xeon-cluster/"
 # What user code on a node may write in the store, relative to the cluster's prefix: checkpoints and outputs
-# (training/store.py publish_checkpoint, publish_output) and the store probe's object. Records, logs and heartbeats
+# (training/runtime/store.py publish_checkpoint, publish_output) and the store probe's object. Records, logs and heartbeats
 # are the head's and the operator's: a node cannot rewrite a run's summary or another run's outputs' record.
 NODE_WRITABLE = ("runs/*/checkpoints/*", "runs/*/output/*", ".xc-probe/*")
-# What it may delete: old checkpoints (training/store.py keeps the newest KEEP_CHECKPOINTS) and the probe's object.
+# What it may delete: old checkpoints (training/runtime/store.py keeps the newest KEEP_CHECKPOINTS) and the probe's object.
 # No node may delete an object version (the bucket is versioned: an overwrite from a node leaves the previous
 # version for the noncurrent-version rules).
 NODE_DELETABLE = ("runs/*/checkpoints/*", ".xc-probe/*")
@@ -75,7 +75,7 @@ def host_key_statement(ctx: AwsContext, cluster: str) -> dict:
 
 def lifecycle_statement(ctx: AwsContext, group: str) -> dict:
     """Complete a leaving node's lifecycle action, or extend it with heartbeats while its checkpoint uploads
-    (training/spot.py). On the cluster's own group only; AWS has no condition key for the instance a call names,
+    (training/runtime/spot.py). On the cluster's own group only; AWS has no condition key for the instance a call names,
     so a node can act on any instance of its group, not only itself (docs/ops.md, 'What each role can do')."""
     return {"Sid": "CompleteClusterGroupsLifecycleAction", "Effect": "Allow",
             "Action": ["autoscaling:CompleteLifecycleAction", "autoscaling:RecordLifecycleActionHeartbeat"],

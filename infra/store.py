@@ -21,16 +21,16 @@ import pulumi_aws as aws
 from infra.policies import tls_only_policy
 from infra.settings import ClusterSettings
 
-CHECKPOINT_TAG_KEY = "xeon-cluster-kind"  # training/paths.py tag_of: checkpoint objects, logs and heartbeats
+CHECKPOINT_TAG_KEY = "xeon-cluster-kind"  # training/runtime/paths.py tag_of: checkpoint objects, logs and heartbeats
 NONCURRENT_CHECKPOINT_DAYS = 1  # a replaced or deleted checkpoint (GBs) is billed one more day at most
 NONCURRENT_DAYS = 30  # an overwritten or deleted record or output can be restored for a month
-NONCURRENT_LOG_DAYS = 1  # logs and heartbeats (training/paths.py LOG_TAG) change often: their old versions, a day
+NONCURRENT_LOG_DAYS = 1  # logs and heartbeats (training/runtime/paths.py LOG_TAG) change often: their old versions, a day
 
 
 def lifecycle_rules(prefix: str, retention_days: int) -> list[dict]:
     runs = f"{prefix}/runs/"
     return [
-        {"id": "expire-checkpoints", "status": "Enabled",  # checkpoint objects carry this tag (training/store.py)
+        {"id": "expire-checkpoints", "status": "Enabled",  # checkpoint objects carry this tag (training/runtime/store.py)
          "filter": {"and": {"prefix": runs, "tags": {CHECKPOINT_TAG_KEY: "checkpoint"}}},
          "expiration": {"days": retention_days},
          "noncurrent_version_expiration": {"noncurrent_days": NONCURRENT_CHECKPOINT_DAYS}},

@@ -1,3 +1,4 @@
-"""`fab train`, in three rooms and one conductor: plan/ (flags -> request -> mpirun), ship/ (code, data and
-secrets out; output, checkpoints and records back), life/ (a run's record, its ending, detached runs, restarts
-and the supervisor). run.py stages, runs mpirun and hands what it saw to life.lifecycle.end."""
+"""`fab train`, in four rooms and one conductor, imported one way (ship <- plan <- life <- run <- chain):
+ship/ (code, data and secrets out; outputs and checkpoints back), plan/ (request -> mpirun), life/ (a run's
+record, its output stream and its one ending, detached runs), run.py (stages one run, runs mpirun, hands what
+it saw to life.lifecycle.end) and chain/ (flags resolved into a request, restarts and the supervisor)."""

@@ -21,19 +21,19 @@ from cluster.resolve import Cluster
 from core.constants import HOME_EXPR
 from core.errors import ClusterError
 from core.render import render
-from launch.life import detach, lock, records
+from launch.life import detach, lock, records, store_run
 from launch.life.cleanup import Sweep, sweep
 from launch.life.lifecycle import Outcome, Run, end
 from launch.life.records import RunResult, Status, new_record, result_line, this_process
 from launch.life.recovery import Recovery
+from launch.life.stream import OutputRouter
 from launch.life.watchdog import Watchdog
 from launch.plan import launcher
 from launch.plan.preflight import preflight
 from launch.plan.probe import NodeFacts
 from launch.plan.request import TrainRequest, describe, plan_run, validate
-from launch.ship import outputs, secrets, store_run, userscript, workdir
-from launch.ship.stream import OutputRouter
-from training.paths import RunPaths
+from launch.ship import outputs, secrets, userscript, workdir
+from training.runtime.paths import RunPaths
 
 log = logging.getLogger(__name__)
 

@@ -18,12 +18,11 @@ from typing import TextIO
 from cluster.resolve import Cluster
 from core.errors import ClusterError
 from launch.life import records
-from launch.plan import jobflags
 from launch.plan.request import TrainRequest, new_run_id, validate
 from launch.run import train
-from launch.ship import secrets
+from launch.ship import jobflags, secrets
 from reports import predict
-from training.paths import RunPaths
+from training.runtime.paths import RunPaths
 
 log = logging.getLogger(__name__)
 

@@ -271,7 +271,7 @@ def small_model(tmp_path_factory) -> str:
         if not (folder / "config.json").is_file():
             from transformers import AutoModel, AutoTokenizer
 
-            from training.common import DEFAULT_MODEL, resolve_model
+            from training.jobs.common import DEFAULT_MODEL, resolve_model
 
             src = resolve_model(DEFAULT_MODEL)
             model = AutoModel.from_pretrained(src)
@@ -284,14 +284,14 @@ def small_model(tmp_path_factory) -> str:
     return str(folder)
 
 
-NEEDS_GCC = pytest.mark.skipif(shutil.which("gcc") is None, reason="no gcc: training/native's kernels are not built")
+NEEDS_GCC = pytest.mark.skipif(shutil.which("gcc") is None, reason="no gcc: training/speed/native's kernels are not built")
 
 
 @pytest.fixture
 def fresh_native():
-    """training/native's loaded library and tally forgotten before and after the test (one that switches
+    """training/speed/native's loaded library and tally forgotten before and after the test (one that switches
     XC_NATIVE_KERNELS or reads the tally leaves nothing to the next)."""
-    from training import native
+    from training.speed import native
 
     native.reset()
     yield

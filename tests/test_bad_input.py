@@ -421,7 +421,7 @@ def test_the_bundled_data_passes_the_checks(job, files):
     """The checks refuse what the jobs cannot use, not what they can: the bundled sets pass."""
     from launch.ship import jobdata
 
-    paths = [str(ROOT / "training" / "data" / f) for f in files]
+    paths = [str(ROOT / "training" / "jobs" / "data" / f) for f in files]
     args = ["--train_file", paths[0], "--validation_file", paths[1], "--max_seq_length", "128",
             "--learning_rate", "2e-5", "--num_train_epochs", "1", "--model_name_or_path", "bert-base-cased"]
     jobdata.check(job, args, [("--train_file", paths[0]), ("--validation_file", paths[1])])

@@ -14,7 +14,7 @@ from cluster import aws
 from cluster.resolve import Cluster
 from core.constants import TAG_CLUSTER, TAG_IMAGE
 from core.errors import ClusterError
-from launch.life import restarts, supervisor
+from launch.chain import restarts, supervisor
 from launch.plan.request import TrainRequest
 
 

@@ -144,7 +144,7 @@ def test_kube_manifest_is_a_pytorchjob_with_master_and_workers(tmp_path):
         pod = specs[role]["template"]["spec"]
         (c,) = pod["containers"]
         assert c["name"] == "pytorch"
-        assert c["command"][:3] == ["python", "-m", "training.qa"]
+        assert c["command"][:3] == ["python", "-m", "training.jobs.qa"]
         assert c["command"][3:7] == ["--max_seq_length", "384", "--doc_stride", "128"]
         assert c["command"][-2:] == ["--output_dir", "/pvc/output/xeon-qa-4n"]
         env = {e["name"]: e.get("value") for e in c["env"]}
@@ -173,7 +173,7 @@ def test_kube_one_node_has_no_workers_and_the_image_gets_the_profile(tmp_path):
     dockerfile = (out / "Dockerfile").read_text()
     assert re.search(r"^FROM ubuntu:24\.04$", dockerfile, re.MULTILINE)
     assert "RUN bash /tmp/node_setup.sh" in dockerfile and "COPY training /workspace/training" in dockerfile
-    assert (out / "training" / "clm.py").is_file() and not list((out / "training").rglob("__pycache__"))
+    assert (out / "training" / "jobs" / "clm.py").is_file() and not list((out / "training").rglob("__pycache__"))
 
 
 @pytest.mark.parametrize("args, message", [

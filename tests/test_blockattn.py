@@ -1,4 +1,4 @@
-"""Causal attention in query blocks (training/blockattn.py): the same outputs and gradients as torch's sdpa, and
+"""Causal attention in query blocks (training/speed/blockattn.py): the same outputs and gradients as torch's sdpa, and
 transformers' sdpa wherever the blocks do not apply (padding masks, dropout, a KV cache)."""
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ transformers = pytest.importorskip("transformers")
 
 from conftest import tiny_gpt2
 
-from training import blockattn
+from training.speed import blockattn
 
 
 @pytest.mark.parametrize("tokens,block", [(45, 16), (64, 16), (10, 128)])  # a short last block; even; one block
@@ -85,9 +85,9 @@ def test_it_leaves_a_model_without_sdpa_alone():
     ("auto", {"amx_bf16", "amx_tile", "avx512_bf16"}, "AVX512_CORE_BF16", True),  # oneDNN capped below AMX
     ("True", {"amx_bf16", "amx_tile"}, None, True), ("false", set(), None, False)])
 def test_block_attention_auto_follows_amx(monkeypatch, value, flags, cap, want):
-    from training import dist, levers
+    from training.speed import levers, mfu
 
-    monkeypatch.setattr(dist, "cpu_flags", lambda: flags)
+    monkeypatch.setattr(mfu, "cpu_flags", lambda: flags)
     if cap:
         monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", cap)
     else:
@@ -96,7 +96,7 @@ def test_block_attention_auto_follows_amx(monkeypatch, value, flags, cap, want):
 
 
 def test_block_attention_rejects_other_words():
-    from training import levers
+    from training.speed import levers
 
     with pytest.raises(ValueError, match="auto, True, False"):
         levers.block_attention("sometimes")

@@ -16,7 +16,7 @@ from conftest import processes_with_env
 
 from doctor import collective as doctor
 from launch.life import cleanup, records
-from training import common, dist
+from training.jobs import common, dist
 
 HAVE_CCL = importlib.util.find_spec("oneccl_bindings_for_pytorch") is not None
 needs_ccl = pytest.mark.skipif(not HAVE_CCL, reason="oneccl_bindings_for_pytorch is not installed in this venv "
@@ -76,8 +76,8 @@ def test_claim_says_nothing_is_left_only_after_every_node_was_checked():
     unchecked = cleanup.Sweep(killed={"node0": 1}, unchecked={"node1": "node1 (127.0.0.3:22) is unreachable"})
     assert not unchecked.clean and "node1 not checked" in unchecked.claim()
     assert "nothing is left" not in unchecked.claim()
-    left = cleanup.Sweep(killed={"node0": 0}, left={"node0": ["123 python -m training.glue"]})
-    assert "node0: pid 123 python -m training.glue" in left.claim()
+    left = cleanup.Sweep(killed={"node0": 0}, left={"node0": ["123 python -m training.jobs.glue"]})
+    assert "node0: pid 123 python -m training.jobs.glue" in left.claim()
 
 
 def test_sweep_reports_an_unreachable_node_as_unchecked():

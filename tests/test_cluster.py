@@ -60,7 +60,7 @@ def test_the_probe_times_bf16_against_fp32_only_where_amx_does_not_settle_it(clu
 
     from cluster import local, remote
     from launch.plan import probe, topology
-    from training import mfu
+    from training.speed import mfu
 
     parse = topology.parse
 
@@ -77,7 +77,7 @@ def test_the_probe_times_bf16_against_fp32_only_where_amx_does_not_settle_it(clu
     monkeypatch.setattr(probe, "MFU_PY", own)
     with remote.connect(node) as conn:  # where the node's sessions keep it (a local node shares this machine's home)
         cache = Path(remote.run(conn, "echo ${XDG_CACHE_HOME:-$HOME/.cache}").stdout.strip()) / name
-    # real SSH; training/mfu.py sent whole as `python -c` and run by the node's python on real matmuls
+    # real SSH; training/speed/mfu.py sent whole as `python -c` and run by the node's python on real matmuls
     first = probe.probe(node)
     speedup = first.bf16_speedup
     assert speedup is not None and 0.01 < speedup < 100 and not first.bf16_remembered, first

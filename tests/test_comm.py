@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from training import dist
+from training.jobs import dist
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -19,7 +19,7 @@ WORKER = textwrap.dedent("""
     import json, os, sys
     import torch, torch.distributed as td
     from torch.nn.parallel import DistributedDataParallel as DDP
-    from training import dist
+    from training.jobs import dist
     rank, hook, store = int(sys.argv[1]), sys.argv[2], sys.argv[3]
     td.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
     torch.manual_seed(0)

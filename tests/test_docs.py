@@ -3,6 +3,7 @@ that exists (and a heading that exists, where it names one), the README stays a 
 the test command CI runs."""
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
 
@@ -200,7 +201,7 @@ PATHLIKE = re.compile(r"^[A-Za-z0-9_./-]+$")
 
 
 def file_references(path: Path) -> list[str]:
-    """Paths in the project's own folders that a doc names in code (`training/glue.py`, `docs/x.md`), and bare
+    """Paths in the project's own folders that a doc names in code (`training/jobs/glue.py`, `docs/x.md`), and bare
     `NAME.md` files; paths with placeholders (<id>, *), on nodes or under runs/ are not the project's files."""
     refs = []
     for segment in _code_segments(path):
@@ -309,9 +310,9 @@ CHECKPOINT_REF = re.compile(r"\b(?:checkpoints|resume)/([a-z]+-(?:N|\d+|<\w+>))"
 
 
 def test_checkpoint_names_in_docs_are_the_codes():
-    """A checkpoint's folder is training.paths.checkpoint_name(step) (`checkpoint-N`, the Trainer's); the docs once
+    """A checkpoint's folder is training.runtime.paths.checkpoint_name(step) (`checkpoint-N`, the Trainer's); the docs once
     named it `step-N` after the code had changed."""
-    from training.paths import checkpoint_name
+    from training.runtime.paths import checkpoint_name
 
     prefix = checkpoint_name(7).removesuffix("7")
     named, wrong = [], []
@@ -322,7 +323,7 @@ def test_checkpoint_names_in_docs_are_the_codes():
             if not m.group(1).startswith(prefix):
                 wrong.append(f"{doc.relative_to(ROOT)}: {m.group(0)}")
         wrong += [f"{doc.relative_to(ROOT)}: {m.group(0)}" for m in re.finditer(r"\bstep-(?:N|<\w+>)(?=[/`\s])", text)]
-    assert not wrong, f"checkpoints are named {prefix}N (training/paths.py):\n" + "\n".join(wrong)
+    assert not wrong, f"checkpoints are named {prefix}N (training/runtime/paths.py):\n" + "\n".join(wrong)
     assert len(named) >= 3  # the scan sees store.md's and train.md's layouts
 
 
@@ -355,3 +356,19 @@ def test_the_costs_the_docs_quote_are_infra_costs():
         assert "pulumi preview" in text and "estimated cost" in text  # where the live spot estimate is printed
     row = r"^\| 2 x c6i\.2xlarge .*\| " + re.escape(usd_h("c6i.2xlarge", 2)[1:-2]) + r" \|$"
     assert re.search(row, (ROOT / "docs" / "ops.md").read_text(), re.MULTILINE), "docs/ops.md's cost table"
+
+
+def test_fab_train_help_reads_in_one_screen_and_docs_train_has_each_flag_in_full():
+    """Issue 55: one line per flag at 80 columns, the details in docs/train.md#flags."""
+    import subprocess
+    import sys
+
+    res = subprocess.run([sys.executable, "-m", "fabric", "train", "--help"], cwd=ROOT, capture_output=True,
+                         text=True, env={**os.environ, "COLUMNS": "80"}, timeout=120, check=True)
+    options = [line for line in res.stdout.splitlines() if line.startswith("  --")]
+    assert len(res.stdout.splitlines()) <= 40 and len(options) >= 20, res.stdout
+    wrapped = [line for line in res.stdout.splitlines() if line.startswith(" " * 10)]
+    assert not wrapped, f"help lines wrap at 80 columns: {wrapped}"
+    flags_section = (ROOT / "docs" / "train.md").read_text().split("## Flags", 1)[1].split("\n## ", 1)[0]
+    missing = [o.split()[0].split("=")[0] for o in options if f"`{o.split()[0].split('=')[0]}" not in flags_section]
+    assert not missing, f"docs/train.md#flags leaves out {missing}"

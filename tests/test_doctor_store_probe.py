@@ -14,8 +14,8 @@ import pytest
 from botocore.exceptions import ClientError
 
 from doctor import store as doctor_store
-from training import store as shared
-from training.store import S3Store, StoreError
+from training.runtime import store as shared
+from training.runtime.store import S3Store, StoreError
 
 moto_server, aws_env = moto_fixture.moto_server, moto_fixture.aws_env
 BUCKET, PREFIX = "xc-doc-store", "doc"
@@ -76,13 +76,13 @@ def test_the_node_probe_asks_only_what_the_node_role_allows(aws_env, monkeypatch
 
 
 def test_the_program_a_node_runs_is_the_node_probe(aws_env, tmp_path):
-    """The text fab doctor puts on a node (training/store.py and what it imports, then the probe), run as the node
+    """The text fab doctor puts on a node (training/runtime/store.py and what it imports, then the probe), run as the node
     runs it."""
     moto_fixture.client("s3").create_bucket(Bucket=BUCKET)
     env = {"XC_S3_ENDPOINT_URL": aws_env, "AWS_REGION": moto_fixture.REGION, "AWS_ACCESS_KEY_ID": "testing",
            "AWS_SECRET_ACCESS_KEY": "testing"}
     text = doctor_store.program(URL, env)
-    assert "round(probe(" in text  # training.store.probe: HeadBucket gives way to ListObjectsV2 where refused
+    assert "round(probe(" in text  # training.runtime.store.probe: HeadBucket gives way to ListObjectsV2 where refused
     script = tmp_path / "probe.py"
     script.write_text(text)
     clean = {k: v for k, v in os.environ.items() if not k.startswith(("AWS_", "XC_"))}

@@ -10,12 +10,14 @@ import pytest
 import torch
 
 from core.errors import ClusterError
-from launch.life import elastic, restarts, runs
+from launch.chain import restarts
+from launch.chain.train_flags import TrainFlags, resolve
+from launch.life import elastic, runs
 from launch.life.records import RunRecord, Status
 from launch.plan import batch
 from launch.plan.request import TrainRequest
-from launch.plan.train_flags import TrainFlags, resolve
-from training import order, preempt
+from training.jobs import order
+from training.runtime import preempt
 
 
 def _resolve(tmp_path, **flags):

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from training import dist, qa
+from training.jobs import dist, qa
 
 
 def tiny_qa_model():

@@ -1,4 +1,4 @@
-"""The glue job's dropout (training/fastdrop.py): torch's statistics and semantics at a fraction of its CPU cost."""
+"""The glue job's dropout (training/speed/fastdrop.py): torch's statistics and semantics at a fraction of its CPU cost."""
 from __future__ import annotations
 
 import copy
@@ -8,12 +8,12 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from training import fastdrop, native
+from training.speed import fastdrop, native
 
 
 @pytest.fixture(params=["native", "numpy"])
 def path(request, monkeypatch):
-    """Each test on both paths: training/native's kernel (built with gcc), and numpy's draws where it is not."""
+    """Each test on both paths: training/speed/native's kernel (built with gcc), and numpy's draws where it is not."""
     if request.param == "native":
         import shutil
 

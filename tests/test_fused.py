@@ -1,4 +1,4 @@
-"""An encoder layer's fused output blocks in bf16 training (training/fused.py, training/native's kernels): dense +
+"""An encoder layer's fused output blocks in bf16 training (training/speed/fused.py, training/speed/native's kernels): dense +
 dropout + residual + layer norm give the values and gradients torch's own ops give within bf16's rounding, and
 each block runs its own forward wherever the fused path does not apply."""
 from __future__ import annotations
@@ -9,7 +9,7 @@ from conftest import NEEDS_GCC
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from training import fused, native
+from training.speed import fused, native
 
 pytestmark = [NEEDS_GCC, pytest.mark.usefixtures("fresh_native")]
 
@@ -26,7 +26,7 @@ def threads(request):
 def test_install_routes_bert_output_blocks_only_and_the_checkpoint_is_unchanged():
     from transformers import BertConfig, BertForSequenceClassification, GPT2Config, GPT2LMHeadModel
 
-    from training import fastdrop
+    from training.speed import fastdrop
 
     bert = BertForSequenceClassification(BertConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
                                                     intermediate_size=64, vocab_size=100))
@@ -51,7 +51,7 @@ def test_a_bf16_bert_trains_the_same_with_and_without_it():
     base = BertForSequenceClassification(cfg).to(torch.bfloat16).train()
     routed = BertForSequenceClassification(cfg).to(torch.bfloat16).train()
     routed.load_state_dict(base.state_dict())
-    from training import fastdrop
+    from training.speed import fastdrop
 
     for model in (base, routed):
         fastdrop.install(model, attention=False)  # p = 0: no draws, and the output blocks may route
@@ -75,7 +75,7 @@ def _output(width=96, inner=384, p=0.0, dtype=torch.bfloat16):
     from transformers import BertConfig
     from transformers.models.bert.modeling_bert import BertOutput
 
-    from training import fastdrop
+    from training.speed import fastdrop
 
     torch.manual_seed(0)
     block = BertOutput(BertConfig(hidden_size=width, intermediate_size=inner, hidden_dropout_prob=p)).to(dtype)

@@ -13,7 +13,7 @@ from conftest import processes_with_env
 from fake_imds import FakeIMDS
 
 from launch.life import records
-from training import spot
+from training.runtime import spot
 
 
 def test_a_group_termination_is_a_notice_with_its_cause():

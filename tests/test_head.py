@@ -23,7 +23,7 @@ from cluster.node import Node
 from launch.life import head as head_lib
 from launch.life import records
 from launch.life.records import RunRecord, Status
-from training.paths import RunPaths
+from training.runtime.paths import RunPaths
 
 SECRET = "hushhush-4711-not-in-any-file"
 
@@ -125,7 +125,7 @@ def test_an_aws_heads_systemd_unit_is_built_with_the_chains_id(tmp_path):
     assert argv[:4] == ["systemd-run", "--unit", "xc-run-20260101-000000-glue-abcd", "--collect"]
     assert "--property=Restart=on-failure" in argv and "--working-directory=/opt/xc" in argv
     assert "--setenv=XC_SUPERVISOR=20260101-000000-glue-abcd" in argv and "--setenv=XC_HEAD=head" in argv
-    assert argv[-3:] == ["/opt/xeon-cluster/venv/bin/python", "-m", "launch.life.supervisor"]
+    assert argv[-3:] == ["/opt/xeon-cluster/venv/bin/python", "-m", "launch.chain.supervisor"]
     assert "XC_SUPERVISOR=20260101-000000-glue-abcd" in head_lib.pids_command("20260101-000000-glue-abcd")
 
 

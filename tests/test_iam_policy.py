@@ -13,8 +13,8 @@ ROOT = Path(__file__).resolve().parent.parent
 # The services fab's own code makes clients for (core/ec2.py aws_client; cluster/sweep.py's table; the store).
 SERVICES = ("ec2", "autoscaling", "iam", "imagebuilder", "logs", "s3")
 # Code fab runs with the operator's credentials: fab tasks, discovery, sweep, the cost lookup, doctor, and the
-# store's client (training/store.py), which fab pull, fab runs, doctor's store row and resuming use at home.
-FAB_CODE = ("cluster", "core", "launch", "doctor", "infra/cost.py", "fabfile.py", "training/store.py")
+# store's client (training/runtime/store.py), which fab pull, fab runs, doctor's store row and resuming use at home.
+FAB_CODE = ("cluster", "core", "launch", "doctor", "infra/cost.py", "fabfile.py", "training/runtime/store.py")
 # The AWS twin (issue 51) plays AWS itself against moto with moto's credentials, never the operator's: its calls
 # (create_vpc, create_auto_scaling_group, ...) are the deployer's and the cloud's, not fab's.
 NOT_FAB_CODE = ("cluster/twin*.py",)

@@ -20,8 +20,8 @@ from infra import cost
 from infra.image import BUILD_POLICIES, SCRIPT_PATH, component_document
 from launch.life.head import HEARTBEAT
 from node_setup import profiles
-from training.paths import LOG_TAG, RunPaths
-from training.store import PROBE_PREFIX
+from training.runtime.paths import LOG_TAG, RunPaths
+from training.runtime.store import PROBE_PREFIX
 
 # pulumi_aws warns about a resource of its own we never use when its ec2 module loads.
 pytestmark = pytest.mark.filterwarnings("ignore:.*EncryptionControl has been deprecated:DeprecationWarning")

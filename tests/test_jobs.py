@@ -14,10 +14,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from training import clm_data, common, qa
+from training.jobs import clm_data, common, qa
 
 ROOT = Path(__file__).resolve().parent.parent
-DATA = ROOT / "training" / "data"
+DATA = ROOT / "training" / "jobs" / "data"
 
 # QA on 2 ranks x 4 windows per step; ~60 s of training on this 2-core machine.
 QA_ARGS = ["--max_train_samples", "480", "--max_eval_samples", "100", "--max_seq_length", "192",
@@ -43,7 +43,7 @@ def tokenizer():
 # ---- data ------------------------------------------------------------------------------------
 
 def test_bundled_data_is_what_the_generator_writes(tmp_path):
-    from training.data import articles
+    from training.jobs.data import articles
 
     articles.main(["--out", str(tmp_path)])
     for rel in ("squad/train.json", "squad/validation.json", "corpus/train.txt", "corpus/validation.txt"):
@@ -199,16 +199,16 @@ def test_prepare_only_writes_a_folder_that_later_runs_reuse(tmp_path, caplog):
     import subprocess
     import sys
 
-    from training.dist import DistInfo
+    from training.jobs.dist import DistInfo
 
-    cmd = [sys.executable, "-m", "training.clm", "--prepare_only", "--data_cache_dir", str(tmp_path / "c"),
+    cmd = [sys.executable, "-m", "training.jobs.clm", "--prepare_only", "--data_cache_dir", str(tmp_path / "c"),
            "--output_dir", str(tmp_path / "o")]
     res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, check=False, env=job_env())
     assert res.returncode == 0, res.stderr[-2000:]
     (folder,) = (tmp_path / "c").iterdir()
     assert f"in {folder}" in res.stdout and (folder / "train.bin").is_file()
     one = DistInfo(rank=0, world_size=1, local_rank=0, backend="none", precision="fp32", ipex=False, host="h")
-    with caplog.at_level(logging.INFO, logger="training.clm"):
+    with caplog.at_level(logging.INFO, logger="training.jobs.clm"):
         got = clm_data.prepared_folder(clm_data.DataArguments(data_cache_dir=str(tmp_path / "c")), clm_data.ModelArguments(), one)
     assert got == folder and "(reused)" in caplog.text
     with pytest.raises(ValueError, match="has no meta.json; pass a folder made by --prepare_only"):
@@ -237,7 +237,7 @@ def test_qa_on_two_nodes_beats_the_first_words_baseline(cluster2, tmp_path):
     assert ev["windows"] > ev["samples"] == 100  # long contexts were split
     from transformers import AutoModelForQuestionAnswering
 
-    from training.common import DEFAULT_MODEL, resolve_model
+    from training.jobs.common import DEFAULT_MODEL, resolve_model
 
     model = AutoModelForQuestionAnswering.from_pretrained(resolve_model(DEFAULT_MODEL))
     whole = sum(p.numel() for p in model.parameters())
@@ -275,8 +275,8 @@ def test_clm_on_two_nodes_learns_and_shares_its_token_files(cluster2, tmp_path):
     model = AutoModelForCausalLM.from_pretrained(final)
     assert model.config.n_layer == 2 and model.config.n_embd == 128
     # rank 0 prepared the token files once; node 1 received byte-identical copies into its own cache
-    assert "[1 node1] WARNING training.clm: node1: receiving the prepared token files from rank 0" in res.stdout
-    assert "[0 node0] INFO training.clm: prepared tokens in token_cache/" in res.stdout
+    assert "[1 node1] WARNING training.jobs.clm: node1: receiving the prepared token files from rank 0" in res.stdout
+    assert "[0 node0] INFO training.jobs.clm: prepared tokens in token_cache/" in res.stdout
     key = Path(results["prepared"]).name
     copies = [node_home(cluster2, n) / "runs" / run_dir.name / "token_cache" / key for n in ("node0", "node1")]
     for name in ("train.bin", "validation.bin", "meta.json", "tokenizer/tokenizer.json"):
@@ -297,7 +297,7 @@ def test_glue_predicts_a_test_file_without_labels_like_run_glue(tmp_path):
         writer.writerow(["sentence1", "sentence2"])
         writer.writerows([r["sentence1"], r["sentence2"]] for r in rows)
     out = tmp_path / "out"
-    cmd = [sys.executable, "-m", "training.glue", "--max_steps", "3", "--max_train_samples", "48",
+    cmd = [sys.executable, "-m", "training.jobs.glue", "--max_steps", "3", "--max_train_samples", "48",
            "--max_eval_samples", "16", "--do_predict", "--test_file", str(tmp_path / "test.csv"),
            "--max_predict_samples", "12", "--output_dir", str(out)]
     res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, check=False, timeout=600, env=job_env())
@@ -318,7 +318,7 @@ def test_glue_predicts_a_test_file_without_labels_like_run_glue(tmp_path):
 
 
 def test_glue_attention_is_eager_for_short_sequences_and_sdpa_for_long_ones():
-    from training.glue import pick_attention
+    from training.jobs.glue import pick_attention
 
     # bench/attention_step.py: eager 1.27x faster than sdpa per bf16 step at 128 tokens, 0.70x at 256
     assert pick_attention("auto", 128) == "eager" and pick_attention("auto", 64) == "eager"
@@ -334,7 +334,7 @@ def test_glue_trains_bf16_weights_by_default_in_bf16_saves_fp32_masters_and_refu
     from safetensors import safe_open
 
     # two small steps of the 1-layer model: on a CPU without bf16 instructions bf16 is emulated at ~1 GFLOP/s
-    cmd = [sys.executable, "-m", "training.glue", "--max_steps", "2", "--max_train_samples", "16",
+    cmd = [sys.executable, "-m", "training.jobs.glue", "--max_steps", "2", "--max_train_samples", "16",
            "--per_device_train_batch_size", "4", "--max_eval_samples", "4",
            "--model_name_or_path", small_model, "--output_dir", str(tmp_path / "out")]
     bf16 = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, check=False, timeout=600,
@@ -353,7 +353,7 @@ def test_glue_trains_bf16_weights_by_default_in_bf16_saves_fp32_masters_and_refu
 
 
 def test_bf16_weights_auto_stays_off_where_fp32_ipex_or_the_users_optim_choose():
-    from training.master import wanted
+    from training.speed.master import wanted
 
     assert wanted("auto", bf16=True, ipex=False) is True
     assert wanted("auto", bf16=False, ipex=False) is False
@@ -374,12 +374,12 @@ def test_glue_freeze_embeddings_keeps_the_word_embeddings_and_trains_the_rest(tm
 
     from safetensors.torch import load_file
 
-    from training.common import DEFAULT_MODEL, resolve_model
+    from training.jobs.common import DEFAULT_MODEL, resolve_model
 
     runs = {}
     for freeze in ("True", "False"):
         out = tmp_path / freeze
-        res = subprocess.run([sys.executable, "-m", "training.glue", "--max_steps", "3", "--max_train_samples", "48",
+        res = subprocess.run([sys.executable, "-m", "training.jobs.glue", "--max_steps", "3", "--max_train_samples", "48",
                               "--max_eval_samples", "16", "--learning_rate", "1e-3", "--freeze_embeddings", freeze,
                               "--output_dir", str(out)], cwd=ROOT, capture_output=True, text=True, check=False,
                              timeout=600, env=job_env(XC_PRECISION="fp32"))
@@ -411,7 +411,7 @@ def test_glue_resumes_a_checkpoint_that_trained_its_embeddings_and_refuses_a_mis
         env = job_env(XC_PRECISION="fp32", XC_SAVE_EVERY="2")
         if resume:
             env["XC_RESUME_FROM"] = str(resume)
-        return subprocess.run([sys.executable, "-m", "training.glue", "--max_steps", "4", "--max_train_samples", "64",
+        return subprocess.run([sys.executable, "-m", "training.jobs.glue", "--max_steps", "4", "--max_train_samples", "64",
                                "--max_eval_samples", "16", *flags, "--output_dir", str(tmp_path / out)], cwd=ROOT,
                               capture_output=True, text=True, check=False, timeout=600, env=env)
 

@@ -7,7 +7,7 @@ import pytest
 from core.constants import HOME_EXPR
 from core.render import render
 from launch.plan import launcher, topology
-from training.paths import RunPaths
+from training.runtime.paths import RunPaths
 
 DATA = Path(__file__).parent / "data"
 
@@ -17,7 +17,7 @@ def plan(backend="gloo", nodes=2, ppn=None, overrides=None, pin=True):
     layout = topology.derive_layout(topo, ppn=ppn, backend=backend)
     node_plans = tuple(launcher.NodePlan(f"node{i}", layout, topo.malloc) for i in range(nodes))
     return launcher.LaunchPlan(run_id="r1", nodes=node_plans, master_addr="10.0.0.10", master_port=29500,
-                               backend=backend, precision="bf16", entry=("-m", "training.glue"),
+                               backend=backend, precision="bf16", entry=("-m", "training.jobs.glue"),
                                args=("--learning_rate", "2e-5", "--output_dir", "out dir"),
                                env_overrides=overrides or {}, pin=pin)
 
@@ -175,13 +175,13 @@ def test_ccl_plan_sends_the_local_size_for_rank_sh_to_pair():
 
 
 def test_a_failed_rank_is_named_with_its_exceptions_own_line():
-    from launch.ship.stream import failed_rank
+    from launch.life.stream import failed_rank
 
     p = plan(nodes=2, ppn=1)
     lines = ["[0] [progress] step 1/10", "[1] Traceback (most recent call last):",
-             '[1]   File "/x/training/glue.py", line 90, in load', "[1]     raise ValueError(msg)",
+             '[1]   File "/x/training/jobs/glue.py", line 90, in load', "[1]     raise ValueError(msg)",
              "[1] KeyError: 'label'", "[1] ", "[1] During handling of the above exception, another exception occurred:",
-             "[1] Traceback (most recent call last):", '[1]   File "/x/training/glue.py", line 95, in load',
+             "[1] Traceback (most recent call last):", '[1]   File "/x/training/jobs/glue.py", line 95, in load',
              "[1] ValueError: data/0-train.csv has no column 'label'; name the label column --label_column",
              "[0] Traceback (most recent call last):", "[0] RuntimeError: Connection closed by peer",
              "===================================================================================",

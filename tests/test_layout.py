@@ -107,6 +107,49 @@ def test_packages_depend_one_way():
                 assert order[target] < order[pkg], f"{name} imports {dep}"
 
 
+def test_the_operator_side_imports_from_training_only_its_runtime():
+    """training/runtime is the contract between launch and the ranks: a change to a job cannot break fab."""
+    for name, deps in graph().items():
+        if not name.startswith("training"):
+            wrong = {d for d in deps if d.startswith("training") and not d.startswith("training.runtime")}
+            assert not wrong, f"{name} imports {sorted(wrong)}: the operator side imports only training.runtime"
+
+
+def _room(name: str, top: str) -> str | None:
+    parts = name.split(".")
+    return parts[1] if parts[0] == top and len(parts) > 2 else None
+
+
+def test_the_rooms_of_training_depend_one_way():
+    """jobs -> speed -> runtime; the rank hook imports none of them by name (it loads ours by path)."""
+    order = {"runtime": 0, "speed": 1, "jobs": 2}
+    for name, deps in graph().items():
+        room = _room(name, "training")
+        if name.startswith("training.hook"):
+            assert not {d for d in deps if d.startswith("training")}, (name, deps)
+        if room not in order:
+            continue
+        for dep in deps:
+            target = _room(dep, "training")
+            assert target is None or order[target] <= order[room], f"{name} imports {dep}"
+
+
+def test_the_rooms_of_launch_depend_one_way():
+    """ship (out and back) <- plan (flags to mpirun) <- life (a run's record and ending) <- run (one run) <- chain
+    (flags resolved, restarts, the supervisor): no two-way imports, function-level ones included."""
+    order = {"ship": 0, "plan": 1, "life": 2, "run": 3, "chain": 4}
+    rooms = {}
+    for name in graph():
+        parts = name.split(".")
+        if parts[0] == "launch" and len(parts) > 1:
+            rooms[name] = parts[1]
+    assert set(rooms.values()) == set(order), set(rooms.values())
+    for name, deps in graph().items():
+        for dep in deps:
+            if name in rooms and dep in rooms:
+                assert order[rooms[dep]] <= order[rooms[name]], f"{name} imports {dep}: launch's rooms go one way"
+
+
 def test_training_imports_only_itself_because_only_it_ships_to_the_nodes():
     for name, deps in graph().items():
         if name.startswith("training"):
@@ -142,12 +185,12 @@ def test_one_module_writes_run_records():
 
 
 def test_a_runs_places_are_built_in_one_place():
-    """'<home>/runs/<id>', 'runs/{id}/...' and checkpoint folder names come from training/paths.py (RunPaths)."""
+    """'<home>/runs/<id>', 'runs/{id}/...' and checkpoint folder names come from training/runtime/paths.py (RunPaths)."""
     import re
 
     builds = re.compile(r"""f["'][^"']*(/runs/\{|runs/\{|step-\{|checkpoint-\{)""")
     places = {m for m, _, line in _code_lines() if builds.search(line)}
-    assert places == set(), places  # training/paths.py builds them from RUNS and _CHECKPOINT
+    assert places == set(), places  # training/runtime/paths.py builds them from RUNS and _CHECKPOINT
 
 
 def test_the_store_url_is_looked_up_in_at_most_four_lines():
@@ -159,6 +202,6 @@ def test_the_store_url_is_looked_up_in_at_most_four_lines():
 
 
 def test_no_code_splits_an_errors_text():
-    """Errors carry what and fix as fields (core.errors.ClusterError, training.store.StoreError)."""
+    """Errors carry what and fix as fields (core.errors.ClusterError, training.runtime.store.StoreError)."""
     split = [(m, i) for m, i, line in _code_lines() if 'partition("; ")' in line or 'split("; ")' in line]
     assert split == [], split

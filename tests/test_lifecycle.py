@@ -20,10 +20,10 @@ from launch.life import cleanup, detach, lifecycle, records, stop
 from launch.life.lifecycle import Outcome, Run
 from launch.life.records import FAILURES, TERMINAL, BadTransition, RunRecord, Status
 from launch.ship import outputs, userscript
-from training import notice as notice_lib
-from training import spot
-from training.notice import GROUP, SPOT, Notice
-from training.paths import RunPaths
+from training.runtime import notice as notice_lib
+from training.runtime import spot
+from training.runtime.notice import GROUP, SPOT, Notice
+from training.runtime.paths import RunPaths
 
 HOME = "/h"
 
@@ -213,7 +213,7 @@ def test_preempted_brings_its_checkpoint_home(tmp_path, monkeypatch):
 
 
 def test_a_notice_whose_checkpoint_is_not_durable_resumes_from_the_previous_complete_one(tmp_path, monkeypatch):
-    from training import store as training_store
+    from training.runtime import store as training_store
 
     url = f"file://{tmp_path / 'store'}"
     store = training_store.open_store(url)
@@ -365,7 +365,7 @@ def _resumable(runs: Path) -> None:
 
 
 def test_resume_keeps_recorded_values_only_for_flags_not_given(tmp_path):
-    from launch.plan.train_flags import TrainFlags, resolve
+    from launch.chain.train_flags import TrainFlags, resolve
 
     _resumable(tmp_path)
     kept = resolve(TrainFlags(resume="old"), tmp_path).req
@@ -387,8 +387,8 @@ def test_resume_keeps_recorded_values_only_for_flags_not_given(tmp_path):
 def test_a_script_run_resumes_with_its_own_code_and_refuses_changed_code(tmp_path):
     """--resume (and so --max-restarts) takes --script/--workdir runs: the same script, folder and flags; a folder
     or script that changed since the run shipped it is refused with the fix."""
+    from launch.chain.train_flags import TrainFlags, resolve
     from launch.plan.request import file_digest
-    from launch.plan.train_flags import TrainFlags, resolve
     from launch.ship import workdir as workdir_lib
 
     proj = _mk(tmp_path / "proj")
@@ -453,7 +453,7 @@ def test_the_last_output_dir_wins_and_a_file_flag_without_a_value_is_one_line():
 
 
 def test_one_parser_reads_job_flags():
-    from launch.plan import jobflags
+    from launch.ship import jobflags
 
     argv = ["--a", "1", "--b", "--c=x=y", "pos", "--a", "2", "--d"]
     assert jobflags.values(argv) == {"--a": "2", "--b": "", "--c": "x=y", "--d": ""}
@@ -466,7 +466,7 @@ def test_one_parser_reads_job_flags():
 def test_the_supervisors_job_crosses_a_pipe_even_with_a_scanned_workdir(tmp_path):
     import pickle
 
-    from launch.life import supervisor
+    from launch.chain import supervisor
     from launch.plan.request import TrainRequest, validate
 
     (tmp_path / "train.py").write_text("print(1)\n")

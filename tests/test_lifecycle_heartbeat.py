@@ -11,7 +11,7 @@ from botocore.stub import Stubber
 from fake_imds import FakeIMDS
 
 from infra.nodes import TERMINATION_HEARTBEAT_S
-from training import notice, preempt, publish, spot
+from training.runtime import notice, preempt, publish, spot
 
 
 @pytest.fixture

@@ -1,4 +1,4 @@
-"""The causal LM's chunked head and loss (training/lmloss.py) and the clm levers (training/levers.py): the same
+"""The causal LM's chunked head and loss (training/speed/lmloss.py) and the clm levers (training/speed/levers.py): the same
 loss and gradients as transformers' full-logits path, without the full logits."""
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ transformers = pytest.importorskip("transformers")
 
 from conftest import tiny_gpt2
 
-from training import levers, lmloss
+from training.speed import levers, lmloss
 
 
 def _inputs(rows=300, width=48, vocab=1000, seed=0):

@@ -18,7 +18,7 @@ import shutil
 
 import pytest
 
-from training import clm_data, common
+from training.jobs import clm_data, common
 
 pytestmark = pytest.mark.cluster
 

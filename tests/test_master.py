@@ -1,11 +1,11 @@
-"""bf16 weights with fp32 master copies (training/master.py): updates far below bf16's resolution still add up."""
+"""bf16 weights with fp32 master copies (training/speed/master.py): updates far below bf16's resolution still add up."""
 from __future__ import annotations
 
 import pytest
 
 torch = pytest.importorskip("torch")
 
-from training.master import MasterAdamW
+from training.speed.master import MasterAdamW
 
 
 def _model():
@@ -123,7 +123,7 @@ def test_its_clip_steps_as_torchs_clip_then_adamw_would(max_norm):
 
 def test_the_trainer_clips_and_logs_its_grad_norm_through_it(tmp_path):
     transformers = pytest.importorskip("transformers")
-    from training import master
+    from training.speed import master
 
     class Tiny(torch.nn.Module):
         def __init__(self):
@@ -161,7 +161,7 @@ def _twin_models():
 
 
 def test_the_native_step_is_torchs_fused_adamw_bit_for_bit_and_their_checkpoints_interchange():
-    """training/native's one-pass step against torch's path (copy the gradients to fp32, fused AdamW, copy
+    """training/speed/native's one-pass step against torch's path (copy the gradients to fp32, fused AdamW, copy
     back): the same masters, weights and moments, through weight decay, a clip factor, a weight without a
     gradient and a scheduler's learning rate; and either one resumes the other's state_dict."""
     import shutil
@@ -216,14 +216,14 @@ def test_the_native_step_is_torchs_fused_adamw_bit_for_bit_and_their_checkpoints
 
 
 def test_without_gcc_or_turned_off_the_step_is_torchs_and_says_why(tmp_path, monkeypatch, caplog):
-    from training import native
+    from training.speed import native
 
     model = _model()
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     monkeypatch.setenv("PATH", str(tmp_path))  # no gcc on it
     native.reset()
     try:
-        with caplog.at_level("WARNING", logger="training.native"):
+        with caplog.at_level("WARNING", logger="training.speed.native"):
             assert native.lib() is None
         assert "native kernels unavailable (gcc not found)" in caplog.text and "install gcc" in caplog.text
         opt = MasterAdamW(list(model.named_parameters()), no_decay=set(), lr=1e-3, weight_decay=0.0, fused=True)
@@ -242,7 +242,7 @@ def test_without_gcc_or_turned_off_the_step_is_torchs_and_says_why(tmp_path, mon
 def test_the_kernels_build_once_per_source_compiler_and_cpu(tmp_path, monkeypatch):
     import shutil
 
-    from training import native
+    from training.speed import native
 
     if shutil.which("gcc") is None:
         pytest.skip("no gcc on this machine")

@@ -1,5 +1,5 @@
-"""training/native's bookkeeping: which path each kernel took (results.json's speed), one kernel off at a time
-(bench/bert_step.py's <v>-no-<kernel>), the node-side check `python -m training.native` (fab setup builds
+"""training/speed/native's bookkeeping: which path each kernel took (results.json's speed), one kernel off at a time
+(bench/bert_step.py's <v>-no-<kernel>), the node-side check `python -m training.speed.native` (fab setup builds
 the library with it, fab doctor's kernels row reads it)."""
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from conftest import NEEDS_GCC
 from cluster.node import Node
 from doctor.rows import kernels_row
 from launch.plan.preflight import Facts
-from training import fastdrop, fused, native
+from training.speed import fastdrop, fused, native
 
 ROOT = Path(__file__).resolve().parent.parent
 pytestmark = pytest.mark.usefixtures("fresh_native")
@@ -58,7 +58,7 @@ def test_a_kernel_for_bf16_says_why_an_fp32_block_took_torchs_path():
 
 
 def _check(env: dict[str, str]) -> dict:
-    res = subprocess.run([sys.executable, "-m", "training.native"], cwd=ROOT, capture_output=True, text=True,
+    res = subprocess.run([sys.executable, "-m", "training.speed.native"], cwd=ROOT, capture_output=True, text=True,
                          env={**os.environ, **env}, timeout=300, check=True)
     return json.loads(res.stdout.strip().splitlines()[-1])
 

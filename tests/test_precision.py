@@ -15,7 +15,8 @@ import pytest
 
 from cluster.node import Node
 from launch.plan import probe, topology
-from training import dist, mfu
+from training.jobs import dist
+from training.speed import mfu
 
 ROOT = Path(__file__).resolve().parent.parent
 DATA = Path(__file__).parent / "data"
@@ -50,7 +51,7 @@ def test_auto_is_bf16_only_where_every_node_runs_bf16_matmuls_faster(caplog):
 def flags_are(monkeypatch, flags: set[str]) -> list[int]:
     """cpu_flags() returns `flags`; the measurement is replaced by a counter returning 0.6 (logic only)."""
     calls: list[int] = []
-    monkeypatch.setattr(dist, "cpu_flags", lambda: flags)
+    monkeypatch.setattr(mfu, "cpu_flags", lambda: flags)
     monkeypatch.setattr(mfu, "bf16_speedup", lambda: calls.append(1) or 0.6)
     monkeypatch.delenv("XC_PRECISION", raising=False)
     return calls
@@ -72,13 +73,13 @@ def test_in_the_job_avx512_bf16_alone_or_a_capped_onednn_measures(monkeypatch):
     assert dist.resolve_precision("bf16") == "bf16" and calls == [1]
 
 
-@pytest.mark.skipif(not ({"amx_bf16", "avx512_bf16"} & dist.cpu_flags()), reason="this CPU has no bf16 instructions")
+@pytest.mark.skipif(not ({"amx_bf16", "avx512_bf16"} & mfu.cpu_flags()), reason="this CPU has no bf16 instructions")
 def test_a_real_measurement_picks_fp32_where_bf16_matmuls_are_slow():
     # oneDNN capped at AVX2 has no bf16 instructions and emulates them: ~0.006x fp32 on an AMD EPYC with
     # AVX512-BF16 (AVX512_CORE, 0.2x on Sapphire Rapids, was 0.8x there: too near 1 for a machine under load).
     # The decision is checked against the measurement it made itself, at a smaller shape than BERT-base's FFN
     # (emulated bf16 takes seconds a matmul there, minutes on a loaded machine).
-    code = ("from training import dist, mfu\nmeasure, seen = mfu.bf16_speedup, []\n"
+    code = ("from training.jobs import dist\nfrom training.speed import mfu\nmeasure, seen = mfu.bf16_speedup, []\n"
             "mfu.bf16_speedup = lambda: seen.append(measure(rows=256, d=256, ffn=1024)) or seen[-1]\n"
             "precision = dist.resolve_precision('auto')\nprint(f'speedup={seen[0]:.3f} precision={precision}')")
     env = {**os.environ, "ONEDNN_MAX_CPU_ISA": "AVX2", "PYTHONPATH": str(ROOT), "XC_PRECISION": ""}
@@ -91,7 +92,7 @@ def test_a_real_measurement_picks_fp32_where_bf16_matmuls_are_slow():
 def test_emulated_bf16_is_told_at_a_few_rows_not_timed_at_the_full_shape():
     # oneDNN capped at AVX2 emulates bf16 on any x86 CPU: one matmul at BERT-base's FFN shape then takes seconds
     # (minutes for the two timed windows on a loaded machine). The 32-row look answers, and nothing else runs.
-    code = ("from training import mfu\nmeasure, shapes = mfu.matmul_flops, []\n"
+    code = ("from training.speed import mfu\nmeasure, shapes = mfu.matmul_flops, []\n"
             "mfu.matmul_flops = lambda dt, rows, *a, **k: shapes.append(rows) or measure(dt, rows, *a, **k)\n"
             "print(f'speedup={mfu.bf16_speedup():.4f} rows={shapes}')")
     env = {**os.environ, "ONEDNN_MAX_CPU_ISA": "AVX2", "PYTHONPATH": str(ROOT)}
@@ -104,11 +105,12 @@ def test_emulated_bf16_is_told_at_a_few_rows_not_timed_at_the_full_shape():
 RANK_PY = """
 import os, sys
 import torch.distributed as tdist
-from training import dist, mfu
+from training.jobs import dist
+from training.speed import mfu
 rank = int(sys.argv[1])
 tdist.init_process_group("gloo", rank=rank, world_size=2)
 # rank 0 has AMX and measures nothing; rank 1 has AVX512-BF16 alone and times bf16 at 0.6x fp32
-dist.cpu_flags = lambda: {"amx_bf16", "amx_tile", "avx512_bf16"} if rank == 0 else {"avx512_bf16"}
+mfu.cpu_flags = lambda: {"amx_bf16", "amx_tile", "avx512_bf16"} if rank == 0 else {"avx512_bf16"}
 mfu.bf16_speedup = lambda: 0.6
 print(f"rank {rank} precision={dist.resolve_precision('auto')}", flush=True)
 tdist.destroy_process_group()
@@ -195,7 +197,7 @@ def test_the_probe_sends_training_mfu_py_which_exists():
 def test_the_bf16_timing_counts_cpu_seconds_so_a_stretch_without_the_cpu_does_not_lower_it():
     """Under `make test` a window the scheduler gave to other processes read bf16 at 0.95x fp32 where it is 2x,
     and the node remembered it: every later run took fp32. Timed per second of CPU, a stopped stretch is no loss."""
-    code = ("import sys, time, torch\nfrom training import mfu\nclock = getattr(time, sys.argv[1])\n"
+    code = ("import sys, time, torch\nfrom training.speed import mfu\nclock = getattr(time, sys.argv[1])\n"
             "mfu.matmul_flops(torch.float32, 64, 64, 64, 0.05)\nprint('go', flush=True)\n"
             "print(f'rate={mfu.matmul_flops(torch.float32, 64, 64, 64, 0.6, warmup=0, clock=clock):.0f}', flush=True)")
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
@@ -216,7 +218,7 @@ def test_the_bf16_timing_counts_cpu_seconds_so_a_stretch_without_the_cpu_does_no
     wall_free, wall_stopped = rate("perf_counter", 0), rate("perf_counter", 0.6)
     assert wall_stopped < 0.75 * wall_free, (wall_free, wall_stopped)  # what wall time read: the check can fail
     # and precision auto's timing uses that clock for every window it takes
-    code2 = ("import time\nfrom training import mfu\nmeasure, clocks = mfu.matmul_flops, set()\n"
+    code2 = ("import time\nfrom training.speed import mfu\nmeasure, clocks = mfu.matmul_flops, set()\n"
              "mfu.matmul_flops = lambda *a, **k: clocks.add(k.get('clock')) or measure(*a, **k)\n"
              "mfu.bf16_speedup(rows=64, d=64, ffn=256, seconds=0.03)\nprint(clocks == {time.process_time})")
     out = subprocess.run([sys.executable, "-c", code2], env=env, capture_output=True, text=True, timeout=120,

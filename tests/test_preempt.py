@@ -1,4 +1,4 @@
-"""training.preempt, the one notice behaviour of every Trainer (bundled jobs and users' scripts), in this process:
+"""training.runtime.preempt, the one notice behaviour of every Trainer (bundled jobs and users' scripts), in this process:
 a notice's checkpoint is claimed durable only when the store confirmed it, a store that stops answering right after
 the notice gives durable=false and keeps the node from completing its lifecycle action; the rank hook is lazy and
 patches transformers.Trainer; the loss fix tells mean-loss heads from causal LMs. A real Trainer on a tiny BERT, a
@@ -18,9 +18,9 @@ import pytest
 from fake_imds import FakeIMDS
 from moto_fixture import aws_env, client, moto_server  # noqa: F401
 
-from training import notice, preempt, publish, spot
-from training import store as shared
-from training.paths import RunPaths
+from training.runtime import notice, preempt, publish, spot
+from training.runtime import store as shared
+from training.runtime.paths import RunPaths
 
 ROOT = Path(__file__).resolve().parent.parent
 BUCKET = "xc-preempt"
@@ -173,7 +173,7 @@ print(json.dumps({"lazy": lazy, "patched": getattr(Trainer, "_xc_patched", False
 
 def test_the_rank_hook_is_lazy_and_patches_every_trainer(tmp_path):
     env = {k: v for k, v in os.environ.items() if not k.startswith(("XC_", "RANK", "WORLD_SIZE"))}
-    env.update(PYTHONPATH=f"{ROOT / 'training' / 'runtime'}:{ROOT}", XC_RUN_ID="r1", RANK="0",
+    env.update(PYTHONPATH=f"{ROOT / 'training' / 'hook'}:{ROOT}", XC_RUN_ID="r1", RANK="0",
                XC_RANK_REPORT=str(tmp_path / "run" / "ranks" / "{rank}.json"), XC_OUTPUT_DIR=str(tmp_path / "run" / "output"))
     got = json.loads(subprocess.run([sys.executable, "-c", HOOK_CHECK], env=env, capture_output=True, text=True,
                                     check=True, timeout=120).stdout.splitlines()[-1])
@@ -214,7 +214,7 @@ def test_an_unchanged_trainer_script_stops_on_a_notice_and_resumes_through_the_h
     imds = FakeIMDS()
     store_url = (tmp_path / "store").as_uri()
     env = {k: v for k, v in os.environ.items() if not k.startswith(("XC_", "RANK", "WORLD_SIZE", "LOCAL_"))}
-    env.update(PYTHONPATH=f"{ROOT / 'training' / 'runtime'}:{ROOT}", XC_RUN_ID="r1", XC_STORE=store_url,
+    env.update(PYTHONPATH=f"{ROOT / 'training' / 'hook'}:{ROOT}", XC_RUN_ID="r1", XC_STORE=store_url,
                XC_RANK_REPORT=str(tmp_path / "run" / "ranks" / "{rank}.json"), XC_IMDS_ENDPOINT=imds.url,
                XC_NOTICE_POLL_S="0.1", XC_SAVE_EVERY="0")
     try:

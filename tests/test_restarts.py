@@ -15,12 +15,13 @@ from conftest import fab, processes_with_env, start_cluster
 from fake_imds import FakeIMDS
 
 from core.errors import ClusterError, NodeFailure, Preempted
-from launch.life import records, restarts
+from launch.chain import restarts
+from launch.life import records
 from launch.life.records import RunRecord, RunResult, Status, load
 from launch.plan.request import TrainRequest
 from launch.run import DEMO_ARGS
-from training import spot
-from training.paths import checkpoint_step
+from training.runtime import spot
+from training.runtime.paths import checkpoint_step
 
 
 def test_only_lost_nodes_and_preemptions_are_worth_a_restart():

@@ -13,7 +13,7 @@ import pytest
 from fake_imds import FakeIMDS
 from test_user_scripts import _csv
 
-from training import notice
+from training.runtime import notice
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 ROOT = Path(__file__).resolve().parent.parent

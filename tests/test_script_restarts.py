@@ -25,7 +25,7 @@ from test_user_scripts import _csv
 
 from launch.life import records
 from launch.life.records import Status
-from training import notice
+from training.runtime import notice
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 

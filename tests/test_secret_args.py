@@ -9,11 +9,11 @@ from pathlib import Path
 import pytest
 
 from core.errors import ClusterError
-from launch.life import restarts
+from launch.chain import restarts
 from launch.life.records import RunRecord, Status
 from launch.plan.request import TrainRequest, validate
 from launch.ship import secrets
-from training import spot
+from training.runtime import spot
 
 HF = "hf_AbCdEf0123456789"
 ARGS = ["--hub_token", HF, "--api-key=sk-live-42xyz", "--tokenizer_name", "bert-base-uncased", "--max_tokens", "64",
@@ -40,7 +40,7 @@ def test_the_record_keeps_them_masked_and_the_log_redacts_them(tmp_path):
     # the plan's secrets (what secrets.env holds and the log filters redact) carry the argument values: attached,
     # fab's own stream; detached, the filter on node 0 that reads secrets.env
     from launch.life.detach import LogPlan
-    from launch.ship.stream import OutputRouter
+    from launch.life.stream import OutputRouter
     from training.runtime import redact
 
     log = io.StringIO()
@@ -67,7 +67,7 @@ def _resumable(runs: Path, args: list[str]) -> None:
 
 
 def test_a_resume_takes_the_value_from_the_operators_environment_or_refuses_in_one_line(tmp_path, monkeypatch):
-    from launch.plan.train_flags import TrainFlags, resolve
+    from launch.chain.train_flags import TrainFlags, resolve
 
     args = ["--hub_token", HF, "--seed", "3"]
     _resumable(tmp_path, args)

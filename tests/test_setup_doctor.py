@@ -215,7 +215,7 @@ def test_doctor_names_a_missing_host_key_and_fab_keys_fixes_it(lc, ready):
 
 def test_fab_train_preflight_refuses_code_edited_on_a_node_and_setup_reships_it(lc, ready, tmp_path):
     digest = ready
-    edited = home(lc, 1) / "code" / digest / "training" / "dist.py"
+    edited = home(lc, 1) / "code" / digest / "training" / "jobs" / "dist.py"
     original = edited.read_text()
     edited.write_text(original + "\n# edited on the node\n")
     script = tmp_path / "hello.py"

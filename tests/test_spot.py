@@ -12,7 +12,7 @@ from fake_imds import FakeIMDS
 
 from launch.life import records
 from launch.run import DEMO_ARGS
-from training import paths, spot
+from training.runtime import paths, spot
 
 
 def test_watcher_takes_a_token_then_sees_the_notice():

@@ -9,7 +9,7 @@ import sys
 
 from cluster import shipping
 from doctor import store as doctor_store
-from launch.life import restarts
+from launch.chain import restarts
 
 
 def _run_bare(program: str, cwd, *args: str) -> subprocess.CompletedProcess:

@@ -15,8 +15,8 @@ from moto_fixture import REGION, _free_port, aws_env, client, moto_server  # noq
 
 from cluster import store as store_lib
 from core.errors import ClusterError
-from training import publish, spot
-from training import store as shared
+from training.runtime import publish, spot
+from training.runtime import store as shared
 
 BUCKET = "xc-test-store"
 

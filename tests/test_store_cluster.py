@@ -12,7 +12,7 @@ from conftest import progress_steps
 from fake_imds import FakeIMDS
 from moto_fixture import aws_env, client, moto_server  # noqa: F401
 
-from training import spot
+from training.runtime import spot
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 

@@ -15,7 +15,7 @@ from cluster import store as store_lib
 from infra.store import CHECKPOINT_TAG_KEY, NONCURRENT_LOG_DAYS
 from launch.life import head, records
 from launch.life.records import RunRecord, Status
-from training.paths import LOG_TAG
+from training.runtime.paths import LOG_TAG
 
 BUCKET = "xc-hygiene"
 MINUTES, PUBLISH_S, HEARTBEAT_S = 10, 5, 30

@@ -4,7 +4,7 @@ from __future__ import annotations
 import io
 from types import SimpleNamespace
 
-from launch.ship.stream import OutputRouter
+from launch.life.stream import OutputRouter
 
 
 def _router():

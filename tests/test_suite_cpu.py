@@ -29,7 +29,7 @@ def test_ranks_are_told_apart_by_job_flags_and_model():
         import suite_cpu
     finally:
         sys.path.pop(0)
-    rank = ["python", "-u", "-m", "training.glue", "--seed", "1", "--model_name_or_path", "/t/minilm-1-layer",
+    rank = ["python", "-u", "-m", "training.jobs.glue", "--seed", "1", "--model_name_or_path", "/t/minilm-1-layer",
             "--max_steps", "4", "--output_dir", "o"]
     assert suite_cpu.kind({"argv": rank, "comm": "python"}) == "rank glue --seed --max_steps --output_dir (minilm-1-layer)"
     assert suite_cpu.kind({"argv": rank[:6], "comm": "python"}) == "rank glue --seed"

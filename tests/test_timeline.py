@@ -1,4 +1,4 @@
-"""Rank 0's start-up marks for bench/first_step.py (training/timeline.py)."""
+"""Rank 0's start-up marks for bench/first_step.py (training/runtime/timeline.py)."""
 from __future__ import annotations
 
 import subprocess
@@ -6,7 +6,7 @@ import sys
 import time
 from pathlib import Path
 
-from training import timeline
+from training.runtime import timeline
 
 
 def test_marks_print_only_on_rank_0_and_only_when_asked(monkeypatch, capsys):
@@ -21,7 +21,7 @@ def test_marks_print_only_on_rank_0_and_only_when_asked(monkeypatch, capsys):
 
 def test_the_process_start_is_when_the_process_began():
     before = time.time()
-    code = "import time; time.sleep(0.5); from training import timeline; print(time.time() - timeline.process_start())"
+    code = "import time; time.sleep(0.5); from training.runtime import timeline; print(time.time() - timeline.process_start())"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          cwd=Path(__file__).resolve().parent.parent)
     age = float(out.stdout)

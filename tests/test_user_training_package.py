@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from fake_imds import FakeIMDS
 
-from training import notice
+from training.runtime import notice
 
 ROOT = Path(__file__).resolve().parent.parent
 TOY = (ROOT / "docs" / "examples" / "ddp_toy.py").read_text()
@@ -43,27 +43,27 @@ def _project(root: Path) -> Path:
 HOOK_CHECK = """
 import training.paths as mine
 import sitecustomize as hook
-preempt = hook._ours("preempt")  # what a group or a Trainer makes the hook import
+preempt = hook._ours("runtime.preempt")  # what a group or a Trainer makes the hook import
 import transformers.trainer      # the hook patches the Trainer with our preempt
 import training.paths as again
 print(mine.WHO, again.WHO, again is mine)
 print(preempt.__file__, preempt.store.__file__)
-print(transformers.trainer.Trainer._xc_patched, hook._ours("contract").preempt is preempt)
+print(transformers.trainer.Trainer._xc_patched, hook._ours("runtime.contract").preempt is preempt)
 """
 
 
 def test_the_rank_hook_imports_ours_and_leaves_the_projects_training_in_place(tmp_path):
-    """What a rank of a --workdir run sees: its project before our code on PYTHONPATH, our runtime first."""
+    """What a rank of a --workdir run sees: its project before our code on PYTHONPATH, our hook first."""
     proj = _project(tmp_path / "proj")
-    runtime = ROOT / "training" / "runtime"
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(runtime), str(proj), str(ROOT)]), "XC_RUN_ID": "r1",
+    hook = ROOT / "training" / "hook"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(hook), str(proj), str(ROOT)]), "XC_RUN_ID": "r1",
            "XC_RANK_REPORT": str(tmp_path / "run" / "ranks" / "{rank}.json"), "WORLD_SIZE": "2"}
     res = subprocess.run([sys.executable, "-c", HOOK_CHECK], cwd=proj, env=env, capture_output=True, text=True,
                          timeout=120, check=False)
     assert res.returncode == 0, res.stderr[-3000:]
     theirs, ours, patched = res.stdout.splitlines()
     assert theirs == "the project paths the project paths True"
-    assert ours.split() == [str(ROOT / "training" / "preempt.py"), str(ROOT / "training" / "store.py")]
+    assert ours.split() == [str(ROOT / "training" / "runtime" / "preempt.py"), str(ROOT / "training" / "runtime" / "store.py")]
     assert patched == "True True"  # one copy of ours: the Trainer's patch and the notice file share preempt
 
 

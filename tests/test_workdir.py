@@ -20,7 +20,7 @@ from core.render import render
 from launch.life import records
 from launch.plan import launcher
 from launch.ship import workdir
-from training.paths import RunPaths
+from training.runtime.paths import RunPaths
 
 MiB = 1 << 20
 
@@ -134,7 +134,7 @@ def test_rank_sh_runs_in_the_workdir_with_it_on_sys_path(tmp_path):
     assert res.returncode == 0, res.stderr
     cwd, path1, helper = res.stdout.split()
     assert cwd == str(work) and helper == str(work / "helper.py")
-    assert path1.endswith("/code/training/runtime")  # the line-buffering sitecustomize still comes first
+    assert path1.endswith("/code/training/hook")  # the line-buffering sitecustomize still comes first
 
 
 def test_rank_sh_starts_accelerate_launch_as_one_process(tmp_path):

@@ -1,3 +1,3 @@
-"""A run's life: its record and the one writer of it (records), the one ending (lifecycle), detached runs
-(detach), the supervisor that restarts preempted runs (supervisor, restarts, resume), fab runs / logs / stop,
-the clean-up sweep, the run lock and the watchdog."""
+"""A run's life: its record and the one writer of it (records), the ranks' output (stream), the store's part
+(store_run), the one ending (lifecycle), detached runs (detach, head), resume, fab runs / logs / stop, the
+clean-up sweep, the run lock and the watchdog."""

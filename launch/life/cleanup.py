@@ -12,7 +12,7 @@ from cluster.node import Node
 from cluster.remote import connect, run
 from core.constants import HOME_EXPR
 from core.errors import ClusterError
-from training.paths import RunPaths
+from training.runtime.paths import RunPaths
 
 log = logging.getLogger(__name__)
 

@@ -24,9 +24,9 @@ from launch.life import lock, records
 from launch.life.cleanup import runs_alive, sweep
 from launch.life.lifecycle import Outcome, Run, end
 from launch.life.records import RunRecord, RunResult, Status
+from launch.life.stream import OutputRouter
 from launch.ship import outputs, secrets
-from launch.ship.stream import OutputRouter
-from training.paths import RunPaths, node_run_of
+from training.runtime.paths import RunPaths, node_run_of
 
 log = logging.getLogger(__name__)
 

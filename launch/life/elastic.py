@@ -2,7 +2,7 @@
 (M <= k < N) at the same global batch, and grows back to N at its next complete checkpoint once they return.
 
 The size: the largest k whose ranks divide the run's per-device batches per step (launch.plan.batch), so gradient
-accumulation x N/k keeps every optimizer step's examples (training.order). Growing back: a watcher, while a smaller
+accumulation x N/k keeps every optimizer step's examples (training.jobs.order). Growing back: a watcher, while a smaller
 segment runs, asks whether N nodes answer; once they do it waits for a checkpoint newer than the newest it saw, then
 ends the segment's ranks, and the supervisor resumes from that checkpoint on N nodes."""
 from __future__ import annotations
@@ -19,7 +19,7 @@ from launch.life import records
 from launch.life.cleanup import sweep
 from launch.plan.batch import micro_batches, smaller_sizes
 from launch.plan.request import TrainRequest
-from training.paths import RunPaths, checkpoint_name
+from training.runtime.paths import RunPaths, checkpoint_name
 
 log = logging.getLogger(__name__)
 

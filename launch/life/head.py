@@ -25,7 +25,7 @@ from core.constants import REMOTE_HOME
 from core.errors import ClusterError
 from launch.life import records
 from launch.life.records import RunRecord, Status
-from training.paths import RunPaths, runs_under
+from training.runtime.paths import RunPaths, runs_under
 
 log = logging.getLogger(__name__)
 
@@ -186,7 +186,7 @@ def systemd_argv(run_id: str, python: str, project: str, env: dict[str, str]) ->
     return ["systemd-run", "--unit", unit(run_id), "--collect", "--property=Restart=on-failure",
             "--property=KillMode=mixed", f"--working-directory={project}",
             *(f"--setenv={k}={v}" for k, v in sorted({**env, ENV: run_id}.items())),
-            python, "-m", "launch.life.supervisor"]
+            python, "-m", "launch.chain.supervisor"]
 
 
 def unit(run_id: str) -> str:

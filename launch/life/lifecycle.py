@@ -17,11 +17,11 @@ from core.errors import ClusterError, Interrupted, NodeFailure, NodeLost, Preemp
 from launch.life import records
 from launch.life.cleanup import Sweep, runs_alive, sweep
 from launch.life.records import Cause, RunRecord, RunResult, Status, supervisor_alive
+from launch.life.stream import failed_rank
 from launch.ship import outputs, userscript
-from launch.ship.stream import failed_rank
-from training import notice as notice_lib
-from training.notice import Notice
-from training.paths import RunPaths
+from training.runtime import notice as notice_lib
+from training.runtime.notice import Notice
+from training.runtime.paths import RunPaths
 
 log = logging.getLogger(__name__)
 
@@ -98,7 +98,7 @@ def end(r: Run, o: Outcome, say) -> RunResult:
     if o.exit_code != 0:
         swept = r.sweep()
         if len(o.finished) != r.plan.world_size:  # the job did not publish its outputs itself
-            from launch.ship import store_run
+            from launch.life import store_run
 
             store_run.publish_outputs(r)
         node, reason = o.watch_failure or failed_rank(o.lines, r.plan)
@@ -125,7 +125,7 @@ def end(r: Run, o: Outcome, say) -> RunResult:
     else:
         results = fetch_results(r) if r.is_job else userscript.trainer_results(r.run_dir / "output")
         if not r.is_job:  # a script's outputs came home to runs/<id>/output: the store keeps them for any checkout
-            from launch.ship import store_run
+            from launch.life import store_run
 
             store_run.publish_outputs(r)
         if r.record.detached:  # nobody watched its processes: nothing may be left

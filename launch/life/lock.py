@@ -16,7 +16,7 @@ from cluster.remote import connect, run
 from core.constants import HOME_EXPR
 from core.errors import ClusterError
 from launch.life.cleanup import runs_alive
-from training.paths import RunPaths
+from training.runtime.paths import RunPaths
 
 log = logging.getLogger(__name__)
 

@@ -17,8 +17,8 @@ from pathlib import Path
 
 from core import procs
 from core.errors import ClusterError, NoRecord
-from training import notice
-from training.store import STORE_ENV
+from training.runtime import notice
+from training.runtime.store import STORE_ENV
 
 log = logging.getLogger(__name__)
 

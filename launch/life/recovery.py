@@ -1,7 +1,7 @@
 """What a restart cost (issue 40 item 5): seconds from the notice (or the loss of a node) to the resumed run's
 first optimizer step, split into the ending (the notice's checkpoint and teardown), waiting for nodes, staging and
 start-up, and the steps done twice. Recorded on the resumed run (`recovery`) the moment its rank 0 marks its
-first optimizer step (training.timeline's `first_step`, which a restart turns on with XC_TIMELINE=1; a script
+first optimizer step (training.runtime.timeline's `first_step`, which a restart turns on with XC_TIMELINE=1; a script
 without the mark: its first progress line), so `fab runs` shows it while the run goes on.
 
     noticed_at ------ restart.at ------ begun ------ launched ------ first step
@@ -17,9 +17,9 @@ import time
 from pathlib import Path
 
 from launch.life import records
-from training import timeline
-from training.common import PROGRESS_TAG
-from training.paths import RunPaths
+from training.runtime import timeline
+from training.runtime.paths import RunPaths
+from training.runtime.wire import PROGRESS_TAG
 
 log = logging.getLogger(__name__)
 

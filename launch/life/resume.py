@@ -12,7 +12,7 @@ from core.errors import ClusterError, NoCheckpoint, NoRecord
 from launch.life import records
 from launch.plan.request import Resume, TrainRequest, file_digest
 from launch.ship import secrets
-from training.paths import RunPaths, latest_checkpoint
+from training.runtime.paths import RunPaths, latest_checkpoint
 
 
 def _summary(run_id: str, run_dir: Path, runs_dir: Path, store: str | None) -> dict:

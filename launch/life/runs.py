@@ -18,8 +18,8 @@ from launch.life import detach, lifecycle, records
 from launch.life import head as head_lib
 from launch.life.records import RunRecord, RunResult, Status, result_line
 from launch.life.stop import check_run_id
-from launch.ship.stream import OutputRouter
-from training.paths import RunPaths
+from launch.life.stream import OutputRouter
+from training.runtime.paths import RunPaths
 
 log = logging.getLogger(__name__)
 

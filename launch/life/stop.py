@@ -13,7 +13,7 @@ from core.errors import ClusterError, NodeFailure
 from launch.life import lock, records
 from launch.life.cleanup import runs_alive, sweep
 from launch.life.records import Status
-from training.paths import RunPaths
+from training.runtime.paths import RunPaths
 
 RUN_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
 

@@ -1,2 +1,2 @@
-"""From `fab train`'s flags to mpirun: the request resolved once (train_flags, request, jobflags), the nodes
-probed (probe, preflight), their topology, and mpirun's argv and environment (launcher)."""
+"""From a request to mpirun: the request validated once (request), the nodes probed (probe, preflight), their
+topology, and mpirun's argv and environment (launcher)."""

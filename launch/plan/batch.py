@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 
 from core.errors import ClusterError
-from launch.plan import jobflags
+from launch.ship import jobflags
 
 GRAD_ACCUM_ENV = "XC_GRAD_ACCUM"  # a --script run on fewer nodes: its accumulation factor (docs/scripts.md)
 

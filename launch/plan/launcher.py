@@ -13,12 +13,12 @@ import shlex
 from dataclasses import dataclass, field
 
 from core.constants import HOME_EXPR
-from training.paths import RunPaths
+from training.runtime.paths import RunPaths
 
 JOBS = {
-    "glue": ("-m", "training.glue"),
-    "qa": ("-m", "training.qa"),
-    "clm": ("-m", "training.clm"),
+    "glue": ("-m", "training.jobs.glue"),
+    "qa": ("-m", "training.jobs.qa"),
+    "clm": ("-m", "training.jobs.clm"),
 }
 
 
@@ -37,7 +37,7 @@ class LaunchPlan:
     master_port: int
     backend: str  # resolved: "ccl" or "gloo"
     precision: str  # resolved: "bf16" or "fp32"
-    entry: tuple[str, ...]  # ("-m", "training.glue") or ("script.py",)
+    entry: tuple[str, ...]  # ("-m", "training.jobs.glue") or ("script.py",)
     args: tuple[str, ...] = ()
     env_overrides: dict = field(default_factory=dict)
     secret_env: dict = field(default_factory=dict, repr=False)  # never on mpirun's line: secrets.env per node

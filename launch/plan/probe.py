@@ -12,7 +12,7 @@ from cluster.remote import connect, remote_home, run
 from core.errors import ClusterError, PortHeld
 from launch.plan import topology
 
-MFU_PY = Path(__file__).resolve().parents[2] / "training" / "mfu.py"
+MFU_PY = Path(__file__).resolve().parents[2] / "training" / "speed" / "mfu.py"
 
 log = logging.getLogger(__name__)
 
@@ -26,7 +26,7 @@ class NodeFacts:
     has_ipex: bool
     python_ok: str
     bf16_speedup: float | None = None  # bf16 over fp32 matmul, measured where AVX512-BF16 and no AMX
-    bf16_remembered: bool = False  # the node's answer from an earlier run (training/mfu.py's cache)
+    bf16_remembered: bool = False  # the node's answer from an earlier run (training/speed/mfu.py's cache)
 
     def bf16_pays(self) -> bool:
         return self.topo.amx or (self.topo.bf16 and (self.bf16_speedup or 0.0) >= 1.0)
@@ -59,7 +59,7 @@ def probe(node: Node, time_bf16: bool = True) -> NodeFacts:
 
 
 def bf16_speedup(conn, node: Node) -> tuple[float, bool]:
-    """Time bf16 against fp32 matmuls on the node (training/mfu.py, sent as `python -c`: the node may not
+    """Time bf16 against fp32 matmuls on the node (training/speed/mfu.py, sent as `python -c`: the node may not
     have this project yet). AVX512-BF16 kernels can be slower than fp32 ones: on Sapphire Rapids cores with
     oneDNN capped below AMX bf16 ran 0.58x fp32 (docs/benchmarks.md, "Without AMX"). Timed once per node: later runs read
     the node's ~/.cache/xeon-cluster/bf16-speedup.json, (speedup, True)."""

@@ -16,14 +16,14 @@ from cluster.resolve import Cluster
 from core.cli import writable_dir
 from core.constants import PROJECT_ROOT
 from core.errors import ClusterError
-from launch.plan import jobflags, launcher, topology
+from launch.plan import launcher, topology
 from launch.plan.batch import micro_batches, same_global_batch, smaller_sizes
 from launch.plan.probe import NodeFacts, master_port, probe, resolve_backend, resolve_precision
-from launch.ship import jobdata, secrets, workdir
-from training import spot
-from training.dist import COMM_HOOKS
-from training.paths import checkpoint_name
-from training.store import STORE_ENV
+from launch.ship import jobdata, jobflags, secrets, workdir
+from training.runtime import spot
+from training.runtime.paths import checkpoint_name
+from training.runtime.store import STORE_ENV
+from training.runtime.wire import COMM_HOOKS
 
 log = logging.getLogger(__name__)
 
@@ -77,7 +77,7 @@ class Resume:
 
 @dataclass(frozen=True)
 class TrainRequest:
-    """What one run does, resolved once from the flags (launch.plan.train_flags) or a record; never changed
+    """What one run does, resolved once from the flags (launch.chain.train_flags) or a record; never changed
     after: a step that needs another request makes one (dataclasses.replace)."""
 
     nodes: int | None = None
@@ -308,11 +308,11 @@ def fits(ppn: int, threads: int | None, facts: list[NodeFacts]) -> None:
 
 
 def run_env(req: TrainRequest, hosts: list[str]) -> dict[str, str]:
-    """The ranks' spot contract (training.spot) and wire precision, under the user's --env."""
+    """The ranks' spot contract (training.runtime.spot) and wire precision, under the user's --env."""
     env = {"XC_SAVE_EVERY": req.save_every, "XC_COMM_HOOK": resolve_comm_hook(req.comm_hook, hosts)}
     if req.resume:
         env["XC_RESUME_FROM"] = f"resume/{checkpoint_name(req.resume.step)}"
-        if req.resume.url:  # [store] each node takes the checkpoint from the store (training.store)
+        if req.resume.url:  # [store] each node takes the checkpoint from the store (training.runtime.store)
             env["XC_RESUME_URL"] = req.resume.url
     return {**env, **req.env}
 

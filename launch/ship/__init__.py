@@ -1,2 +1,2 @@
-"""What goes to the nodes and comes back: --workdir, data files, users' scripts, secrets, the store's
-environment, the ranks' output stream, outputs and checkpoints home."""
+"""What goes to the nodes and comes back: --workdir, data files and the bundled jobs' flags, users' scripts,
+secrets, outputs and checkpoints home."""

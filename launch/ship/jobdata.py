@@ -2,7 +2,7 @@
 
 A data file the job cannot use (no rows, a missing column, a word where a label number goes) or a
 flag out of range (--max_seq_length -5) would otherwise fail minutes later on every rank, after keys,
-staging and a run folder. The rules restate the jobs' own (training/glue.py, qa.py, clm_data.py) with
+staging and a run folder. The rules restate the jobs' own (training/jobs/glue.py, qa.py, clm_data.py) with
 the stdlib only: the operator may not have the training stack installed. What lives on the nodes (a
 model folder, an absolute --output_dir) is checked there, over SSH, before launch.
 """
@@ -19,7 +19,7 @@ from pathlib import Path
 from cluster.node import Node
 from cluster.remote import connect, fan_out, run
 from core.errors import ClusterError
-from launch.plan import jobflags
+from launch.ship import jobflags
 
 # Numeric job flags: flag -> (type, lowest, highest, lowest excluded). Others are left to the job's parser.
 NUMBERS = {
@@ -215,7 +215,7 @@ def _glue(files: list[tuple[str, str]]) -> None:
 
 @lru_cache(maxsize=16)
 def _squad(flag: str, path: str, size: int, mtime: int) -> None:
-    """SQuAD JSON as training/qa.py reads it: the nested data/paragraphs/qas layout or flat records."""
+    """SQuAD JSON as training/jobs/qa.py reads it: the nested data/paragraphs/qas layout or flat records."""
     fix = "expected SQuAD JSON (context, question, id, answers with text and answer_start)"
     try:
         raw = json.loads(_text(flag, path, None))

@@ -14,7 +14,7 @@ from pathlib import Path
 from cluster.node import Node
 from cluster.remote import connect, run
 from core.errors import ClusterError
-from training.paths import (
+from training.runtime.paths import (
     CHECKPOINT_GLOB,
     COMPLETE_MARKER,
     RunPaths,

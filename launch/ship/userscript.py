@@ -18,8 +18,8 @@ from pathlib import Path
 
 from cluster.node import Node
 from cluster.remote import connect, fan_out, run
-from launch.plan import jobflags
-from training.paths import RunPaths
+from launch.ship import jobflags
+from training.runtime.paths import RunPaths
 
 log = logging.getLogger(__name__)
 

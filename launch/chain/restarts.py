@@ -1,0 +1,264 @@
+"""`fab train --max-restarts K`: after a preemption or a lost node, wait for the cluster to have its
+nodes again (a local node brought back by 'fab local-up', a replacement instance on AWS), then resume
+the run from its latest checkpoint at home, by itself. A run that crashed on nodes that still answer
+is not restarted: it would crash again.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import shlex
+import sys
+import time
+from typing import TextIO
+
+from cluster import shipping
+from cluster.node import Node
+from cluster.remote import connect, fan_out, run
+from cluster.resolve import Cluster, open_cluster
+from core.errors import ClusterError, NoCheckpoint, NodeFailure, Preempted
+from launch.life import elastic, records
+from launch.life import resume as resume_lib
+from launch.life.records import RunResult
+from launch.plan.request import TrainRequest, new_run_id
+from launch.run import train
+from training.runtime import timeline
+from training.runtime.paths import RunPaths
+
+POLL_S = 5.0
+# The node asks its own metadata service with the ranks' watcher code (stdlib only, sent as text): the run's
+# XC_IMDS_ENDPOINT when it set one, else the node's (its environment's, or AWS's address).
+_CHECK = """
+import sys
+from training.runtime.spot import NoticeWatcher
+try:
+    print("notice" if NoticeWatcher(sys.argv[1] or None, timeout=1.0).check() else "none")
+except (OSError, ConnectionError):
+    print("none")
+"""
+
+
+def why_restart(exc: ClusterError) -> str | None:
+    """What ended the run, when waiting for nodes can help; None for a failure that would repeat."""
+    if getattr(exc, "run_id", None) is None:
+        return None
+    if isinstance(exc, Preempted):
+        return f"run {exc.run_id} was preempted on {exc.node}"
+    if isinstance(exc, NodeFailure) and exc.lost:
+        return f"run {exc.run_id} lost {', '.join(exc.lost)}"
+    return None
+
+
+def node_ready(node: Node, endpoint: str) -> str:
+    """'ok', or why the node cannot take a run: a pending spot notice means it is about to go."""
+    command = (f"{shlex.quote(node.python)} - {shlex.quote(endpoint)} <<'XC_SPOT_CHECK'\n"
+               f"{shipping.standalone(_CHECK)}\nXC_SPOT_CHECK")
+    with connect(node) as conn:
+        res = run(conn, command, timeout=30)
+    if not res.ok:  # a node going away mid-check (its sessions killed) is not a node ready for a run
+        return f"{node.name} did not finish the notice check (exit {res.exited})"
+    if res.stdout.strip().endswith("notice"):
+        return f"{node.name} has a spot interruption notice"
+    return "ok"
+
+
+def missing(spec: str, count: int, endpoint: str) -> str | None:
+    """Why the cluster cannot yet run on `count` nodes, or None when it can."""
+    try:
+        nodes = open_cluster(spec).first(count)
+        states = fan_out(nodes, lambda n: node_ready(n, endpoint), "reaching the nodes")
+    except ClusterError as exc:
+        return exc.what
+    doomed = [s for s in states if s != "ok"]
+    return "; ".join(doomed) or None
+
+
+def wait_for_nodes(spec: str, count: int, wait_s: float, endpoint: str, say, poll_s: float = POLL_S) -> None:
+    deadline = time.monotonic() + wait_s
+    said = None
+    while True:
+        problem = missing(spec, count, endpoint)
+        if problem is None:
+            say(f"{count} node(s) ready")
+            return
+        if problem != said:
+            say(f"waiting for {count} node(s): {problem}")
+            said = problem
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise ClusterError(f"the cluster did not have {count} node(s) within --restart-wait {wait_s:.0f}s "
+                               f"({problem})")
+        time.sleep(min(poll_s, left))
+
+
+def next_request(run_id: str, req: TrainRequest, say) -> TrainRequest:
+    """The resume of run_id from the newest checkpoint at home along its resume chain; the same request
+    anew when none came home before the loss."""
+    current = run_id
+    while True:
+        try:
+            nxt = resume_lib.resume_request(current, req.runs_dir, nodes=req.nodes, fetch_model=req.fetch_model)
+            break
+        except NoCheckpoint:
+            earlier = resume_lib.resumed_from(req.runs_dir, current)
+            if earlier is None:
+                say(f"no checkpoint of {run_id} came home before it ended: starting it again from step 0")
+                return req
+            current = earlier
+    from launch.ship import secrets  # the record masks secret arguments: this run's own values go on
+
+    nxt = dataclasses.replace(nxt, args=secrets.unmask_args(nxt.args, req.args))
+    return dataclasses.replace(nxt, master_port=req.master_port, valueless=nxt.valueless | req.valueless,
+                               env={**nxt.env, **{k: v for k, v in req.env.items() if k in nxt.env}})  # *** in records
+
+
+def refuse_base_image(cluster: Cluster, max_restarts: int) -> None:
+    """--max-restarts resumes on the nodes the cluster has then: with image=base a replacement boots stock Ubuntu
+    without the profile and the resume fails its preflight, so it is refused before anything starts."""
+    base = [n.name for n in cluster.nodes if n.labels.get("image") == "base"]
+    if max_restarts > 0 and base:
+        raise ClusterError(f"--max-restarts {max_restarts} on cluster {cluster.spec}, whose nodes boot image=base: a "
+                           "replacement node has no software profile until 'fab setup' runs, so the restart would fail",
+                           fix="run without --max-restarts (resume with 'fab setup' then 'fab train --resume RUN'), "
+                               "or 'pulumi config set image bake' and 'pulumi up'")
+
+
+def train_with_restarts(cluster: Cluster, req: TrainRequest, max_restarts: int = 0, restart_wait: float = 600,
+                        out: TextIO = sys.stdout, poll_s: float = POLL_S) -> RunResult:
+    """Run, and after a preemption or a lost node wait for the cluster and resume, up to max_restarts times.
+    The run that ended is recorded `restarting` while this waits, and names the run it was resumed as. With
+    req.min_nodes, a wait that ends short of every node goes on with fewer (launch.life.elastic)."""
+    def say(msg: str) -> None:
+        out.write(msg + "\n")
+        out.flush()
+
+    if max_restarts < 0:
+        raise ClusterError(f"--max-restarts {max_restarts} must be 0 or more", "pass 0 or more")
+    if restart_wait < 0:
+        raise ClusterError(f"--restart-wait {restart_wait} must be 0 or more seconds", "pass 0 or more")
+    refuse_base_image(cluster, max_restarts)
+    full = check_min_nodes(cluster, req)
+    endpoint = req.env.get("XC_IMDS_ENDPOINT") or ""  # else the node's own (a local node's sshd sets it)
+    attempt = 0
+    while True:
+        grow = None
+        if req.min_nodes is not None and req.grow_back and req.nodes is not None and req.nodes < full:
+            req = dataclasses.replace(req, run_id=req.run_id or new_run_id("script" if req.script or req.module
+                                                                           else req.job))
+            grow = elastic.GrowBack(req.run_id, req.runs_dir, req.store, full,
+                                    functools.partial(_all_back, cluster.spec, full, endpoint), say, poll_s=poll_s)
+            grow.start()
+        try:
+            return train(cluster, req, out)
+        except ClusterError as exc:
+            _restart_failed(req, exc)
+            if grow is not None and grow.fired is not None:
+                req = _grow_back(req, grow.fired, full, attempt, max_restarts, say)
+                cluster = open_cluster(cluster.spec, require_running=None)
+                continue
+            if not isinstance(exc, (Preempted, NodeFailure)):
+                raise
+            why = why_restart(exc)
+            if why is None or attempt >= max_restarts:
+                raise
+            attempt += 1
+            run_dir = RunPaths(exc.run_id, runs_dir=req.runs_dir).home
+            rec = records.restarting(run_dir, attempt, max_restarts, why)
+            say(f"restart {attempt} of {max_restarts}: {why}; waiting up to {restart_wait:.0f}s for the cluster")
+            count = full
+            try:
+                wait_for_nodes(cluster.spec, full, restart_wait, endpoint, say, poll_s)
+            except ClusterError as wait_exc:
+                count, gave_up = _smaller(rec, wait_exc, req, full, cluster.spec, endpoint, say)
+                if count is None:
+                    records.restart_given_up(run_dir, gave_up)
+                    raise type(exc)(f"{wait_exc.text}; {exc.what}", fix=exc.fix, **_same(exc)) from None
+            nxt = next_request(exc.run_id, dataclasses.replace(req, nodes=count), say)
+            req = _carry(nxt, req, restart_of=exc.run_id)
+            # a replaced node has a new address: discover them anew (a lost one left out: --min-nodes goes on without)
+            cluster = open_cluster(cluster.spec, require_running=None)
+        finally:
+            if grow is not None:
+                grow.stop()
+
+
+def _restart_failed(req: TrainRequest, exc: ClusterError) -> None:
+    """A restart that failed before its run had a record (a node gone again, a bad checkpoint): the run it was to
+    resume keeps how it ended, saying why, instead of waiting as `restarting` for nobody."""
+    if not req.restart_of:
+        return
+    prev = RunPaths(req.restart_of, runs_dir=req.runs_dir).home
+    rec = records.load_or_none(prev)
+    if rec is not None and rec.status == records.Status.RESTARTING:
+        records.restart_given_up(prev, f"its restart failed before launch: {exc.what}")
+
+
+def _all_back(spec: str, full: int, endpoint: str) -> bool:
+    return missing(spec, full, endpoint) is None
+
+
+def check_min_nodes(cluster: Cluster, req: TrainRequest) -> int:
+    """The run's full size; --min-nodes above it is refused before anything starts."""
+    full = req.nodes or len(cluster.nodes)
+    if req.min_nodes is not None and req.min_nodes > full:
+        raise ClusterError(f"--min-nodes {req.min_nodes} is above the run's {full} node(s)",
+                           fix=f"pass --min-nodes from 1 to {full}")
+    return full
+
+
+def _carry(nxt: TrainRequest, req: TrainRequest, restart_of: str) -> TrainRequest:
+    """The next segment's request: what the record does not keep (the elastic policy) carried over; rank 0 marks
+    its first step, where recovery_s ends."""
+    return dataclasses.replace(nxt, restart_of=restart_of, run_id=None, env={**nxt.env, timeline.ENV: "1"},
+                               min_nodes=req.min_nodes, grow_back=req.grow_back)
+
+
+def _smaller(rec, wait_exc: ClusterError, req: TrainRequest, full: int, spec: str, endpoint: str, say
+             ) -> tuple[int | None, str | None]:
+    """With --min-nodes: how many nodes the run goes on with now that the wait ran out, or (None, why not) to give
+    up: the record and the log say why in one line."""
+    if req.min_nodes is None or req.min_nodes >= full:
+        return None, None
+    ready = ready_prefix(spec, full, endpoint)
+    try:
+        size = elastic.go_on_size(rec, ready, req.min_nodes, full)
+    except ClusterError as why:
+        say(f"not going on smaller: {why.what}")
+        return None, f"not going on smaller: {why.what}"
+    say(f"{wait_exc.what}: going on with {size} of {full} node(s) at the same global batch (--min-nodes "
+        f"{req.min_nodes})" + ("; back to full size at the next checkpoint once they return" if req.grow_back else ""))
+    return size, None
+
+
+def ready_prefix(spec: str, full: int, endpoint: str) -> int:
+    """How many of the cluster's first nodes (the ones a run of k takes) answer with no pending notice."""
+    def state(node: Node) -> str:
+        try:
+            return node_ready(node, endpoint)
+        except ClusterError as exc:
+            return exc.what
+
+    try:
+        states = fan_out(list(open_cluster(spec, require_running=None).nodes[:full]), state, "reaching the nodes")
+    except ClusterError:
+        return 0
+    count = 0
+    for state in states:
+        if state != "ok":
+            break
+        count += 1
+    return count
+
+
+def _grow_back(req: TrainRequest, step: int, full: int, attempt: int, max_restarts: int, say) -> TrainRequest:
+    """The segment the watcher ended at checkpoint `step`: recorded stopped to grow back, resumed on full nodes."""
+    run_dir = RunPaths(req.run_id, runs_dir=req.runs_dir).home
+    records.grown_back(run_dir, attempt, max_restarts, step, f"ended at checkpoint {step} to go on at {full} node(s)")
+    nxt = next_request(req.run_id, dataclasses.replace(req, nodes=full), say)
+    return _carry(nxt, req, restart_of=req.run_id)
+
+
+def _same(exc: ClusterError) -> dict:
+    if isinstance(exc, Preempted):
+        return {"run_id": exc.run_id, "node": exc.node}
+    return {"nodes": exc.nodes, "run_id": exc.run_id, "lost": exc.lost}

@@ -1,0 +1,192 @@
+"""`fab train --detach --max-restarts K`: the run's supervisor (the restart loop, the watchdog, the
+checkpoint mirror: what an attached fab does) as a process of its own, in a session of its own, so it
+outlives the operator's terminal and fab itself (kill -9 included). fab starts it, hands it the resolved
+request on a pipe (secret --env values never touch a disk), waits until the first run's ranks run, prints
+the run id and returns. The supervisor writes its pid into every run record it runs (`supervisor`), so
+`fab runs`, `fab logs -f` and `fab stop` find it again; its own output goes to runs/.supervisors/<id>.log.
+
+Run as `python -m launch.chain.supervisor` (stdin: the pickled job)."""
+from __future__ import annotations
+
+import base64
+import dataclasses
+import io
+import logging
+import os
+import pickle
+import re
+import shlex
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import TextIO
+
+from cluster.node import Node
+from core.constants import PROJECT_ROOT
+from core.errors import ClusterError
+from launch.life import head, records
+from launch.life.cleanup import runs_alive
+from launch.life.records import Status
+from launch.plan.request import new_run_id
+from training.runtime.paths import RunPaths
+
+log = logging.getLogger(__name__)
+
+START_TIMEOUT_S = 900  # staging, probing and the ranks' start on a loaded machine
+FOLDER = ".supervisors"
+
+
+def detached(cluster, r, out: TextIO) -> bool:
+    """`fab train --detach`: on a cluster with a head every detached run is supervised there (--max-restarts 0
+    included); without one this machine keeps the role (one line says so): a supervised run's supervisor starts
+    here, a plain detached run is left to the caller (node 0's wrapper). True when the run was started."""
+    from launch.chain.restarts import check_min_nodes, refuse_base_image
+
+    refuse_base_image(cluster, r.max_restarts)  # here, before a supervisor starts anywhere
+    check_min_nodes(cluster, r.req)
+    if head.runs_on_head(cluster.head):
+        start_on_head(cluster, r.req, r.max_restarts, r.restart_wait, out)
+        return True
+    out.write(head.no_head_line(cluster.spec, cluster.head) + "\n")
+    if r.supervised:
+        start(cluster.spec, r.req, r.max_restarts, r.restart_wait, out)
+    return r.supervised
+
+
+def start_on_head(cluster, req, max_restarts: int, restart_wait: float, out: TextIO) -> str:
+    """Start the run's supervisor on the cluster's head, over SSH, and return once its first run's ranks run:
+    the resolved request goes as one base64 line on the session's stdin (secrets stay in memory, on both ends);
+    on the head `--on-head` starts it in a session of its own with XC_SUPERVISOR=<run id>, shows the plan lines
+    here, and ends. Nothing of the run is left on this machine."""
+    from cluster.remote import connect
+
+    label = "script" if req.script or req.module else req.job
+    req = dataclasses.replace(req, run_id=req.run_id or new_run_id(label), detach=False)
+    job = base64.b64encode(payload(cluster.spec, req, max_restarts, restart_wait)).decode()
+    env = {head.HEAD_ENV: cluster.head.name, **{k: os.environ[k] for k in ("XC_STATE_DIR", "XC_DEBUG", "XC_HEARTBEAT_S",
+                                                                           "XC_PUBLISH_S") if os.environ.get(k)}}
+    command = (f"cd {shlex.quote(str(PROJECT_ROOT))} && exec env "
+               + " ".join(shlex.quote(f"{k}={v}") for k, v in env.items())
+               + f" {shlex.quote(cluster.head.python)} -m launch.chain.supervisor --on-head")
+    try:
+        conn = connect(cluster.head)
+    except ClusterError as exc:  # nothing sent yet: no run folder, no process anywhere
+        raise ClusterError(f"the head {cluster.head.name} does not answer ({exc.what}): run {req.run_id} was not "
+                           "started", fix="check the head with 'fab status' and 'fab doctor', or pass --no-head to "
+                           "supervise from this machine") from None
+    with conn:
+        res = conn.run(command, warn=True, pty=False, hide=False, in_stream=io.StringIO(job + "\n"), out_stream=out,
+                       err_stream=out)
+    if res.exited != 0:
+        raise ClusterError(f"run {req.run_id}: its supervisor did not start on the head {cluster.head.name} "
+                           f"(exit {res.exited})", fix="see the lines above; 'fab status' shows the head")
+    return req.run_id
+
+
+def on_head() -> int:
+    """On the head: the job from stdin's one line; the runs under this machine's work root; the supervisor started
+    with XC_SUPERVISOR=<run id> (start below), its plan lines printed until its ranks run."""
+    from core.errors import format_error
+
+    job = pickle.loads(base64.b64decode(sys.stdin.readline()))
+    req = dataclasses.replace(job["req"], runs_dir=head.runs_here())
+    os.environ["XC_RUNS_DIR"] = str(req.runs_dir)
+    try:
+        start(job["spec"], req, job["max_restarts"], job["restart_wait"], sys.stdout, env={head.ENV: req.run_id})
+    except ClusterError as exc:
+        sys.stdout.write(format_error(exc) + "\n")
+        return exc.exit_code
+    return 0
+
+
+def start(spec: str, req, max_restarts: int, restart_wait: float, out: TextIO, env: dict | None = None) -> str:
+    """Start the supervisor; return once the first run's ranks all run (its id), or raise what stopped it."""
+    folder = Path(req.runs_dir) / FOLDER
+    folder.mkdir(parents=True, exist_ok=True)
+    log_path = folder / f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}.log"
+    job = payload(spec, req, max_restarts, restart_wait)
+    with log_path.open("wb") as sink:
+        proc = subprocess.Popen([sys.executable, "-m", "launch.chain.supervisor"], cwd=PROJECT_ROOT, stdin=subprocess.PIPE,
+                                stdout=sink, stderr=subprocess.STDOUT, start_new_session=True,
+                                env={**os.environ, **(env or {})})
+    proc.stdin.write(job)
+    proc.stdin.close()
+    deadline = time.monotonic() + START_TIMEOUT_S
+    run_id, shown = None, 0
+    while time.monotonic() < deadline:
+        text = log_path.read_text(errors="replace")
+        for line in text[shown:].splitlines(keepends=True):
+            if not line.endswith("\n"):
+                break
+            shown += len(line)
+            if run_id is None:
+                out.write(line)  # the plan and staging lines, as an attached run shows them
+                m = re.match(r"run (\S+): results in ", line)
+                run_id = m.group(1) if m else None
+        out.flush()
+        if run_id and _ranks_running(RunPaths(run_id, runs_dir=req.runs_dir).home):
+            where = f" on the head {os.environ[head.HEAD_ENV]}" if os.environ.get(head.HEAD_ENV) else ""
+            out.write(f"run {run_id} detached under its supervisor{where} (pid {proc.pid}, up to {max_restarts} restart(s)): "
+                      f"follow it with 'fab logs {run_id} -f', list runs with 'fab runs', end it with "
+                      f"'fab stop {run_id}'\n")
+            return run_id
+        if proc.poll() is not None:
+            last = [ln for ln in text.splitlines() if ln.strip()]
+            if proc.returncode == 0 and run_id:  # a short run ended before we looked
+                out.write((last[-1] if last else f"run {run_id} ended") + "\n")
+                return run_id
+            why = last[-1] if last else f"it exited {proc.returncode}"
+            raise ClusterError(f"the run's supervisor ended before its ranks ran: {why.removeprefix('error: ')}",
+                               f"see {log_path}")
+        time.sleep(0.5)
+    raise ClusterError(f"the run's supervisor (pid {proc.pid}) did not start the ranks within {START_TIMEOUT_S}s",
+                       f"see {log_path}; end it with 'fab stop {run_id}'" if run_id else f"see {log_path}")
+
+
+def payload(spec: str, req, max_restarts: int, restart_wait: float) -> bytes:
+    """What the supervisor is handed on its stdin. What validate() found stays here (a scanned --workdir holds
+    a lock): the supervisor, a process of its own, checks the request once itself."""
+    return pickle.dumps({"spec": spec, "req": dataclasses.replace(req, checked=None), "max_restarts": max_restarts,
+                         "restart_wait": restart_wait})
+
+
+def _ranks_running(run_dir: Path) -> bool:
+    rec = records.load_or_none(run_dir)
+    if rec is None or rec.status != Status.RUNNING or not rec.nodes:
+        return False
+    nodes = [Node(**n) for n in rec.nodes]
+    alive = runs_alive(nodes).get(rec.run_id, {})
+    return all(alive.get(n.name, 0) >= int(rec.ppn or 1) for n in nodes)
+
+
+def main() -> int:
+    from cluster.resolve import open_cluster
+    from core.errors import format_error
+    from launch.chain import restarts
+    from launch.life.records import result_line
+
+    logging.basicConfig(level=logging.DEBUG if os.environ.get("XC_DEBUG") else logging.INFO, format="%(message)s",
+                        stream=sys.stdout)
+    for noisy in ("paramiko", "invoke", "fabric", "botocore", "boto3"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)  # a closed terminal is no reason to end
+    if sys.argv[1:] == ["--on-head"]:
+        return on_head()
+    job = pickle.loads(sys.stdin.buffer.read())
+    sys.stdin.close()
+    if os.environ.get(head.ENV):  # on a head: its records, log and heartbeat reach the store while it lives
+        head.Beat(os.environ[head.ENV], job["req"].runs_dir, job["req"].store).start()
+    try:
+        result = restarts.train_with_restarts(open_cluster(job["spec"]), job["req"], job["max_restarts"],
+                                              job["restart_wait"])
+    except ClusterError as exc:
+        sys.stdout.write(format_error(exc) + "\n")
+        return exc.exit_code
+    sys.stdout.write(result_line(result) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,137 @@
+"""`fab train`'s flags resolved once into a TrainRequest. A flag the user did not give is None: a new run
+takes the request's defaults for it, a `--resume` keeps the recorded value. So `--timeout 300` or `--ppn
+auto` on a resume reset a recorded value, which comparing values to their defaults could not tell."""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import inspect
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from core.cli import as_int, env_pairs, job_args, valueless_keys
+from core.errors import ClusterError
+from launch.life import resume as resume_lib
+from launch.plan.request import TrainRequest
+
+
+def _flag(help_text: str, default=None):
+    """A flag: its default and its `fab --help train` line, in one place."""
+    return field(default=default, metadata={"help": help_text})
+
+
+@dataclass(frozen=True)
+class TrainFlags:
+    """What was typed after `fab train`, as text; None where a flag was not given. Each field is one flag of the
+    task (underscores become dashes); adding a flag is a field here plus its use in `resolve`."""
+
+    # One line each, so that --help reads in one screen; docs/train.md#flags has the details.
+    nodes: str | None = _flag("use the first N nodes (default: all)")
+    job: str | None = _flag("bundled job: glue (default) | qa | clm")
+    script: str | None = _flag("your own script (its flags after --)")
+    workdir: str | None = _flag("ship your project folder; run --script in it")
+    module: str | None = _flag("run `python -m NAME` from --workdir")
+    launcher: str | None = _flag("python (default) | accelerate")
+    ppn: str | None = _flag("processes per node (default: one per socket)")
+    threads: str | None = _flag("OpenMP threads per process (default: its cores)")
+    backend: str | None = _flag("auto | ccl | gloo")
+    precision: str | None = _flag("auto (default) | bf16 | fp32")
+    comm_hook: str | None = _flag("gradients between nodes: auto | none | bf16 | fp16")
+    env: list[str] = field(default_factory=list, metadata={"iterable": True, "help": (
+        "KEY=VALUE for every rank; a bare KEY: a secret")})
+    master_port: str | None = _flag("rendezvous port on node 0 (default: a free one)")
+    no_pin: bool = _flag("do not pin ranks to cores", False)
+    timeout: str | None = _flag("seconds a collective may wait (default 300)")
+    save_every: str | None = _flag("checkpoint every 10m (default), 600s or N steps", None)
+    no_fetch_model: bool = _flag("bring home no model or checkpoint weights", False)
+    resume: str | None = _flag("continue RUN_ID from its latest checkpoint")
+    max_restarts: str | None = _flag("resume by itself up to K times (default 0)")
+    restart_wait: str | None = _flag("seconds to wait for nodes to return (default 600)")
+    min_nodes: str | None = _flag("go on with M nodes at the same global batch")
+    no_grow_back: bool = _flag("with --min-nodes: stay smaller when nodes return", False)
+    concurrent: bool = _flag("run while another run holds the cluster", False)
+    detach: bool = _flag("return once every rank runs; 'fab logs RUN -f'", False)
+    cluster: str | None = _flag("local | hosts:PATH | aws[:NAME] | pulumi[:STACK]")
+    store: str | None = _flag("s3://BUCKET/PREFIX or file:///FOLDER for runs")
+    job_args: list[str] = field(default_factory=list)  # after --, not a flag
+
+
+def _flags() -> list[dataclasses.Field]:
+    return [f for f in dataclasses.fields(TrainFlags) if "help" in f.metadata]
+
+
+def task_options() -> dict:
+    """@task's keyword arguments for `fab train`: each flag's help and which flags repeat."""
+    return {"help": {f.name.replace("_", "-"): f.metadata["help"] for f in _flags()},
+            "iterable": [f.name for f in _flags() if f.metadata.get("iterable")]}
+
+
+def takes_flags(fn):
+    """fn(c, flags: TrainFlags) as a task whose options are TrainFlags' fields (invoke reads the signature)."""
+    kind = inspect.Parameter.KEYWORD_ONLY
+
+    @functools.wraps(fn)
+    def task_body(c, **given):
+        values = {k: (list(v or []) if isinstance(v, list) or k == "env" else v) for k, v in given.items()}
+        for f in _flags():
+            if isinstance(f.default, bool):
+                values[f.name] = bool(values.get(f.name))
+        return fn(c, TrainFlags(**values, job_args=job_args()))
+
+    params = [inspect.Parameter("c", inspect.Parameter.POSITIONAL_OR_KEYWORD)]
+    params += [inspect.Parameter(f.name, kind, default=f.default if isinstance(f.default, bool) else None)
+               for f in _flags()]
+    task_body.__signature__ = inspect.Signature(params)
+    return task_body
+
+
+@dataclass(frozen=True)
+class Resolved:
+    req: TrainRequest
+    max_restarts: int
+    restart_wait: int
+    supervised: bool  # --detach with --max-restarts: a supervisor process of its own runs it
+
+
+def resolve(f: TrainFlags, runs_dir: Path, store: str | None = None) -> Resolved:
+    """The request, checked for flags that exclude each other; raises ClusterError naming the fix."""
+    n = as_int(f.nodes, "--nodes", 1) if f.nodes is not None else None
+    if f.job and f.script:
+        raise ClusterError(f"--job {f.job} and --script {f.script} exclude each other",
+                           "pass --job for a bundled job or --script for your own")
+    if f.module and (f.job or f.script):
+        raise ClusterError(f"--module {f.module} and --{'job ' + f.job if f.job else 'script ' + f.script} exclude "
+                           "each other", "pass one of them")
+    given = {k: str(v) for k, v in (("ppn", f.ppn), ("threads", f.threads), ("backend", f.backend),
+                                    ("precision", f.precision), ("comm_hook", f.comm_hook),
+                                    ("save_every", f.save_every)) if v is not None}
+    if f.timeout is not None:
+        given["timeout_s"] = as_int(f.timeout, "--timeout", 1)
+    if f.master_port is not None:
+        given["master_port"] = as_int(f.master_port, "--master-port", 1024, 65535)
+    if f.resume:
+        if f.job or f.script or f.workdir or f.module or f.launcher or f.job_args:
+            raise ClusterError(f"--resume {f.resume} runs that run's own job and flags",
+                               "drop --job/--script/--workdir/--module/--launcher and the flags after --")
+        req = resume_lib.resume_request(f.resume, runs_dir, nodes=n, fetch_model=not f.no_fetch_model, store=store)
+        env, valueless = {**req.env, **env_pairs(f.env)}, req.valueless | valueless_keys(f.env)
+        pin = req.pin and not f.no_pin
+    else:
+        req = TrainRequest(nodes=n, job=f.job or "glue", script=f.script, workdir=f.workdir, module=f.module,
+                           launcher=f.launcher or "python", args=list(f.job_args), fetch_model=not f.no_fetch_model,
+                           runs_dir=runs_dir)
+        env, valueless, pin = env_pairs(f.env), valueless_keys(f.env), not f.no_pin
+    restarts = as_int(f.max_restarts if f.max_restarts is not None else 0, "--max-restarts", 0)
+    wait = as_int(f.restart_wait if f.restart_wait is not None else 600, "--restart-wait", 0)
+    least = as_int(f.min_nodes, "--min-nodes", 1) if f.min_nodes is not None else None
+    if least is not None and n is not None and least > n:
+        raise ClusterError(f"--min-nodes {least} is above --nodes {n}", fix=f"pass --min-nodes from 1 to {n}")
+    if least is not None and not restarts:
+        raise ClusterError(f"--min-nodes {least} applies when a run restarts by itself", fix="pass --max-restarts K too")
+    if f.no_grow_back and least is None:
+        raise ClusterError("--no-grow-back goes with --min-nodes", fix="pass --min-nodes M too, or drop --no-grow-back")
+    supervised = bool(f.detach and restarts)
+    req = dataclasses.replace(req, env=env, valueless=valueless, pin=pin, concurrent=bool(f.concurrent),
+                              min_nodes=least, grow_back=not f.no_grow_back,
+                              detach=bool(f.detach) and not supervised, **given)
+    return Resolved(req, restarts, wait, supervised)

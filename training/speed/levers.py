@@ -1,0 +1,100 @@
+"""Speed levers the bundled jobs share: for the encoders (glue, qa) cheap dropout and frozen word embeddings,
+as flags of their ModelArguments, and applying them to a loaded model; for the causal LM (clm) blocked or fused
+attention, one-kernel GELU, cheap dropout and the chunked head and loss (causal_lm_config, causal_lm)."""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+log = logging.getLogger("training.speed.levers")
+
+
+@dataclass
+class SpeedArguments:
+    # torch's CPU dropout was ~23% of a bf16 step here (one Mersenne Twister draw per element, one thread)
+    fast_dropout: bool = field(default=True, metadata={
+        "help": "dropout from 16-bit uniforms, four per 64-bit draw (training/speed/fastdrop.py); False: torch's own"})
+    # The word embeddings are over half of MiniLM's weights: their dense gradient, AdamW step and all-reduce
+    # cost a step more than the few rows a batch touches are worth (bench/glue_single_node.py).
+    freeze_embeddings: bool = field(default=True, metadata={
+        "help": "keep the input word embeddings fixed: no gradient, optimizer state or all-reduce for them"})
+    # bert-base, bf16 without AMX: +5-8% samples/s over autocast's per-step weight casts (docs/benchmarks.md)
+    bf16_weights: str = field(default="auto", metadata={
+        "help": "auto (default: on when training in bf16 without IPEX or --optim) | True | False: bf16 weights "
+                "with fp32 master copies in AdamW instead of autocast casting every weight every step"})
+
+
+def apply(model, args: SpeedArguments, argv: list[str]) -> None:
+    """Fast dropout and frozen embeddings on model, as args say. A resumed checkpoint that trained the
+    embeddings (started before they were frozen by default) keeps training them unless the flag was given."""
+    from training.speed import fastdrop, fused
+
+    if args.fast_dropout:
+        fastdrop.install(model)
+    fused.install(model)  # bf16 training with training/speed/native's kernels only; else the block's own forward
+    if args.freeze_embeddings and not has_flag(argv, "--freeze_embeddings", "--no_freeze_embeddings"):
+        args.freeze_embeddings = not resumes_trained_embeddings(model)
+    if args.freeze_embeddings:
+        model.get_input_embeddings().weight.requires_grad_(False)
+
+
+def resumes_trained_embeddings(model) -> bool:
+    """Whether XC_RESUME_FROM's optimizer stepped every weight of model."""
+    from training.runtime import spot, store
+
+    store.fetch_resume()  # XC_RESUME_URL onto this node first: the job reads the checkpoint before training
+    resume = spot.resume_from()
+    if not resume or spot.optimizer_tensors(resume) != sum(1 for p in model.parameters() if p.requires_grad):
+        return False
+    log.warning("%s trained the word embeddings: the resumed run trains them too (--freeze_embeddings False)", resume)
+    return True
+
+
+def causal_lm_config(config, args) -> None:
+    """Before the model is built: attention dropout as --attention_dropout says (0 lets torch's fused CPU
+    attention run: its flash kernel has no dropout, so sdpa falls back to materialising every score matrix in
+    fp32), and GPT-2's gelu_new as torch's fused tanh GELU (the same function, one kernel instead of six)."""
+    if args.attention_dropout is not None and hasattr(config, "attn_pdrop"):
+        config.attn_pdrop = args.attention_dropout
+    if args.fused_gelu and getattr(config, "activation_function", None) == "gelu_new":
+        config.activation_function = "gelu_pytorch_tanh"
+
+
+def causal_lm(model, args) -> dict:
+    """After: fast dropout, causal attention in blocks (training/speed/blockattn.py) and the chunked head and loss
+    (training/speed/lmloss.py). Returns what was applied, for results.json (fast_dropout: how many dropout modules
+    were swapped)."""
+    from training.speed import blockattn, fastdrop, lmloss
+
+    # GPT-2's eager attention scales and masks its own way: its probabilities keep torch's dropout
+    swapped = fastdrop.install(model, attention=False) if args.fast_dropout else 0
+    blocks = block_attention(getattr(args, "block_attention", "False")) and blockattn.install(model)
+    return {"fast_dropout": swapped, "chunked_loss": bool(args.chunked_loss and lmloss.install(model)),
+            "block_attention": blocks,
+            "attn_implementation": model.config._attn_implementation,
+            "attention_dropout": getattr(model.config, "attn_pdrop", None),
+            "activation": getattr(model.config, "activation_function", None)}
+
+
+def has_flag(argv: list[str], *flags: str) -> bool:
+    return any(a in flags or a.startswith(tuple(f + "=" for f in flags)) for a in argv)
+
+
+def forced(value, flag: str) -> bool | None:
+    """An auto | True | False flag's value: True or False where the user forced it, None for auto."""
+    word = str(value).lower()
+    if word in ("true", "1", "yes"):
+        return True
+    if word in ("false", "0", "no"):
+        return False
+    if word != "auto":
+        raise ValueError(f"{flag} {value!r} is not one of auto, True, False")
+    return None
+
+
+def block_attention(value) -> bool:
+    """--block_attention: auto takes the blocks where the CPU has no AMX (or oneDNN is capped below it)."""
+    from training.speed import mfu
+
+    chosen = forced(value, "--block_attention")
+    return not mfu.amx_matmuls() if chosen is None else chosen
