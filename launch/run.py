@@ -155,6 +155,11 @@ def _run(cluster: Cluster, req: TrainRequest, plan: launcher.LaunchPlan, facts: 
         return detach.start(facts, r, detach.wrapper_command(
             r.remote_run, str(Path(mpirun).parent), launcher.shell_join(argv), master.node.python,
             f"{master.home}/code/{digest}", bool(plan.secret_env)), say)
+    if req.wrapped:  # mpirun outlives this process: 'fab runs' concludes the run if it is gone by then
+        record.detached, record.remote_run, record.remote_output = True, r.remote_run, r.remote_output
+        command = detach.followed_command(r.remote_run, detach.wrapper_command(
+            r.remote_run, str(Path(mpirun).parent), launcher.shell_join(argv), master.node.python,
+            f"{master.home}/code/{digest}", bool(plan.secret_env)))
     r.started()  # 'fab runs' lists it while it goes on
     if recovery:
         recovery.launched()

@@ -97,6 +97,46 @@ def test_a_detached_run_survives_fab_kill_9_and_resumes_by_itself(tmp_path, smal
     assert processes_with_env(f"XC_RUN_ID={first}") == [] and processes_with_env(f"XC_RUN_ID={second}") == []
 
 
+@pytest.mark.cluster
+@pytest.mark.slow
+def test_without_a_head_the_supervised_run_goes_on_when_fab_and_its_supervisor_are_killed(tmp_path, small_model):
+    """Issue 52: no head, so this machine supervises. SIGKILL of fab and of the supervisor with its SSH sessions
+    mid-run (a laptop closed for good): the ranks run under node 0's wrapper and go on; the next 'fab runs'
+    concludes the run ok, with its results, and nothing of it is left running."""
+    lc = start_cluster(tmp_path, 2)
+    running = lc.start("train", "--nodes", "2", "--detach", "--max-restarts", "1", "--",
+                       *FakeIMDS.short_args(small_model), merge=True, new_session=True)
+    sup_pid, run_id = None, None
+    try:
+        m = running.wait_for(re.compile(r"run (\S+) detached under its supervisor \(pid (\d+), up to 1 restart"), 600)
+        run_id, sup_pid = m.group(1), int(m.group(2))
+        said = running.stdout
+        wait_until("training steps", lambda: max(_steps(lc.runs / run_id), default=0) >= 5, 400, poll=0.5)
+        os.killpg(running.proc.pid, signal.SIGKILL)
+        os.killpg(sup_pid, signal.SIGKILL)  # the supervisor's session: it and its SSH sessions to node 0
+        running.finish(10)
+        sup = records.load(lc.runs / run_id).supervisor
+        wait_until("the supervisor's death", lambda: records.supervisor_alive(sup) is False, 30, poll=0.2)
+        assert processes_with_env(f"XC_RUN_ID={run_id}"), "the ranks died with the supervisor"
+        ok_row = re.compile(rf"^{run_id}\s+glue\s+2\s+ok\s", re.MULTILINE)
+        listed = wait_until("'fab runs' showing the run ok",
+                            lambda: (out := lc.fab("runs", timeout=120).stdout) and ok_row.search(out) and out, 600, poll=5)
+    finally:
+        running.__exit__()
+        if sup_pid:
+            try:
+                os.killpg(sup_pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        fab("local-down", env=lc.env, timeout=60)
+    assert "closing this machine pauses recovery (no restart after a preemption until it is back) but does not " \
+           "end the run" in said, said
+    rec = records.load(lc.runs / run_id)
+    assert rec.status == Status.OK and rec.supervisor["pid"] == sup_pid, (rec.status, rec.reason, listed)
+    assert max(_steps(lc.runs / run_id)) == 100 and rec.train_samples_per_second, rec
+    assert processes_with_env(f"XC_RUN_ID={run_id}") == []
+
+
 TICKING = "import time\nfor i in range(600):\n    print('tick', i, flush=True)\n    time.sleep(0.2)\n"
 
 

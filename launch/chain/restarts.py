@@ -210,7 +210,7 @@ def _carry(nxt: TrainRequest, req: TrainRequest, restart_of: str) -> TrainReques
     """The next segment's request: what the record does not keep (the elastic policy) carried over; rank 0 marks
     its first step, where recovery_s ends."""
     return dataclasses.replace(nxt, restart_of=restart_of, run_id=None, env={**nxt.env, timeline.ENV: "1"},
-                               min_nodes=req.min_nodes, grow_back=req.grow_back)
+                               min_nodes=req.min_nodes, grow_back=req.grow_back, wrapped=req.wrapped)
 
 
 def _smaller(rec, wait_exc: ClusterError, req: TrainRequest, full: int, spec: str, endpoint: str, say

@@ -49,7 +49,7 @@ def detached(cluster, r, out: TextIO) -> bool:
     if head.runs_on_head(cluster.head):
         start_on_head(cluster, r.req, r.max_restarts, r.restart_wait, out)
         return True
-    out.write(head.no_head_line(cluster.spec, cluster.head) + "\n")
+    out.write(head.no_head_line(cluster.spec, cluster.head, r.supervised) + "\n")
     if r.supervised:
         start(cluster.spec, r.req, r.max_restarts, r.restart_wait, out)
     return r.supervised
@@ -179,8 +179,8 @@ def main() -> int:
     if os.environ.get(head.ENV):  # on a head: its records, log and heartbeat reach the store while it lives
         head.Beat(os.environ[head.ENV], job["req"].runs_dir, job["req"].store).start()
     try:
-        result = restarts.train_with_restarts(open_cluster(job["spec"]), job["req"], job["max_restarts"],
-                                              job["restart_wait"])
+        result = restarts.train_with_restarts(open_cluster(job["spec"]), dataclasses.replace(job["req"], wrapped=True),
+                                              job["max_restarts"], job["restart_wait"])
     except ClusterError as exc:
         sys.stdout.write(format_error(exc) + "\n")
         return exc.exit_code

@@ -52,15 +52,23 @@ class LogPlan:
 def wrapper_command(remote_run: str, mpirun_dir: str, argv_text: str, python: str, code_dir: str,
                     has_secrets: bool) -> str:
     """Shell text run on node 0: mpirun in its own session, surviving the SSH session that starts it."""
-    sink = "> mpirun.log"
+    sink = "> mpirun.log 2>&1"  # stdout first: '2>&1 > file' would send the ranks' stderr to /dev/null
     if has_secrets:
-        sink = (f"| {shlex.quote(python)} {shlex.quote(code_dir + '/training/runtime/redact.py')} "
+        sink = (f"2>&1 | {shlex.quote(python)} {shlex.quote(code_dir + '/training/runtime/redact.py')} "
                 f"{secrets.FILE} > mpirun.log")
-    inner = (f"PATH={shlex.quote(mpirun_dir)}:$PATH {argv_text} 2>&1 {sink}; "
+    inner = (f"PATH={shlex.quote(mpirun_dir)}:$PATH {argv_text} {sink}; "
              'echo "${PIPESTATUS[0]} $(date +%s.%N)" > exit_code.part && mv exit_code.part exit_code')
     # braces: '&' must background only the wrapper, or a subshell keeps the SSH session's output open
     return (f"cd {shlex.quote(remote_run)} && {{ nohup setsid bash -c {shlex.quote(inner)} > /dev/null 2>&1 "
             "< /dev/null & echo $! > wrapper.pid; }")
+
+
+def followed_command(remote_run: str, wrapper: str) -> str:
+    """The wrapper started, then its log followed until it ends; exits with mpirun's status. A supervisor runs its
+    runs this way: the SSH session only reads, so the ranks go on when the supervisor's machine goes away."""
+    run = shlex.quote(remote_run)
+    return (f"{wrapper} && cd {run} && tail -n +1 --pid=\"$(cat wrapper.pid)\" -F mpirun.log 2>/dev/null; "
+            f"exit \"$(cut -d' ' -f1 {run}/exit_code 2>/dev/null || echo 255)\"")
 
 
 def start(facts, r: Run, command: str, say) -> RunResult:
@@ -122,7 +130,9 @@ def _ended(master: Node, remote_run: str) -> tuple[int, float] | None:
 
 
 def is_running_detached(rec: RunRecord) -> bool:
-    return bool(rec.detached) and not rec.supervisor and rec.status == Status.RUNNING
+    """A run under node 0's wrapper that nobody follows: a plain detached one, or a supervisor's that outlived it."""
+    return bool(rec.detached) and rec.status == Status.RUNNING and (
+        not rec.supervisor or records.supervisor_alive(rec.supervisor) is False)
 
 
 # -- ending ---------------------------------------------------------------------------------------

@@ -55,9 +55,13 @@ def runs_on_head(head: Node | None) -> bool:
     return head is not None and bool(head.labels.get("local"))
 
 
-def no_head_line(spec: str, head: Node | None) -> str:
+def no_head_line(spec: str, head: Node | None, supervised: bool = False) -> str:
     why = (f"its head {head.name} has no copy of the project to run a supervisor" if head is not None
            else "it has no head")
+    if supervised:
+        return (f"note: cluster {spec}: {why}, so this machine supervises the run: its ranks run under node 0's own "
+                "wrapper, so closing this machine pauses recovery (no restart after a preemption until it is back) "
+                "but does not end the run; 'fab runs' concludes it ('fab local-up' starts a local head)")
     return (f"note: cluster {spec}: {why}, so this machine ends and recovers the detached run: keep it on and "
             "online ('fab local-up' starts a local head)")
 

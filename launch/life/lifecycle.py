@@ -246,7 +246,7 @@ def fetch_results(r: Run) -> dict | None:
 def watched(rec: RunRecord) -> bool:
     """A run still in someone's hands: its supervisor lives (or lives where we cannot look), or a plain
     detached run, which node 0's wrapper ends and the next look concludes."""
-    if rec.detached and not rec.supervisor:
+    if rec.detached and (not rec.supervisor or rec.status == Status.RUNNING):  # node 0's wrapper ends it
         return True
     return supervisor_alive(rec.supervisor) is not False and rec.supervisor is not None
 

@@ -104,6 +104,8 @@ class TrainRequest:
     resume: Resume | None = None  # set by launch.life.resume
     run_id: str | None = None
     detach: bool = False  # return once the ranks run; launch.life.detach concludes the run later
+    # a supervisor's runs: mpirun under node 0's wrapper, followed to its end; if this process dies the ranks go on
+    wrapped: bool = False
     # what validate() found (the scanned --workdir), so the plan does not check again; set by validate only
     checked: tuple | None = field(default=None, repr=False, compare=False)
     min_nodes: int | None = None  # --min-nodes: a restart may go on with this many nodes or more (None: all)
