@@ -1,4 +1,5 @@
-"""Ship the project's training/ code to nodes, content-addressed, so every node runs one revision."""
+"""Ship the project's training/ code to nodes, content-addressed, so every node runs one revision; and what a
+supervisor needs to the cluster's head, the same way."""
 from __future__ import annotations
 
 import hashlib
@@ -13,28 +14,30 @@ from core.constants import PROJECT_ROOT
 from core.errors import ClusterError
 
 SHIPPED = ("training",)
+# what a supervisor imports and reads (templates, profiles): the head runs it from its own copy of these
+HEAD_SHIPPED = ("cluster", "core", "launch", "node_setup", "templates", "training")
 
 
-def _files(root: Path = PROJECT_ROOT) -> list[Path]:
+def _files(root: Path = PROJECT_ROOT, tops: tuple[str, ...] = SHIPPED) -> list[Path]:
     out = []
-    for top in SHIPPED:
+    for top in tops:
         for p in sorted((root / top).rglob("*")):
             if p.is_file() and "__pycache__" not in p.parts and p.suffix not in (".pyc", ".tmp"):
                 out.append(p)
     return out
 
 
-def code_hash(root: Path = PROJECT_ROOT) -> str:
+def code_hash(root: Path = PROJECT_ROOT, tops: tuple[str, ...] = SHIPPED) -> str:
     h = hashlib.sha256()
-    for p in _files(root):
+    for p in _files(root, tops):
         h.update(str(p.relative_to(root)).encode() + b"\0" + p.read_bytes() + b"\0")
     return h.hexdigest()[:16]
 
 
-def code_tarball(root: Path = PROJECT_ROOT) -> bytes:
+def code_tarball(root: Path = PROJECT_ROOT, tops: tuple[str, ...] = SHIPPED) -> bytes:
     buf = io.BytesIO()
     with tarfile.open(fileobj=buf, mode="w:gz") as tar:
-        for p in _files(root):
+        for p in _files(root, tops):
             info = tar.gettarinfo(str(p), arcname=str(p.relative_to(root)))
             info.uid = info.gid = 0
             info.uname = info.gname = ""

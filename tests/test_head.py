@@ -57,6 +57,11 @@ def test_the_head_supervises_a_detached_run_and_recovers_it_with_the_operators_r
         assert processes_with_env(f"XC_SUPERVISOR={first}") == [pid]
         assert os.getsid(pid) == pid and os.getsid(pid) != os.getsid(0)
         assert f"XC_HOME={head_home}".encode() in _environ(pid) and b"XC_NODE=head" in _environ(pid)
+        # from the head's own copy of the code, shipped under its home by content hash, not from this checkout
+        cwd = Path(os.readlink(f"/proc/{pid}/cwd"))
+        assert cwd.parent == head_home / "code" and (cwd / ".complete").is_file(), cwd
+        assert (cwd / "launch" / "chain" / "supervisor.py").read_bytes() == \
+            (Path(__file__).resolve().parent.parent / "launch" / "chain" / "supervisor.py").read_bytes()
         assert (head_home / "runs" / first / "summary.json").is_file()
         if lc.runs.exists():  # this machine keeps nothing of the run: move whatever is there away
             shutil.move(lc.runs, tmp_path / "operator-runs-moved-away")

@@ -59,17 +59,19 @@ def start_on_head(cluster, req, max_restarts: int, restart_wait: float, out: Tex
     """Start the run's supervisor on the cluster's head, over SSH, and return once its first run's ranks run:
     the resolved request goes as one base64 line on the session's stdin (secrets stay in memory, on both ends);
     on the head `--on-head` starts it in a session of its own with XC_SUPERVISOR=<run id>, shows the plan lines
-    here, and ends. Nothing of the run is left on this machine."""
-    from cluster.remote import connect
+    here, and ends. It runs from the head's own copy of the project's code (shipping.HEAD_SHIPPED under
+    <head home>/code/<hash>, shipped once per revision), not from this checkout. Nothing of the run is left on this
+    machine."""
+    from cluster import local, shipping
+    from cluster.remote import connect, remote_home
 
     label = "script" if req.script or req.module else req.job
     req = dataclasses.replace(req, run_id=req.run_id or new_run_id(label), detach=False)
     job = base64.b64encode(payload(cluster.spec, req, max_restarts, restart_wait)).decode()
-    env = {head.HEAD_ENV: cluster.head.name, **{k: os.environ[k] for k in ("XC_STATE_DIR", "XC_DEBUG", "XC_HEARTBEAT_S",
+    env = {head.HEAD_ENV: cluster.head.name, **{k: os.environ[k] for k in ("XC_DEBUG", "XC_HEARTBEAT_S",
                                                                            "XC_PUBLISH_S") if os.environ.get(k)}}
-    command = (f"cd {shlex.quote(str(PROJECT_ROOT))} && exec env "
-               + " ".join(shlex.quote(f"{k}={v}") for k, v in env.items())
-               + f" {shlex.quote(cluster.head.python)} -m launch.chain.supervisor --on-head")
+    if cluster.spec.split(":")[0] == "local":  # how a local cluster is found: its state folder on this one machine
+        env["XC_STATE_DIR"] = str(local.state_dir().parent)
     try:
         conn = connect(cluster.head)
     except ClusterError as exc:  # nothing sent yet: no run folder, no process anywhere
@@ -77,6 +79,10 @@ def start_on_head(cluster, req, max_restarts: int, restart_wait: float, out: Tex
                            "started", fix="check the head with 'fab status' and 'fab doctor', or pass --no-head to "
                            "supervise from this machine") from None
     with conn:
+        digest = shipping.code_hash(tops=shipping.HEAD_SHIPPED)
+        code = shipping.ensure_code(conn, remote_home(conn), digest, shipping.code_tarball(tops=shipping.HEAD_SHIPPED))
+        command = (f"cd {shlex.quote(code)} && exec env " + " ".join(shlex.quote(f"{k}={v}") for k, v in env.items())
+                   + f" {shlex.quote(cluster.head.python)} -m launch.chain.supervisor --on-head")
         res = conn.run(command, warn=True, pty=False, hide=False, in_stream=io.StringIO(job + "\n"), out_stream=out,
                        err_stream=out)
     if res.exited != 0:

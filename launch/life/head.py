@@ -4,8 +4,8 @@ environment (how `fab stop` and the liveness check find it over SSH), publishes 
 log of the runs it runs to the store every few seconds (the log in appended parts), and a heartbeat (runs/<id>/heartbeat.json) every 30 s; `fab runs`,
 `fab logs` and `fab stop` read the store, so any operator machine with access to it and to the head sees the same.
 
-A local cluster's head shares this folder and its venv: the supervisor is started over SSH in a session of its
-own (setsid). An AWS head would run it as a systemd unit: `systemd_argv` builds that command; it is not run here.
+A local cluster's head shares this machine's venv; the supervisor is started over SSH in a session of its own
+(setsid), from the head's own copy of the code (cluster.shipping.HEAD_SHIPPED under its home, by content hash). An AWS head would run it as a systemd unit: `systemd_argv` builds that command; it is not run here.
 """
 from __future__ import annotations
 
@@ -50,8 +50,9 @@ def runs_here() -> Path:
 
 
 def runs_on_head(head: Node | None) -> bool:
-    """Whether detached runs' supervisors run on this head: a local head shares this project folder and venv; a
-    hosts file's head would need the project shipped to it first (not built), and then this machine keeps the role."""
+    """Whether detached runs' supervisors run on this head: a local head shares this machine's venv (the code is
+    shipped to it); a hosts file's head would need a venv with the operator's packages (not built), and then this
+    machine keeps the role."""
     return head is not None and bool(head.labels.get("local"))
 
 
