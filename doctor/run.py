@@ -19,6 +19,7 @@ from core.constants import DEFAULT_MASTER_PORT
 from core.errors import ClusterError
 from core.report import CLUSTER, Report, Row
 from doctor.collective import allreduce_row, rendezvous_rows
+from doctor.head import head_rows
 from doctor.rows import clock_row, hardware_rows, package_rows, runs_rows
 from doctor.store import store_rows
 from launch.plan.preflight import STACK, gather_all, mesh_rows, preflight_rows
@@ -46,7 +47,7 @@ def doctor(cluster: Cluster, nodes: list[Node], profile: str | profiles.Profile 
         + (f" against profile {p.name} (venv {venv})" if p else ""))
     facts = gather_all(nodes, digest=digest, full=True, python_word=venv_python(venv) if venv else None,
                         packages=packages)
-    report = Report([n.name for n in nodes], preflight_rows(facts, digest))
+    report = Report([n.name for n in nodes] + ([cluster.head.name] if cluster.head else []), preflight_rows(facts, digest))
     for f in facts:
         if not f.error:
             report.rows += hardware_rows(f)
@@ -54,6 +55,7 @@ def doctor(cluster: Cluster, nodes: list[Node], profile: str | profiles.Profile 
     report.rows.append(clock_row([f for f in facts if not f.error]))
     report.rows += mesh_rows(cluster, nodes, facts)
     report.rows += runs_rows([f.node for f in facts if not f.error])
+    report.rows += head_rows(cluster.head, store.url if store is not None else None)
     if store is not None:  # every node writes, reads and deletes a probe object in the cluster's store
         say(f"doctor: {store.line()}")
         report.rows += store_rows([f.node for f in facts if not f.error], store, cluster.spec)

@@ -62,6 +62,11 @@ def test_the_head_supervises_a_detached_run_and_recovers_it_with_the_operators_r
         assert cwd.parent == head_home / "code" and (cwd / ".complete").is_file(), cwd
         assert (cwd / "launch" / "chain" / "supervisor.py").read_bytes() == \
             (Path(__file__).resolve().parent.parent / "launch" / "chain" / "supervisor.py").read_bytes()
+        # fab doctor's head rows: it answers, has this revision's code, runs this chain's supervisor with a fresh beat
+        doc = lc.fab("doctor", "--quick", env=env, timeout=300).stdout
+        assert re.search(r"^head:\n  reachable +ok +", doc, re.MULTILINE), doc
+        assert re.search(r"^  supervisor code +ok +this revision's code is under its home$", doc, re.MULTILINE), doc
+        assert re.search(rf"^  supervisors +ok +{first} \(pid {pid}\)", doc, re.MULTILINE), doc
         assert (head_home / "runs" / first / "summary.json").is_file()
         if lc.runs.exists():  # this machine keeps nothing of the run: move whatever is there away
             shutil.move(lc.runs, tmp_path / "operator-runs-moved-away")
@@ -182,3 +187,13 @@ def test_a_head_that_does_not_answer_refuses_a_detached_run_in_one_line_and_star
     assert res.returncode == 1 and res.stderr.strip().splitlines()[-1].startswith(
         "error: this local cluster has no head (it was started with --no-head); kill a node instead"), res.stderr
     assert cluster2.fab("status", "--no-runs", timeout=60).returncode == 0  # its nodes still answer
+
+
+def test_doctor_says_in_one_row_with_its_fix_that_the_head_does_not_answer():
+    from doctor.head import head_rows
+
+    silent = Node(name="head", host="127.0.0.9", private_host="127.0.0.9", user="me", port=9, labels={"local": True})
+    rows = head_rows(silent, None)
+    assert [(r.check, r.ok, r.skipped) for r in rows] == [("reachable", False, False)], rows
+    assert "--no-head" in rows[0].fix and rows[0].detail
+    assert head_rows(None) == []  # no head: no rows
