@@ -6,6 +6,8 @@ and the run's secret is in no file in clear. Without a cluster: a hosts file's h
 command (built, not run), and the look that records a silent supervisor abandoned only on the head's word."""
 from __future__ import annotations
 
+import dataclasses
+import io
 import json
 import os
 import re
@@ -197,3 +199,30 @@ def test_doctor_says_in_one_row_with_its_fix_that_the_head_does_not_answer():
     assert [(r.check, r.ok, r.skipped) for r in rows] == [("reachable", False, False)], rows
     assert "--no-head" in rows[0].fix and rows[0].detail
     assert head_rows(None) == []  # no head: no rows
+
+
+def test_no_head_keeps_the_supervisor_here_even_where_the_cluster_has_a_head(monkeypatch):
+    """fab train --detach --no-head: the fix the head-not-answering error names; it goes with --detach only."""
+    from core.errors import ClusterError
+    from launch.chain import supervisor, train_flags
+    from launch.plan.request import RUNS
+
+    with pytest.raises(ClusterError, match="--no-head goes with --detach"):
+        train_flags.resolve(train_flags.TrainFlags(no_head=True), RUNS)
+    r = train_flags.resolve(train_flags.TrainFlags(detach=True, max_restarts="1", no_head=True), RUNS)
+    assert r.no_head and r.supervised
+    started = []
+    monkeypatch.setattr(supervisor, "start_on_head", lambda *a, **k: started.append("head"))
+    monkeypatch.setattr(supervisor, "start", lambda *a, **k: started.append("here"))
+    head = Node(name="head", host="127.0.0.9", private_host="127.0.0.9", user="me", labels={"local": True})
+
+    class Cluster:
+        spec, nodes = "local", []
+
+    Cluster.head = head
+    out = io.StringIO()
+    assert supervisor.detached(Cluster, r, out) and started == ["here"]
+    assert out.getvalue().startswith("note: cluster local: --no-head was given, so this machine supervises the run")
+    started.clear()
+    supervisor.detached(Cluster, dataclasses.replace(r, no_head=False), io.StringIO())
+    assert started == ["head"]

@@ -51,6 +51,7 @@ class TrainFlags:
     no_grow_back: bool = _flag("with --min-nodes: stay smaller when nodes return", False)
     concurrent: bool = _flag("run while another run holds the cluster", False)
     detach: bool = _flag("return once every rank runs; 'fab logs RUN -f'", False)
+    no_head: bool = _flag("with --detach: supervise from here, not the head", False)
     cluster: str | None = _flag("local | hosts:PATH | aws[:NAME] | pulumi[:STACK]")
     store: str | None = _flag("s3://BUCKET/PREFIX or file:///FOLDER for runs")
     job_args: list[str] = field(default_factory=list)  # after --, not a flag
@@ -91,6 +92,7 @@ class Resolved:
     max_restarts: int
     restart_wait: int
     supervised: bool  # --detach with --max-restarts: a supervisor process of its own runs it
+    no_head: bool = False  # --no-head: this machine keeps the supervisor role even where the cluster has a head
 
 
 def resolve(f: TrainFlags, runs_dir: Path, store: str | None = None) -> Resolved:
@@ -134,4 +136,7 @@ def resolve(f: TrainFlags, runs_dir: Path, store: str | None = None) -> Resolved
     req = dataclasses.replace(req, env=env, valueless=valueless, pin=pin, concurrent=bool(f.concurrent),
                               min_nodes=least, grow_back=not f.no_grow_back,
                               detach=bool(f.detach) and not supervised, **given)
-    return Resolved(req, restarts, wait, supervised)
+    if f.no_head and not f.detach:
+        raise ClusterError("--no-head goes with --detach: an attached run is driven from here anyway",
+                           fix="pass --detach too, or drop --no-head")
+    return Resolved(req, restarts, wait, supervised, bool(f.no_head))

@@ -56,8 +56,9 @@ def runs_on_head(head: Node | None) -> bool:
     return head is not None and bool(head.labels.get("local"))
 
 
-def no_head_line(spec: str, head: Node | None, supervised: bool = False) -> str:
-    why = (f"its head {head.name} has no copy of the project to run a supervisor" if head is not None
+def no_head_line(spec: str, head: Node | None, supervised: bool = False, asked: bool = False) -> str:
+    why = ("--no-head was given" if asked else
+           f"its head {head.name} has no venv with the operator's packages to run a supervisor" if head is not None
            else "it has no head")
     if supervised:
         return (f"note: cluster {spec}: {why}, so this machine supervises the run: its ranks run under node 0's own "
