@@ -51,7 +51,8 @@ def test_a_detached_supervised_run_is_refused_here_before_its_supervisor_starts(
     started = []
     monkeypatch.setattr(supervisor, "start_on_head", lambda *a, **k: started.append(a))
     monkeypatch.setattr(supervisor, "start", lambda *a, **k: started.append(a))
-    r = SimpleNamespace(req=TrainRequest(job="glue"), max_restarts=1, restart_wait=60, supervised=True)
+    r = SimpleNamespace(req=TrainRequest(job="glue"), max_restarts=1, restart_wait=60, supervised=True,
+                        no_head=False)
     with pytest.raises(ClusterError, match="whose nodes boot image=base"):
         supervisor.detached(_cluster("base"), r, io.StringIO())
     assert not started

@@ -253,8 +253,9 @@ def ready_prefix(spec: str, full: int, endpoint: str) -> int:
 def _grow_back(req: TrainRequest, step: int, full: int, attempt: int, max_restarts: int, say) -> TrainRequest:
     """The segment the watcher ended at checkpoint `step`: recorded stopped to grow back, resumed on full nodes."""
     run_dir = RunPaths(req.run_id, runs_dir=req.runs_dir).home
-    records.grown_back(run_dir, attempt, max_restarts, step, f"ended at checkpoint {step} to go on at {full} node(s)")
     nxt = next_request(req.run_id, dataclasses.replace(req, nodes=full), say)
+    step = nxt.resume.step if nxt.resume else step  # one more may complete while the ranks are being ended
+    records.grown_back(run_dir, attempt, max_restarts, step, f"ended at checkpoint {step} to go on at {full} node(s)")
     return _carry(nxt, req, restart_of=req.run_id)
 
 
