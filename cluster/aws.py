@@ -106,6 +106,31 @@ def head_instances(cluster: str, region: str | None = None) -> list[dict]:
         return [inst for page in pages for res in page["Reservations"] for inst in res["Instances"]]
 
 
+def aws_head(cluster: str = "", region: str | None = None) -> Node | None:
+    """The running instance of the cluster's head group, as a Node fab connects to (its host keys recorded from its
+    tags, as a node's are), or None: no head is running. It runs supervisors from the venv at REMOTE_PYTHON."""
+    name = cluster or os.environ.get("XC_AWS_CLUSTER", "")
+    with aws_errors():
+        client = ec2_client(region)
+        name = name or _only_cluster(client)
+        running = sorted(_running(client, [{"Name": f"tag:{GROUP_TAG}", "Values": [head_group(name)]}]),
+                         key=lambda i: (str(i.get("LaunchTime", "")), i["InstanceId"]))
+        if not running:
+            return None
+        inst, tags = running[-1], _tags(running[-1])
+        private = inst.get("PrivateIpAddress", "")
+        head = Node(name=head_group(name), host=inst.get("PublicIpAddress") or private, private_host=private,
+                    user=tags.get(TAG_SSH_USER, DEFAULT_USER), index=-1, python=REMOTE_PYTHON,
+                    labels={"instance_id": inst["InstanceId"], "aws_head": name, "cluster": name,
+                            "instance_type": inst.get("InstanceType", ""),
+                            "host_key_tags": {k: v for k, v in tags.items() if k.startswith(TAG_HOST_KEY)}})
+        try:
+            hostkeys.record_host_keys([head], client, hostkeys.known_hosts_path(name))
+        except hostkeys.HostKeysPending as exc:
+            log.warning("%s", exc)
+    return head
+
+
 def starting_nodes(cluster: str, region: str | None = None, group: str | None = None) -> list[dict]:
     """Instances of the cluster's group that are not running yet or any more (a replacement booting, a node
     being reclaimed): 'fab status' shows them beside the nodes."""

@@ -131,7 +131,8 @@ def parse_hosts(path: str | Path) -> tuple[list[Node], Node | None]:
 
 def load_head(cluster: str | None = None) -> Node | None:
     """The cluster's head, where detached runs' supervisors run; None: the operator's machine keeps that role
-    (a local cluster started with --no-head, a hosts file without a 'head' line, AWS until its discovery lands)."""
+    (a local cluster started with --no-head, a hosts file without a 'head' line, an AWS cluster whose head group
+    has no running instance; a pulumi:STACK spec, which names no AWS cluster here: use aws:NAME)."""
     kind, _, arg = (cluster or default_cluster()).partition(":")
     if kind == "local":
         from cluster import local
@@ -139,6 +140,10 @@ def load_head(cluster: str | None = None) -> Node | None:
         return local.head(local.state_dir(arg or None))
     if kind == "hosts" and arg:
         return parse_hosts(arg)[1]
+    if kind == "aws":
+        from cluster import aws
+
+        return aws.aws_head(arg)
     return None
 
 

@@ -34,8 +34,12 @@ def state_name(spec: str, nodes) -> str:
     pulumi:STACK of the same cluster all resolve to its AWS cluster name."""
     names = {n.labels.get("cluster") for n in nodes}
     if len(names) == 1 and (name := names.pop()):
-        return "aws-" + re.sub(r"[^A-Za-z0-9_.-]+", "-", name)
+        return aws_state_name(name)
     return re.sub(r"[^A-Za-z0-9_.-]+", "-", spec)
+
+
+def aws_state_name(cluster: str) -> str:
+    return "aws-" + re.sub(r"[^A-Za-z0-9_.-]+", "-", cluster)
 
 
 def open_cluster(spec: str | None = None, require_running: bool | None = True) -> Cluster:

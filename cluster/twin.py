@@ -8,8 +8,9 @@
   node in a network namespace of its own, at the instance's private address, and removes it when the instance is
   terminated. A node boots as a real one does, as far as one machine allows: cloud-init's files from its launch
   template's user data (/etc/xeon-cluster/cluster.env), its host name from its instance id, and the user data's
-  own publisher tagging the instance with its host keys through its instance profile. Its IMDS
-  (cluster.twin_imds) answers at 169.254.169.254 inside the namespace, for that instance only.
+  own publisher tagging the instance with its host keys and authorizing the mesh key (cluster.mesh), through its
+  instance profile. Its IMDS (cluster.twin_imds) answers at 169.254.169.254 inside the namespace, for that
+  instance only.
 - Each node sees its own /etc/xeon-cluster and ~/.xeon-cluster (a mount namespace), and this machine's venv at
   /opt/xeon-cluster/venv, where a baked image has the software.
 - `fab local-notice` makes an instance's IMDS announce a spot reclaim, a rebalance recommendation or the group's

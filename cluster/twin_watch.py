@@ -133,7 +133,10 @@ class Watcher:
             script.write_text(publisher)
             res = subprocess.run(["ip", "netns", "exec", ns, sys.executable, str(script)], check=False, capture_output=True,
                                  text=True, timeout=60, env={**os.environ, "XC_EC2_ENDPOINT": self.record["endpoint"],
-                                                             "XC_SSH_HOST_KEY_DIR": str(node_dir)})
+                                                             "XC_SSM_ENDPOINT": self.record["endpoint"],
+                                                             "XC_SSH_HOST_KEY_DIR": str(node_dir),
+                                                             "XC_CLUSTER_ENV": str(env_file),
+                                                             "XC_AUTHORIZED_KEYS": str(auth)})
             (node_dir / "publish.log").write_text(res.stdout + res.stderr)
         boot["ready"] = True
         (node_dir / "boot.json").write_text(json.dumps(boot))

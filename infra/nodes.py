@@ -17,7 +17,7 @@ import pulumi_aws as aws
 from core.constants import PROJECT_ROOT, TAG_IMAGE, TAG_PROFILE, TAG_ROLE, TAG_SSH_USER, TAG_STORE
 from core.render import render
 from infra.checks import AwsContext
-from infra.policies import ROLE_PATH, ec2_trust_policy, node_policy
+from infra.policies import ROLE_PATH, ec2_trust_policy, mesh_key_public_parameter, node_policy
 from infra.settings import ClusterSettings
 
 # Stack config keys whose change makes a new launch template version, which the group rolls out.
@@ -46,7 +46,8 @@ def node_env(settings: ClusterSettings) -> dict[str, str]:
     """/etc/xeon-cluster/cluster.env of a node (training/runtime/spot.py reads the group and hook names there)."""
     return {"XC_CLUSTER": settings.cluster_name, "XC_STACK": settings.stack, "XC_PROFILE": settings.profile,
             "XC_IMAGE_MODE": settings.image, "XC_REGION": settings.region, "XC_ASG_NAME": group_name(settings),
-            "XC_LIFECYCLE_HOOK": TERMINATION_HOOK}
+            "XC_LIFECYCLE_HOOK": TERMINATION_HOOK, "XC_SSH_USER": settings.ssh_user,
+            "XC_MESH_KEY_PARAMETER": mesh_key_public_parameter(settings.cluster_name)}
 
 
 def termination_hook() -> dict:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 
-from core.constants import TAG_CLUSTER, TAG_HOST_KEY
+from core.constants import TAG_CLUSTER, TAG_HOST_KEY, TAG_ROLE
 from infra.checks import AwsContext
 
 # Every role and instance profile the program creates lives under this IAM path: the deployer's iam: rights
@@ -28,6 +28,15 @@ SECRETS_ROOT = "/xeon-cluster"  # SSM Parameter Store: a detached run's secrets 
 
 def secrets_path(cluster: str) -> str:
     return f"{SECRETS_ROOT}/{cluster}"
+
+
+def mesh_key_parameter(cluster: str) -> str:
+    """The mesh key, a SecureString only the head reads (cluster.mesh); beside it its public half, which nodes read."""
+    return f"{secrets_path(cluster)}/mesh-key"
+
+
+def mesh_key_public_parameter(cluster: str) -> str:
+    return mesh_key_parameter(cluster) + ".pub"
 
 
 def document(statements: list[dict]) -> str:
@@ -89,14 +98,16 @@ def node_policy(ctx: AwsContext, cluster: str, group: str, bucket_arn: str | Non
     write there only checkpoints, outputs and its probe (deleting only checkpoints and the probe). No wildcard
     action, no '*' resource."""
     store = store_statements(bucket_arn, prefix or cluster) if bucket_arn else []
-    return document([lifecycle_statement(ctx, group), host_key_statement(ctx, cluster), *store])
+    mesh = {"Sid": "ReadMeshPublicKey", "Effect": "Allow", "Action": ["ssm:GetParameter"],
+            "Resource": [ctx.ssm_path_arns(mesh_key_public_parameter(cluster))[0]]}
+    return document([lifecycle_statement(ctx, group), host_key_statement(ctx, cluster), mesh, *store])
 
 
 def head_policy(ctx: AwsContext, cluster: str, group: str, bucket_arn: str, prefix: str | None = None) -> str:
     """The head (it runs the supervisors of detached runs, no user code): see the cluster's instances and group,
     read their console output for host keys, complete the nodes' lifecycle action, read and write the store's
-    prefix (records, logs, heartbeats), read the run secrets under the cluster's SSM path, tag itself with its
-    own host keys. Nothing else."""
+    prefix (records, logs, heartbeats), read the run secrets and the mesh key under the cluster's SSM path, move
+    the master role tag among the cluster's instances, tag itself with its own host keys. Nothing else."""
     instances = f"arn:{ctx.partition}:ec2:{ctx.region}:{ctx.account}:instance/*"
     return document([
         # Describe* calls take no resource-level permission: '*' is the only resource AWS accepts for them
@@ -108,4 +119,8 @@ def head_policy(ctx: AwsContext, cluster: str, group: str, bucket_arn: str, pref
         *store_statements(bucket_arn, prefix or cluster, writable=None, deletable=None, sid="HeadStore"),
         {"Sid": "ReadRunSecrets", "Effect": "Allow", "Resource": ctx.ssm_path_arns(secrets_path(cluster)),
          "Action": ["ssm:GetParameter", "ssm:GetParameters", "ssm:GetParametersByPath"]},
+        # node order (cluster.aws.order_nodes): the master role tag moves to a survivor when node 0 is gone
+        {"Sid": "MoveMasterTag", "Effect": "Allow", "Action": ["ec2:CreateTags"], "Resource": [instances],
+         "Condition": {"StringEquals": {f"aws:ResourceTag/{TAG_CLUSTER}": cluster},
+                       "ForAllValues:StringEquals": {"aws:TagKeys": [TAG_ROLE]}}},
         host_key_statement(ctx, cluster)])

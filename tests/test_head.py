@@ -226,3 +226,34 @@ def test_no_head_keeps_the_supervisor_here_even_where_the_cluster_has_a_head(mon
     started.clear()
     supervisor.detached(Cluster, dataclasses.replace(r, no_head=False), io.StringIO())
     assert started == ["head"]
+
+
+def test_an_aws_head_without_the_projects_venv_leaves_the_supervisor_here_and_says_why(cluster2, monkeypatch):
+    """An AWS head boots stock Ubuntu: fab looks for the venv there (over SSH) before it starts a supervisor on it,
+    and without one this machine supervises, with the line saying so. A local node stands in for the head."""
+    from cluster import local
+    from launch.chain import supervisor, train_flags
+    from launch.plan.request import RUNS
+
+    for key, value in cluster2.env.items():
+        monkeypatch.setenv(key, value)
+    node0 = local.nodes(cluster2.state)[0]
+    head = dataclasses.replace(node0, name="dev-head", labels={**node0.labels, "aws_head": "dev"})
+    assert not head_lib.lacks_venv(head)  # its python is there
+    bare = dataclasses.replace(head, python="/opt/nothing/venv/bin/python")
+    assert head_lib.lacks_venv(bare) and head_lib.runs_on_head(bare)
+    started = []
+    monkeypatch.setattr(supervisor, "start_on_head", lambda *a, **k: started.append("head"))
+    monkeypatch.setattr(supervisor, "start", lambda *a, **k: started.append("here"))
+
+    class Cluster:
+        spec, nodes = "aws:dev", []
+
+    Cluster.head = bare
+    out = io.StringIO()
+    r = train_flags.resolve(train_flags.TrainFlags(detach=True, max_restarts="1"), RUNS)
+    assert supervisor.detached(Cluster, r, out) and started == ["here"]
+    line = out.getvalue().strip()
+    assert line.startswith("note: cluster aws:dev: its head dev-head has no venv with the operator's packages to run a "
+                           "supervisor, so this machine supervises the run"), line
+    assert line.endswith("(an AWS head needs the project's venv at /opt/nothing/venv/bin/python)"), line

@@ -242,7 +242,8 @@ def test_the_deployers_iam_rights_reach_only_the_cluster_path_and_pass_roles_onl
 
 def test_fabs_deletes_need_the_clusters_tag_or_its_path_or_its_store_name():
     """Every write fab may make names its resource or needs a tag of this project: a fab user cannot terminate
-    another team's instances, delete another team's roles, or empty another team's buckets."""
+    another team's instances, delete another team's roles, empty another team's buckets, or write another team's
+    SSM parameters (fab puts only each cluster's mesh key, under /xeon-cluster/)."""
     reads = ("Describe", "Get", "List")
     for s in _statements("docs/iam-policy.json"):
         writes = [a for a in _as_list(s["Action"]) if not a.split(":")[1].startswith(reads)]
@@ -251,7 +252,8 @@ def test_fabs_deletes_need_the_clusters_tag_or_its_path_or_its_store_name():
         resources = _as_list(s["Resource"])
         tags = {k for op in s.get("Condition", {}).values() for k in op if "ResourceTag/xeon-cluster:" in k}
         scoped = all(r.startswith(("arn:aws:iam::*:role/xeon-cluster/", "arn:aws:iam::*:instance-profile/xeon-cluster/",
-                                   "arn:aws:s3:::xc-", "arn:aws:logs:*:*:log-group:/aws/imagebuilder/"))
+                                   "arn:aws:s3:::xc-", "arn:aws:logs:*:*:log-group:/aws/imagebuilder/",
+                                   "arn:aws:ssm:*:*:parameter/xeon-cluster/"))
                      for r in resources)
         assert tags or scoped, f"docs/iam-policy.json statement {s['Sid']}: {writes} on {resources} needs the " \
                                "cluster's tag or a resource of this project"

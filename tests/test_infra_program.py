@@ -370,6 +370,27 @@ def test_nodes_publish_their_host_keys_as_tags_of_themselves_only(program):
         "ForAllValues:StringLike": {"aws:TagKeys": ["xeon-cluster:host-key:*"]}}  # no other tag, no role tag
 
 
+def test_nodes_read_only_the_mesh_keys_public_half_to_authorize_it_at_boot(program):
+    """A node the group launches while the operator is away authorizes the head's mesh key at boot: its
+    cluster.env names the public half's parameter, which is all of SSM its role may read (never the private
+    SecureString beside it, nor the run secrets: user code runs on nodes)."""
+    run = program(nodeCount="2")
+    env = node_env_of(run.mocks)
+    assert env["XC_MESH_KEY_PARAMETER"] == "/xeon-cluster/dev/mesh-key.pub" and env["XC_SSH_USER"] == "ubuntu"
+    ssm = [s for s in role_policy(run.mocks, "dev-node") if any(a.startswith("ssm:") for a in s["Action"])]
+    assert ssm == [{"Sid": "ReadMeshPublicKey", "Effect": "Allow", "Action": ["ssm:GetParameter"],
+                    "Resource": [f"arn:aws:ssm:us-east-1:{ACCOUNT}:parameter/xeon-cluster/dev/mesh-key.pub"]}]
+    from cluster import mesh
+
+    assert mesh.parameter("dev") + ".pub" == env["XC_MESH_KEY_PARAMETER"]  # what fab puts is what nodes read
+
+
+def node_env_of(m) -> dict[str, str]:
+    cloud = yaml.safe_load(base64.b64decode(node_template(m).inputs["userData"]).decode())
+    text = next(f["content"] for f in cloud["write_files"] if f["path"] == "/etc/xeon-cluster/cluster.env")
+    return dict(line.split("=", 1) for line in text.splitlines() if "=" in line)
+
+
 STORE_PROTECTIONS = ("aws:s3/bucketServerSideEncryptionConfiguration:BucketServerSideEncryptionConfiguration",
                      "aws:s3/bucketVersioning:BucketVersioning", "aws:s3/bucketPublicAccessBlock:BucketPublicAccessBlock",
                      "aws:s3/bucketOwnershipControls:BucketOwnershipControls", "aws:s3/bucketPolicy:BucketPolicy",

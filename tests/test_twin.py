@@ -8,13 +8,14 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import subprocess
 import time
 from pathlib import Path
 
 import boto3
 import pytest
-from conftest import FabProcess, fab, progress_step
+from conftest import FabProcess, fab, processes_with_env, progress_step, progress_steps, wait_until
 from fake_imds import FakeIMDS
 from test_netns import netns_missing
 
@@ -116,38 +117,73 @@ def test_up_in_a_minute_and_status_lists_the_instances_from_the_ec2_api(twin):
             assert inst["PrivateIpAddress"].startswith(("198.18.", "198.19.")) and not inst.get("PublicIpAddress")
 
 
-def test_spot_notice_preempts_to_s3_the_group_replaces_the_node_and_resume_finishes(twin, small_model, tmp_path):
+def _head_ns(twin) -> str:
+    record = json.loads((Path(twin.env["XC_STATE_DIR"]) / "twin" / "twin.json").read_text())
+    return f"xct-{record['id']}-{twin.status_ids()['twin-head']}"
+
+
+def _chain(env: dict, first: str) -> list[tuple[str, str]]:
+    """(run id, status) of the chain from `first`, as `fab runs` lists it from the store."""
+    listed = fab("runs", env=env, timeout=60)
+    assert listed.returncode == 0, listed.stdout + listed.stderr
+    rows = dict(re.findall(r"^(\d{8}-\d{6}-\S+)\s+\S+\s+\d+\s+(\S+(?: -> \S+)?)", listed.stdout, re.MULTILINE))
+    out, run_id = [], first
+    while run_id in rows:
+        out.append((run_id, rows[run_id]))
+        run_id = rows[run_id].split(" -> ")[1] if " -> " in rows[run_id] else None
+    return out
+
+
+def test_the_head_supervises_and_recovers_a_spot_notice_with_the_operators_runs_gone(twin, small_model, tmp_path):
+    """fab train --detach --max-restarts 2: the supervisor runs on the head (in its namespace, from the code shipped
+    under its home) and reaches the nodes with the mesh key from SSM. The operator's runs/ deleted, a spot notice on
+    node1: the checkpoint reaches S3, the group replaces node1 (which authorizes the mesh key at boot), the head
+    restarts the run there and it ends ok; a second checkout lists the chain and pulls its outputs from the store."""
+    from cluster import shipping
+
     before = twin.group_ids("twin-nodes")
-    args = ["train", "--nodes", "2", "--save-every", "0", "--env", "XC_NOTICE_POLL_S=0.5", "--",
-            *short_args(small_model)]
-    with twin.start(*args) as running:
-        running.wait_for(lambda line: (progress_step(line) or 0) >= 8, 400)
-        said = twin.fab("local-notice", "node1", "--kind", "spot", "--after", "5", timeout=60)
-        assert said.returncode == 0 and "spot notice served by its IMDS" in said.stdout, said.stdout + said.stderr
-        node1 = re.search(r"\((i-[0-9a-f]+)\)", said.stdout)[1]
-        ended = running.finish(400)
-    assert ended.returncode == 75, ended.stdout[-3000:] + ended.stderr[-3000:]
-    run_id = re.search(r"run (\S+): results in", ended.stdout)[1]
-    # the notice's checkpoint is in the twin's S3, under the run
-    bucket, prefix = twin.env["XC_STORE"][5:].split("/", 1)
-    keys = [o["Key"] for o in twin.client("s3").list_objects_v2(Bucket=bucket, Prefix=f"{prefix}/runs/{run_id}/")
-            .get("Contents", [])]
-    assert any("/checkpoints/checkpoint-" in k for k in keys), keys
-    assert node1 in before
-    after = twin.wait_replaced(node1)  # EC2 took it, the group launched another, which booted as a node
-    assert len(after - before) == 1
-    resumed = twin.fab("train", "--resume", run_id, timeout=600)
-    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
-    runs = twin.fab("runs", timeout=60)
-    assert run_id in runs.stdout
-    # a second checkout (nothing of this one's state or runs), pointed at the twin by the printed line
+    args = list(FakeIMDS.short_args(small_model))
+    args[args.index("--max_train_samples") + 1] = "1600"  # 200 steps: time to see it train before the notice
+    res = twin.fab("train", "--nodes", "2", "--detach", "--max-restarts", "2", "--env", "XC_NOTICE_POLL_S=0.5", "--",
+                   *args, timeout=300)
+    assert res.returncode == 0 and "detached under its supervisor on the head twin-head" in res.stdout, \
+        res.stdout[-3000:] + res.stderr[-3000:]
+    first = re.search(r"run (\S+) detached", res.stdout)[1]
+    sups = processes_with_env(f"XC_SUPERVISOR={first}")
+    assert sups, "no supervisor process"
+    code = f"{Path.home()}/.xeon-cluster/code/{shipping.code_hash(tops=shipping.HEAD_SHIPPED)}"
+    for pid in sups:
+        ns = subprocess.run(["ip", "netns", "identify", str(pid)], check=True, capture_output=True, text=True).stdout.strip()
+        assert ns == _head_ns(twin), (pid, ns)
+        assert os.readlink(f"/proc/{pid}/cwd") == code  # the head's own home, mounted there: not this checkout
+    shutil.rmtree(twin.env["XC_RUNS_DIR"], ignore_errors=True)  # nothing of the run is kept on this machine
+    deadline = time.monotonic() + 300
+    while max(progress_steps(twin.fab("logs", first, timeout=60).stdout), default=0) < 8:
+        assert time.monotonic() < deadline, "the run did not reach step 8"
+        time.sleep(1)
+    node1 = twin.status_ids()["twin-1"]
+    said = twin.fab("local-notice", "node1", "--kind", "spot", "--after", "5", timeout=60)
+    assert said.returncode == 0 and node1 in said.stdout, said.stdout + said.stderr
+    after = twin.wait_replaced(node1, timeout=120)  # EC2 took it, the group launched another, which booted as a node
+    assert node1 in before and len(after - before) == 1
+    # from a second checkout (nothing of this one's state or runs), pointed at the twin by the printed line
     elsewhere = {**twin.env, "XC_STATE_DIR": str(tmp_path / "state"), "XC_RUNS_DIR": str(tmp_path / "runs")}
-    other = fab("runs", env=elsewhere, timeout=60)
-    assert other.returncode == 0 and run_id in other.stdout, other.stdout + other.stderr
-    resumed_id = re.search(r"run (\S+): results in", resumed.stdout)[1]
-    pulled = fab("pull", resumed_id, env=elsewhere, timeout=120)
+    chain = wait_until("the chain's end", lambda: (c := _chain(elsewhere, first)) and c[-1][1] in ("ok", "failed")
+                       and c, 600, poll=3)
+    assert [s.split(" -> ")[0] for _, s in chain] == ["preempted", "ok"], chain
+    resumed = chain[-1][0]
+    bucket, prefix = twin.env["XC_STORE"][5:].split("/", 1)
+    keys = [o["Key"] for o in twin.client("s3").list_objects_v2(Bucket=bucket, Prefix=f"{prefix}/runs/{first}/")
+            .get("Contents", [])]
+    assert any("/checkpoints/checkpoint-" in k for k in keys), keys  # the notice's checkpoint, durable in S3
+    pulled = fab("pull", resumed, env=elsewhere, timeout=120)
     assert pulled.returncode == 0, pulled.stdout + pulled.stderr
-    assert (tmp_path / "runs" / resumed_id / "output" / "all_results.json").is_file()  # from the twin's S3
+    out = tmp_path / "runs" / resumed
+    for name in ("output/all_results.json", "output/model.safetensors", "output/trainer_state.json"):
+        assert (out / name).is_file(), name
+    assert json.loads((out / "results.json").read_text())["resumed_from_step"] >= 8
+    wait_until("the supervisor's exit", lambda: not processes_with_env(f"XC_SUPERVISOR={first}"), 60)
+    assert not processes_with_env(f"XC_RUN_ID={first}") and not processes_with_env(f"XC_RUN_ID={resumed}")
     doctor = twin.fab("doctor", "--quick", timeout=300)  # the keys are in place since the run
     assert doctor.returncode == 0 and "verdict: healthy" in doctor.stdout, doctor.stdout[-3000:] + doctor.stderr
 

@@ -46,7 +46,7 @@ def detached(cluster, r, out: TextIO) -> bool:
 
     refuse_base_image(cluster, r.max_restarts)  # here, before a supervisor starts anywhere
     check_min_nodes(cluster, r.req)
-    if head.runs_on_head(cluster.head) and not r.no_head:
+    if head.runs_on_head(cluster.head) and not r.no_head and not head.lacks_venv(cluster.head):
         start_on_head(cluster, r.req, r.max_restarts, r.restart_wait, out)
         return True
     out.write(head.no_head_line(cluster.spec, cluster.head, r.supervised, asked=r.no_head) + "\n")
@@ -72,6 +72,8 @@ def start_on_head(cluster, req, max_restarts: int, restart_wait: float, out: Tex
                                                                            "XC_PUBLISH_S") if os.environ.get(k)}}
     if cluster.spec.split(":")[0] == "local":  # how a local cluster is found: its state folder on this one machine
         env["XC_STATE_DIR"] = str(local.state_dir().parent)
+    if cluster.head.labels.get("aws_head"):
+        _mesh_key_to_ssm(cluster)
     try:
         conn = connect(cluster.head)
     except ClusterError as exc:  # nothing sent yet: no run folder, no process anywhere
@@ -91,6 +93,32 @@ def start_on_head(cluster, req, max_restarts: int, restart_wait: float, out: Tex
     return req.run_id
 
 
+def _mesh_key_to_ssm(cluster) -> None:
+    """An AWS head reaches the nodes with the cluster's key, which it reads from SSM (cluster.mesh): put it there, and
+    authorize it on the nodes, before the head is asked to start anything."""
+    from cluster import keys, mesh
+
+    key, _ = keys.cluster_key(cluster)
+    mesh.publish(cluster.head.labels["aws_head"], key)
+    keys.setup_keys(cluster)
+
+
+def _aws_head_env(spec: str) -> None:
+    """On an AWS head: boto3's region from the head's cluster.env (cloud-init's), and the mesh key from SSM as this
+    cluster's key in the head's own state folder (XC_SSH_KEY): what fab's SSH to the nodes uses."""
+    from cluster import local, mesh
+    from cluster.resolve import Cluster, aws_state_name
+    from training.runtime.spot import cluster_env
+
+    conf = cluster_env()
+    if conf.get("XC_REGION"):
+        os.environ.setdefault("AWS_REGION", conf["XC_REGION"])
+    name = spec.partition(":")[2] or conf.get("XC_CLUSTER", "")
+    state = local.state_dir().parent / aws_state_name(name)
+    comment = f"xeon-cluster {Cluster(spec=spec, nodes=(), state=state).name}"  # as cluster.keys.cluster_key writes it
+    os.environ["XC_SSH_KEY"] = str(mesh.fetch(name, state, comment))
+
+
 def on_head() -> int:
     """On the head: the job from stdin's one line; the runs under this machine's work root; the supervisor started
     with XC_SUPERVISOR=<run id> (start below), its plan lines printed until its ranks run."""
@@ -100,6 +128,8 @@ def on_head() -> int:
     req = dataclasses.replace(job["req"], runs_dir=head.runs_here())
     os.environ["XC_RUNS_DIR"] = str(req.runs_dir)
     try:
+        if job["spec"].split(":")[0] == "aws":
+            _aws_head_env(job["spec"])
         start(job["spec"], req, job["max_restarts"], job["restart_wait"], sys.stdout, env={head.ENV: req.run_id})
     except ClusterError as exc:
         sys.stdout.write(format_error(exc) + "\n")

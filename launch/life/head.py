@@ -50,22 +50,37 @@ def runs_here() -> Path:
 
 
 def runs_on_head(head: Node | None) -> bool:
-    """Whether detached runs' supervisors run on this head: a local head shares this machine's venv (the code is
-    shipped to it); a hosts file's head would need a venv with the operator's packages (not built), and then this
-    machine keeps the role."""
-    return head is not None and bool(head.labels.get("local"))
+    """Whether detached runs' supervisors run on this head: a local head shares this machine's venv, an AWS head has
+    the venv at REMOTE_PYTHON (the code is shipped to both); a hosts file's head would need a venv with the operator's
+    packages (not built), and then this machine keeps the role."""
+    return head is not None and bool(head.labels.get("local") or head.labels.get("aws_head"))
+
+
+def lacks_venv(node: Node) -> bool:
+    """An AWS head boots stock Ubuntu: without a venv at node.python (the twin's head has this machine's), it cannot
+    run a supervisor, and this machine keeps the role. A head that does not answer is not judged here: starting
+    the supervisor there says so."""
+    if not node.labels.get("aws_head"):
+        return False
+    try:
+        with connect(node) as conn:
+            return not run(conn, f"test -x {shlex.quote(node.python)}", purpose="the head's venv").ok
+    except ClusterError:
+        return False
 
 
 def no_head_line(spec: str, head: Node | None, supervised: bool = False, asked: bool = False) -> str:
     why = ("--no-head was given" if asked else
            f"its head {head.name} has no venv with the operator's packages to run a supervisor" if head is not None
            else "it has no head")
+    hint = (f"an AWS head needs the project's venv at {head.python}" if head is not None and head.labels.get("aws_head")
+            else "'fab local-up' starts a local head")
     if supervised:
         return (f"note: cluster {spec}: {why}, so this machine supervises the run: its ranks run under node 0's own "
                 "wrapper, so closing this machine pauses recovery (no restart after a preemption until it is back) "
-                "but does not end the run; 'fab runs' concludes it ('fab local-up' starts a local head)")
+                f"but does not end the run; 'fab runs' concludes it ({hint})")
     return (f"note: cluster {spec}: {why}, so this machine ends and recovers the detached run: keep it on and "
-            "online ('fab local-up' starts a local head)")
+            f"online ({hint})")
 
 
 # -- on the head: the heartbeat and the log, published while the supervisor lives -------------------------------
