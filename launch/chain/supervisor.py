@@ -46,10 +46,11 @@ def detached(cluster, r, out: TextIO) -> bool:
 
     refuse_base_image(cluster, r.max_restarts)  # here, before a supervisor starts anywhere
     check_min_nodes(cluster, r.req)
-    if head.runs_on_head(cluster.head) and not r.no_head and not head.lacks_venv(cluster.head):
+    why = head.stays_here(cluster.head, r.req, asked=r.no_head)
+    if why is None:
         start_on_head(cluster, r.req, r.max_restarts, r.restart_wait, out)
         return True
-    out.write(head.no_head_line(cluster.spec, cluster.head, r.supervised, asked=r.no_head) + "\n")
+    out.write(head.no_head_line(cluster.spec, cluster.head, r.supervised, why) + "\n")
     if r.supervised:
         start(cluster.spec, r.req, r.max_restarts, r.restart_wait, out)
     return r.supervised

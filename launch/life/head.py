@@ -69,12 +69,36 @@ def lacks_venv(node: Node) -> bool:
         return False
 
 
-def no_head_line(spec: str, head: Node | None, supervised: bool = False, asked: bool = False) -> str:
-    why = ("--no-head was given" if asked else
-           f"its head {head.name} has no venv with the operator's packages to run a supervisor" if head is not None
-           else "it has no head")
-    hint = (f"an AWS head needs the project's venv at {head.python}" if head is not None and head.labels.get("aws_head")
-            else "'fab local-up' starts a local head")
+def files_here(node: Node, req) -> str | None:
+    """What of the request an AWS head cannot read: --workdir, --script and data files are on this machine, and only
+    a local head shares its disk (shipping them to the head is not built)."""
+    if not node.labels.get("aws_head"):
+        return None
+    from launch.plan.request import local_files
+
+    named = [f"--workdir {req.workdir}"] if req.workdir else [f"--script {req.script}"] if req.script else []
+    named += [f"{flag} {path}" for flag, path in local_files(req.args)]
+    return ", ".join(named) or None
+
+
+def stays_here(node: Node | None, req, asked: bool = False) -> str | None:
+    """Why this machine supervises a detached run although the cluster may have a head; None: the head does."""
+    if asked:
+        return "--no-head was given"
+    if node is None:
+        return "it has no head"
+    if not runs_on_head(node) or lacks_venv(node):
+        return f"its head {node.name} has no venv with the operator's packages to run a supervisor"
+    here = files_here(node, req)
+    return f"its head {node.name} cannot read {here} from this machine" if here else None
+
+
+def no_head_line(spec: str, head: Node | None, supervised: bool = False, why: str | None = None) -> str:
+    why = why or ("it has no head" if head is None else
+                  f"its head {head.name} has no venv with the operator's packages to run a supervisor")
+    hint = ("'fab local-up' starts a local head" if head is None or not head.labels.get("aws_head") else
+            f"an AWS head needs the project's venv at {head.python}" if "venv" in why else
+            "shipping them to an AWS head is not built yet")
     if supervised:
         return (f"note: cluster {spec}: {why}, so this machine supervises the run: its ranks run under node 0's own "
                 "wrapper, so closing this machine pauses recovery (no restart after a preemption until it is back) "
