@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import base64
 import getpass
+import gzip
 import ipaddress
 import json
 import os
@@ -21,6 +22,7 @@ from pathlib import Path
 from cluster import local, netns
 from cluster.twin import KEY_ID, Names, _alive, _spawn, booted, clients, require, write_imds
 from core import procs
+from core.constants import REMOTE_PYTHON
 from core.errors import ClusterError
 from core.render import render
 
@@ -138,6 +140,15 @@ class Watcher:
                                                              "XC_CLUSTER_ENV": str(env_file),
                                                              "XC_AUTHORIZED_KEYS": str(auth)})
             (node_dir / "publish.log").write_text(res.stdout + res.stderr)
+        head_boot = files.get("/usr/local/sbin/xc-head-boot")
+        if role == "head" and head_boot:  # its xc-head.service: take over the chains of the head before it
+            script = node_dir / "xc-head-boot"
+            script.write_text(head_boot)
+            ep = self.record["endpoint"]
+            # a unit's environment: nothing of the operator's (its XC_STATE_DIR, its keys); credentials from IMDS
+            boot["pids"]["head_boot"] = _spawn([*wrap, "env", "-i", f"PATH={os.defpath}", f"HOME={Path.home()}",
+                                                f"XC_S3_ENDPOINT_URL={ep}", f"XC_AWS_ENDPOINT_URL={ep}",
+                                                REMOTE_PYTHON, str(script)], node_dir / "head-boot.log").pid
         boot["ready"] = True
         (node_dir / "boot.json").write_text(json.dumps(boot))
         print(f"{time.strftime('%H:%M:%S')} {role} {iid} up at {ip} ({ns})", flush=True)
@@ -159,7 +170,8 @@ class Watcher:
             return files
         data = self.ec2.describe_launch_template_versions(LaunchTemplateId=lt, Versions=[version])[
             "LaunchTemplateVersions"][0]["LaunchTemplateData"]
-        text = base64.b64decode(data.get("UserData") or b"").decode()
+        raw = base64.b64decode(data.get("UserData") or b"")
+        text = (gzip.decompress(raw) if raw[:2] == b"\x1f\x8b" else raw).decode()  # cloud-init takes either
         if text.startswith("#cloud-config"):
             for entry in (yaml.safe_load(text) or {}).get("write_files", []):
                 files[entry["path"]] = entry.get("content", "")

@@ -8,6 +8,7 @@ head_policy). It carries the cluster tag but no role tag: discovery never takes 
 from __future__ import annotations
 
 import base64
+import gzip
 
 import pulumi
 import pulumi_aws as aws
@@ -39,7 +40,13 @@ def head_env(settings: ClusterSettings, store_url: str) -> dict[str, str]:
 
 def head_user_data(settings: ClusterSettings, store_url: str) -> str:
     return render("cloud-init.yaml.j2", role="head", cluster=settings.cluster_name, env=head_env(settings, store_url),
-                  publisher=(PROJECT_ROOT / "node_setup" / "publish_host_keys.py").read_text())
+                  publisher=(PROJECT_ROOT / "node_setup" / "publish_host_keys.py").read_text(),
+                  head_boot=(PROJECT_ROOT / "node_setup" / "head_boot.py").read_text(), head_user=HEAD_USER)
+
+
+def packed(user_data: str) -> bytes:
+    """gzip (cloud-init unpacks it): the head's two boot scripts put its user data over EC2's 16 KB as plain text."""
+    return gzip.compress(user_data.encode(), mtime=0)
 
 
 def head_tags(settings: ClusterSettings) -> dict[str, str]:
@@ -64,7 +71,7 @@ class Head(pulumi.ComponentResource):
                                                         role=self.role.name, tags=tags, opts=child)
         ami = aws.ssm.get_parameter_output(name=settings.ubuntu_ami_parameter,
                                            opts=pulumi.InvokeOutputOptions(parent=self)).value
-        user_data = store.url.apply(lambda url: base64.b64encode(head_user_data(settings, url).encode()).decode())
+        user_data = store.url.apply(lambda url: base64.b64encode(packed(head_user_data(settings, url))).decode())
         burstable = settings.head_instance_type.startswith("t")
         self.launch_template = aws.ec2.LaunchTemplate(
             f"{name}-head", image_id=ami, instance_type=settings.head_instance_type, key_name=key_name,

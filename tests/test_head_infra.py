@@ -4,6 +4,7 @@ no world-open ingress, in the cost estimate, and the partition-aware ARNs (issue
 from __future__ import annotations
 
 import base64
+import gzip
 import json
 
 import pulumi
@@ -12,6 +13,7 @@ import yaml
 from moto_fixture import isolate_aws
 from pulumi_mocks import ACCOUNT, BASE_AMI, Recorder, make_program
 
+from core.constants import PROJECT_ROOT as ROOT
 from core.constants import TAG_ROLE
 from infra import cost
 
@@ -129,7 +131,7 @@ def test_the_heads_role_does_only_what_the_supervisor_needs(program):
 def test_the_heads_user_data_says_where_the_group_store_and_secrets_are(program):
     run = program(clusterName="bert")
     m = run.mocks
-    cloud = yaml.safe_load(base64.b64decode(m.named(LT, "bert-head").inputs["userData"]).decode())
+    cloud = yaml.safe_load(gzip.decompress(base64.b64decode(m.named(LT, "bert-head").inputs["userData"])).decode())
     env = next(f["content"] for f in cloud["write_files"] if f["path"] == "/etc/xeon-cluster/cluster.env")
     bucket = m.one("aws:s3/bucket:Bucket").id
     for line in ("XC_ROLE=head", "XC_ASG_NAME=bert-nodes", "XC_LIFECYCLE_HOOK=xc-checkpoint",
@@ -184,3 +186,20 @@ def _strings(value) -> list[str]:
     if isinstance(value, list):
         return [s for v in value for s in _strings(v)]
     return []
+
+
+def test_the_head_takes_over_its_predecessors_chains_at_every_boot_through_a_real_unit(program):
+    """A head is cattle: its user data installs xc-head-boot (node_setup/head_boot.py) and a systemd unit that runs it
+    at every boot, as the login user, leaving the supervisors it starts running (KillMode=process). The AWS twin runs
+    the same script when its head boots (tests/test_twin.py)."""
+    packed = base64.b64decode(program(clusterName="bert").mocks.named(LT, "bert-head").inputs["userData"])
+    assert len(packed) < 16 * 1024 and packed[:2] == b"\x1f\x8b"  # EC2's limit; gzip, which cloud-init unpacks
+    cloud = yaml.safe_load(gzip.decompress(packed).decode())
+    files = {f["path"]: f for f in cloud["write_files"]}
+    assert files["/usr/local/sbin/xc-head-boot"]["content"] == (ROOT / "node_setup" / "head_boot.py").read_text()
+    assert files["/usr/local/sbin/xc-head-boot"]["permissions"] == "0755"
+    unit = files["/etc/systemd/system/xc-head.service"]["content"].splitlines()
+    for line in ("Type=oneshot", "RemainAfterExit=yes", "KillMode=process", "User=ubuntu",
+                 "ExecStart=/usr/local/sbin/xc-head-boot", "WantedBy=multi-user.target"):
+        assert line in unit, line
+    assert cloud["runcmd"][-1] == ["systemctl", "enable", "--now", "xc-head.service"]

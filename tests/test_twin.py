@@ -134,33 +134,57 @@ def _chain(env: dict, first: str) -> list[tuple[str, str]]:
     return out
 
 
-def test_the_head_supervises_and_recovers_a_spot_notice_with_the_operators_runs_gone(twin, small_model, tmp_path):
+def _steps(twin, run_id: str) -> int:
+    return max(progress_steps(twin.fab("logs", run_id, timeout=60).stdout), default=0)
+
+
+def test_the_head_supervises_is_replaced_and_recovers_a_spot_notice_with_the_operators_runs_gone(twin, small_model,
+                                                                                                tmp_path):
     """fab train --detach --max-restarts 2: the supervisor runs on the head (in its namespace, from the code shipped
-    under its home) and reaches the nodes with the mesh key from SSM. The operator's runs/ deleted, a spot notice on
-    node1: the checkpoint reaches S3, the group replaces node1 (which authorizes the mesh key at boot), the head
-    restarts the run there and it ends ok; a second checkout lists the chain and pulls its outputs from the store."""
+    under its home) and reaches the nodes with the mesh key from SSM. The head killed mid-run: the group's replacement
+    takes the chain over at boot (a new supervisor, from the code in the store) and the run goes on. Then the
+    operator's runs/ deleted and a spot notice on node1: the checkpoint reaches S3, the group replaces node1 (which
+    authorizes the mesh key at boot), the head restarts the run there and it ends ok; a second checkout lists the
+    chain and pulls its outputs from the store."""
     from cluster import shipping
 
     before = twin.group_ids("twin-nodes")
     args = list(FakeIMDS.short_args(small_model))
-    args[args.index("--max_train_samples") + 1] = "1600"  # 200 steps: time to see it train before the notice
-    res = twin.fab("train", "--nodes", "2", "--detach", "--max-restarts", "2", "--env", "XC_NOTICE_POLL_S=0.5", "--",
-                   *args, timeout=300)
+    args[args.index("--max_train_samples") + 1] = "4800"  # 600 steps: time for a head's replacement, then a notice
+    env = {**twin.env, "XC_HEARTBEAT_S": "5"}  # a dead head's heartbeat is stale after 20 s, not 2 minutes
+    code = f"{Path.home()}/.xeon-cluster/code/{shipping.code_hash(tops=shipping.HEAD_SHIPPED)}"  # what fab ships
+    res = fab("train", "--nodes", "2", "--detach", "--max-restarts", "2", "--env", "XC_NOTICE_POLL_S=0.5", "--", *args,
+              env=env, timeout=300)
     assert res.returncode == 0 and "detached under its supervisor on the head twin-head" in res.stdout, \
         res.stdout[-3000:] + res.stderr[-3000:]
     first = re.search(r"run (\S+) detached", res.stdout)[1]
-    sups = processes_with_env(f"XC_SUPERVISOR={first}")
-    assert sups, "no supervisor process"
-    code = f"{Path.home()}/.xeon-cluster/code/{shipping.code_hash(tops=shipping.HEAD_SHIPPED)}"
-    for pid in sups:
-        ns = subprocess.run(["ip", "netns", "identify", str(pid)], check=True, capture_output=True, text=True).stdout.strip()
-        assert ns == _head_ns(twin), (pid, ns)
-        assert os.readlink(f"/proc/{pid}/cwd") == code  # the head's own home, mounted there: not this checkout
+
+    def supervisors() -> dict[int, str]:
+        """pid -> network namespace of each process supervising the chain, each checked to run the shipped code."""
+        found = {}
+        for pid in processes_with_env(f"XC_SUPERVISOR={first}"):
+            ns = subprocess.run(["ip", "netns", "identify", str(pid)], check=True, capture_output=True,
+                                text=True).stdout.strip()
+            assert os.readlink(f"/proc/{pid}/cwd") == code  # the head's own home, mounted there: not this checkout
+            found[pid] = ns
+        return found
+
+    old_head = _head_ns(twin)
+    assert set(supervisors().values()) == {old_head}
+    wait_until("step 8", lambda: _steps(twin, first) >= 8, 300)
+    at_kill = _steps(twin, first)
+    killed = twin.fab("local-kill", "head", timeout=60)
+    assert killed.returncode == 0, killed.stdout + killed.stderr
+    gone_at = time.monotonic()
+    taken = wait_until("a supervisor on the new head", lambda: {p: ns for p, ns in supervisors().items()
+                                                                 if ns and ns != old_head}, 180)
+    took_s = time.monotonic() - gone_at
+    assert len(taken) == 1 and not [ns for ns in supervisors().values() if ns == old_head], supervisors()
+    new_head = _head_ns(twin)
+    assert set(taken.values()) == {new_head}
+    assert processes_with_env(f"XC_RUN_ID={first}")  # its ranks never stopped: node 0's wrapper holds them
+    print(f"head killed -> its replacement supervises the chain: {took_s:.1f}s (heartbeat every 5 s, stale after 20 s)")
     shutil.rmtree(twin.env["XC_RUNS_DIR"], ignore_errors=True)  # nothing of the run is kept on this machine
-    deadline = time.monotonic() + 300
-    while max(progress_steps(twin.fab("logs", first, timeout=60).stdout), default=0) < 8:
-        assert time.monotonic() < deadline, "the run did not reach step 8"
-        time.sleep(1)
     node1 = twin.status_ids()["twin-1"]
     said = twin.fab("local-notice", "node1", "--kind", "spot", "--after", "5", timeout=60)
     assert said.returncode == 0 and node1 in said.stdout, said.stdout + said.stderr
@@ -176,6 +200,9 @@ def test_the_head_supervises_and_recovers_a_spot_notice_with_the_operators_runs_
     keys = [o["Key"] for o in twin.client("s3").list_objects_v2(Bucket=bucket, Prefix=f"{prefix}/runs/{first}/")
             .get("Contents", [])]
     assert any("/checkpoints/checkpoint-" in k for k in keys), keys  # the notice's checkpoint, durable in S3
+    summary = json.loads(twin.client("s3").get_object(Bucket=bucket, Key=f"{prefix}/runs/{first}/summary.json")[
+        "Body"].read())
+    assert summary["preempted"]["step"] > at_kill, (summary["preempted"], at_kill)  # it trained on under the new head
     pulled = fab("pull", resumed, env=elsewhere, timeout=120)
     assert pulled.returncode == 0, pulled.stdout + pulled.stderr
     out = tmp_path / "runs" / resumed

@@ -124,10 +124,12 @@ def refuse_base_image(cluster: Cluster, max_restarts: int) -> None:
 
 
 def train_with_restarts(cluster: Cluster, req: TrainRequest, max_restarts: int = 0, restart_wait: float = 600,
-                        out: TextIO = sys.stdout, poll_s: float = POLL_S) -> RunResult:
+                        out: TextIO = sys.stdout, poll_s: float = POLL_S, ended: ClusterError | None = None
+                        ) -> RunResult:
     """Run, and after a preemption or a lost node wait for the cluster and resume, up to max_restarts times.
     The run that ended is recorded `restarting` while this waits, and names the run it was resumed as. With
-    req.min_nodes, a wait that ends short of every node goes on with fewer (launch.life.elastic)."""
+    req.min_nodes, a wait that ends short of every node goes on with fewer (launch.life.elastic). `ended`: a run
+    of the chain already ended so (a head that took the chain over, launch.chain.adopt): handled first."""
     def say(msg: str) -> None:
         out.write(msg + "\n")
         out.flush()
@@ -149,6 +151,9 @@ def train_with_restarts(cluster: Cluster, req: TrainRequest, max_restarts: int =
                                     functools.partial(_all_back, cluster.spec, full, endpoint), say, poll_s=poll_s)
             grow.start()
         try:
+            if ended is not None:
+                pending, ended = ended, None
+                raise pending
             return train(cluster, req, out)
         except ClusterError as exc:
             _restart_failed(req, exc)

@@ -81,9 +81,15 @@ def start_on_head(cluster, req, max_restarts: int, restart_wait: float, out: Tex
         raise ClusterError(f"the head {cluster.head.name} does not answer ({exc.what}): run {req.run_id} was not "
                            "started", fix="check the head with 'fab status' and 'fab doctor', or pass --no-head to "
                            "supervise from this machine") from None
+    digest = shipping.code_hash(tops=shipping.HEAD_SHIPPED)
+    tarball = shipping.code_tarball(tops=shipping.HEAD_SHIPPED)
+    env["XC_CODE_DIGEST"] = digest
+    if cluster.head.labels.get("aws_head") and req.store:  # what a replacement head takes the chain over with
+        from launch.chain import adopt
+
+        adopt.put_code(req.store, digest, tarball)
     with conn:
-        digest = shipping.code_hash(tops=shipping.HEAD_SHIPPED)
-        code = shipping.ensure_code(conn, remote_home(conn), digest, shipping.code_tarball(tops=shipping.HEAD_SHIPPED))
+        code = shipping.ensure_code(conn, remote_home(conn), digest, tarball)
         command = (f"cd {shlex.quote(code)} && exec env " + " ".join(shlex.quote(f"{k}={v}") for k, v in env.items())
                    + f" {shlex.quote(cluster.head.python)} -m launch.chain.supervisor --on-head")
         res = conn.run(command, warn=True, pty=False, hide=False, in_stream=io.StringIO(job + "\n"), out_stream=out,
@@ -211,16 +217,70 @@ def main() -> int:
     signal.signal(signal.SIGHUP, signal.SIG_IGN)  # a closed terminal is no reason to end
     if sys.argv[1:] == ["--on-head"]:
         return on_head()
+    if sys.argv[1:2] == ["--adopt"]:
+        return adopted(sys.argv[2])
     job = pickle.loads(sys.stdin.buffer.read())
     sys.stdin.close()
-    if os.environ.get(head.ENV):  # on a head: its records, log and heartbeat reach the store while it lives
-        head.Beat(os.environ[head.ENV], job["req"].runs_dir, job["req"].store).start()
+    chain, req = os.environ.get(head.ENV), job["req"]
+    kept = bool(chain and req.store and job["spec"].startswith("aws") and os.environ.get("XC_CODE_DIGEST"))
+    if chain:  # on a head: its records, log and heartbeat reach the store while it lives
+        head.Beat(chain, req.runs_dir, req.store).start()
+    if kept:
+        from launch.chain import adopt
+
+        adopt.save_job(req.store, chain, job["spec"], req, job["max_restarts"], job["restart_wait"],
+                       os.environ["XC_CODE_DIGEST"])
     try:
-        result = restarts.train_with_restarts(open_cluster(job["spec"]), dataclasses.replace(job["req"], wrapped=True),
+        result = restarts.train_with_restarts(open_cluster(job["spec"]), dataclasses.replace(req, wrapped=True),
                                               job["max_restarts"], job["restart_wait"])
     except ClusterError as exc:
         sys.stdout.write(format_error(exc) + "\n")
         return exc.exit_code
+    finally:
+        if kept:
+            adopt.drop_job(req.store, chain)
+    sys.stdout.write(result_line(result) + "\n")
+    return 0
+
+
+def adopted(chain: str) -> int:
+    """`--adopt CHAIN`, started by launch.chain.adopt on a head that replaced the chain's: follow its newest run to
+    its end, then go on with the chain's restart loop (the restarts it has left)."""
+    from cluster.resolve import open_cluster
+    from core.errors import format_error
+    from launch.chain import adopt, restarts
+    from launch.life.records import result_line
+    url = adopt.head_store()
+    job = adopt.load_job(url, chain) if url else None
+    if job is None:
+        sys.stdout.write(f"error: chain {chain}: no supervisor.json in the store {url or '(none)'}: nothing to adopt\n")
+        return 1
+    _aws_head_env(job["spec"])
+    runs_dir = head.runs_here()
+    os.environ["XC_RUNS_DIR"] = str(runs_dir)
+    head.Beat(chain, runs_dir, url).start()
+    try:
+        cluster = open_cluster(job["spec"], require_running=None)  # the nodes' host keys, recorded on this head
+        rec, ids = adopt.pending_outcome(url, chain, runs_dir, sys.stdout)
+        ended = adopt.as_exception(rec)
+        left = int(job["max_restarts"]) - (len(ids) - 1)
+        if ended is None or left <= 0:
+            sys.stdout.write(f"run {rec.run_id} {rec.status}: the chain is over\n")
+            return 0 if rec.status == Status.OK else 1
+        if job.get("secrets"):
+            run_dir = RunPaths(rec.run_id, runs_dir=runs_dir).home
+            records.restarting(run_dir, len(ids), int(job["max_restarts"]), str(ended.what))
+            records.restart_given_up(run_dir, "a head replacement lost the values of its secrets (" +
+                                     ", ".join(job["secrets"]) + "): 'fab train --resume " + rec.run_id + "' gives them again")
+            sys.stdout.write(f"run {rec.run_id}: not restarted: a head replacement lost the values of its secrets\n")
+            return 1
+        req = adopt.adopted_request(url, job, rec, runs_dir)
+        result = restarts.train_with_restarts(cluster, req, left, float(job["restart_wait"]), ended=ended)
+    except ClusterError as exc:
+        sys.stdout.write(format_error(exc) + "\n")
+        return exc.exit_code
+    finally:
+        adopt.drop_job(url, chain)
     sys.stdout.write(result_line(result) + "\n")
     return 0
 

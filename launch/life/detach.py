@@ -136,11 +136,12 @@ def is_running_detached(rec: RunRecord) -> bool:
 
 
 # -- ending ---------------------------------------------------------------------------------------
-def conclude(run_dir: Path, master: Node, out: TextIO | None) -> RunRecord:
+def conclude(run_dir: Path, master: Node, out: TextIO | None, follower: bool = False) -> RunRecord:
     """If the detached run has ended on node 0: its log and outputs home, then the one ending every run
-    has (launch.life.lifecycle.end). Returns the record (still running while it runs)."""
+    has (launch.life.lifecycle.end). Returns the record (still running while it runs). `follower`: the caller is
+    the supervisor the record names (a head that took the run over), not a look at a run nobody follows."""
     rec = records.load(run_dir)
-    if not is_running_detached(rec):
+    if not (is_running_detached(rec) or follower and rec.detached and rec.status == Status.RUNNING):
         return rec
     ended = _ended(master, rec.remote_run)
     if ended is None:

@@ -337,8 +337,7 @@ def abandoned(run_dir: Path, record: RunRecord, seen: dict) -> RunRecord:
 def restarting(run_dir: Path, attempt: int, of: int, why: str) -> RunRecord:
     """A preempted or failed run whose supervisor waits for nodes to resume it."""
     record = load(run_dir)
-    ended_as = record.status
-    record._move(Status.RESTARTING, restart={"attempt": attempt, "of": of, "ended": str(ended_as), "why": why,
+    record._move(Status.RESTARTING, restart={"attempt": attempt, "of": of, "ended": str(record.status), "why": why,
                                              "at": time.time()})
     return _commit(run_dir, record)
 
@@ -370,9 +369,10 @@ def resumed_as(run_dir: Path, next_run: str) -> RunRecord:
     return _commit(run_dir, record)
 
 
-def recovered(run_dir: Path, record: RunRecord, recovery: dict) -> RunRecord:
-    """A resumed run took its first optimizer step: what the recovery cost (its status does not change)."""
-    record.recovery = recovery
+def noted(run_dir: Path, record: RunRecord, **fields) -> RunRecord:
+    """No transition: a resumed run's recovery cost (`recovery`), the supervisor following it now (`supervisor`)."""
+    for name, value in fields.items():
+        setattr(record, name, value)
     return _commit(run_dir, record)
 
 

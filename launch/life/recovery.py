@@ -58,8 +58,8 @@ class Recovery:
                 return
             self.done = True
             try:
-                records.recovered(run_dir, record, self.figures(at, "mark" if text.startswith(FIRST_STEP)
-                                                                else "progress line"))
+                records.noted(run_dir, record, recovery=self.figures(at, "mark" if text.startswith(FIRST_STEP)
+                                                                     else "progress line"))
             except Exception:
                 log.warning("run %s: its recovery figures were not recorded", record.run_id, exc_info=True)
         return seen

@@ -1,0 +1,205 @@
+"""A head is cattle: a replacement head takes over the chains the one before it supervised (issue 52).
+
+While a supervisor runs on a head it keeps `runs/<chain>/supervisor.json` in the store: what another head needs to
+go on with the chain (the cluster, the restart budget, the elastic policy, the code's digest; never a secret's
+value). fab puts the supervisor's code into the store too (`code/<digest>.tar.gz`). A head at boot
+(`node_setup/head_boot.py`, from its user data) fetches that code and runs `python -m launch.chain.adopt`, which
+starts a supervisor `--adopt CHAIN` for every chain whose newest run is not over and whose heartbeat is stale, and
+never a second one for a chain a live process here already supervises. The adopted supervisor follows the run the
+ranks still run (under node 0's wrapper), concludes it, and restarts it as the first supervisor would have.
+A run given secrets (`--env KEY`) is not restarted by another head: their values were only in the dead head's
+memory, and the record says so.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from cluster import store as store_lib
+from core.errors import ClusterError, NodeFailure, Preempted
+from launch.life import detach, head, records
+from launch.life.records import RunRecord, Status
+from training.runtime.paths import RunPaths
+
+JOB = "supervisor.json"
+CODE = "code"  # the store's folder of supervisor code tarballs, by digest
+POLL_S = 5.0
+MAX_WAIT_S = 900.0  # a chain whose heartbeat stays fresh this long has a live supervisor elsewhere
+
+
+def code_key(digest: str) -> str:
+    return f"{CODE}/{digest}.tar.gz"
+
+
+def put_code(url: str, digest: str, tarball: bytes) -> None:
+    store = store_lib._store(url)
+    if not store_lib._guard(url, store.list, code_key(digest)):
+        store_lib._guard(url, store.put_bytes, code_key(digest), tarball)
+
+
+def save_job(url: str, chain: str, spec: str, req, max_restarts: int, restart_wait: float, digest: str) -> None:
+    job = {"chain": chain, "spec": spec, "max_restarts": max_restarts, "restart_wait": restart_wait,
+           "min_nodes": req.min_nodes, "grow_back": req.grow_back, "secrets": sorted(req.valueless), "code": digest}
+    store_lib.put_record(url, chain, JOB, json.dumps(job, indent=2).encode())
+
+
+def drop_job(url: str, chain: str) -> None:
+    store_lib._guard(url, store_lib._store(url).delete, RunPaths(chain).store_record(JOB))
+
+
+def load_job(url: str, chain: str) -> dict | None:
+    text = store_lib.read_text(url, RunPaths(chain).store_record(JOB))
+    return json.loads(text) if text else None
+
+
+def newest(url: str, chain: str) -> tuple[list[str], dict | None]:
+    """The chain's run ids, first to newest (through restarted_as), and the newest run's summary."""
+    ids, summary = [], None
+    run_id = chain
+    while run_id and run_id not in ids:
+        got = store_lib.read_summary(url, run_id)
+        if got is None:
+            break
+        ids.append(run_id)
+        summary, run_id = got, got.get("restarted_as")
+    return ids, summary
+
+
+def live_chains(url: str) -> list[str]:
+    """Chains with a job in the store whose newest run goes on or waits to restart."""
+    out = []
+    for chain in store_lib._guard(url, store_lib._store(url).children, "runs"):
+        if load_job(url, chain) is None:
+            continue
+        _, summary = newest(url, chain)
+        if summary and summary.get("status") in (Status.RUNNING, Status.RESTARTING):
+            out.append(chain)
+    return out
+
+
+def stale(url: str, chain: str, now: float | None = None) -> float:
+    """Seconds until the chain's heartbeat is stale (0: it is, or there is none)."""
+    beat = head.heartbeat(url, chain)
+    if not beat:
+        return 0.0
+    interval = float(beat.get("interval_s", head.heartbeat_s()))
+    return max(0.0, float(beat["at"]) + head.STALE_BEATS * interval - (now or time.time()))
+
+
+def supervised_here(chain: str) -> bool:
+    needle = f"{head.ENV}={chain}".encode()
+    for env in Path("/proc").glob("[0-9]*/environ"):
+        try:
+            if needle in env.read_bytes().split(b"\0"):
+                return True
+        except OSError:
+            continue
+    return False
+
+
+def pending_outcome(url: str, chain: str, runs_dir: Path, out) -> tuple[RunRecord, list[str]]:
+    """The chain's records brought here from the store, and its newest run followed to its end (its ranks go on
+    under node 0's wrapper while no head supervises them): that run's record once concluded, and the chain's ids."""
+    ids, _ = newest(url, chain)
+    if not ids:
+        raise ClusterError(f"chain {chain}: no record of it in the store", fix="'fab runs' lists what the store holds")
+    for run_id in ids:
+        run_dir = RunPaths(run_id, runs_dir=runs_dir).home
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "summary.json").write_text(json.dumps(store_lib.read_summary(url, run_id), indent=2))
+    run_dir = RunPaths(ids[-1], runs_dir=runs_dir).home
+    rec = records.load(run_dir)
+    if rec.status == Status.RUNNING:
+        rec = records.noted(run_dir, rec, supervisor=records.this_process())
+        out.write(f"run {rec.run_id}: taken over by this head's supervisor (pid {os.getpid()}); following it\n")
+        out.flush()
+        master = detach.master_node(rec)
+        while rec.status == Status.RUNNING:
+            time.sleep(POLL_S)
+            rec = detach.conclude(run_dir, master, out, follower=True)
+    return rec, ids
+
+
+def as_exception(rec: RunRecord) -> ClusterError | None:
+    """The error the first supervisor's restart loop would have caught for this ending; None: nothing to restart."""
+    if rec.status == Status.PREEMPTED:
+        node = (rec.preempted or {}).get("node")
+        return Preempted(f"run {rec.run_id} was preempted on {node}", run_id=rec.run_id, node=node)
+    if rec.status == Status.FAILED and rec.lost_nodes:
+        lost = list(rec.lost_nodes)
+        return NodeFailure(f"run {rec.run_id} lost {', '.join(lost)}", nodes=lost, run_id=rec.run_id, lost=lost)
+    return None
+
+
+def head_store() -> str:
+    """The store of the cluster this head heads: xc-head-boot passes its cluster.env's on."""
+    from training.runtime.store import store_url
+
+    return store_url() or ""
+
+
+def main() -> int:
+    """On a head at boot: a supervisor --adopt for every orphaned chain. Prints one line per chain."""
+    url = head_store()
+    if not url:
+        print("xc-head-adopt: no store (XC_STORE): nothing to take over", flush=True)
+        return 0
+    from training.runtime.spot import cluster_env
+
+    name = os.environ.get(head.HEAD_ENV) or cluster_env().get("XC_HEAD_GROUP", "head")  # as fab names the head
+    runs_dir = head.runs_here()
+    folder = runs_dir / ".supervisors"
+    folder.mkdir(parents=True, exist_ok=True)
+    waiting = set(live_chains(url))
+    if not waiting:
+        print("xc-head-adopt: no chain to take over", flush=True)
+    deadline = time.monotonic() + MAX_WAIT_S
+    said: set[str] = set()
+    while waiting:
+        for chain in sorted(waiting):
+            left = stale(url, chain)
+            if chain not in live_chains(url) or supervised_here(chain):
+                waiting.discard(chain)
+            elif left > 0:
+                if chain not in said:  # never a second supervisor of a live chain: its heartbeat must go stale
+                    print(f"xc-head-adopt: chain {chain}: its heartbeat is fresh; waiting {left:.0f}s for it to go "
+                          "stale", flush=True)
+                    said.add(chain)
+            else:
+                waiting.discard(chain)
+                _start(chain, name, runs_dir, folder)
+        if waiting and time.monotonic() > deadline:
+            print(f"xc-head-adopt: {', '.join(sorted(waiting))}: still a fresh heartbeat after {MAX_WAIT_S:.0f}s "
+                  "(another head supervises them?): left alone", flush=True)
+            return 1
+        if waiting:
+            time.sleep(POLL_S)
+    return 0
+
+
+def _start(chain: str, name: str, runs_dir: Path, folder: Path) -> None:
+    log_path = folder / f"{time.strftime('%Y%m%d-%H%M%S')}-adopt-{chain}.log"
+    with log_path.open("wb") as sink:
+        proc = subprocess.Popen([sys.executable, "-m", "launch.chain.supervisor", "--adopt", chain],
+                                stdin=subprocess.DEVNULL, stdout=sink, stderr=subprocess.STDOUT, start_new_session=True,
+                                env={**os.environ, head.ENV: chain, head.HEAD_ENV: name, "XC_RUNS_DIR": str(runs_dir)})
+    print(f"xc-head-adopt: chain {chain}: supervisor pid {proc.pid}, log {log_path}", flush=True)
+
+
+def adopted_request(url: str, job: dict, rec: RunRecord, runs_dir: Path):
+    """The request the chain's restart loop goes on with: the record's, with what the record does not keep."""
+    from launch.plan.request import TrainRequest
+
+    summary = store_lib.read_summary(url, rec.run_id) or rec.to_json()
+    req = TrainRequest.from_record(summary["request"], dict(summary["request"].get("env") or {}),
+                                   set(job.get("secrets") or ()), runs_dir=runs_dir, nodes=len(rec.nodes) or None)
+    return dataclasses.replace(req, min_nodes=job.get("min_nodes"), grow_back=job.get("grow_back", True), wrapped=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
