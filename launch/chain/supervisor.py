@@ -250,6 +250,7 @@ def adopted(chain: str) -> int:
     from core.errors import format_error
     from launch.chain import adopt, restarts
     from launch.life.records import result_line
+
     url = adopt.head_store()
     job = adopt.load_job(url, chain) if url else None
     if job is None:
