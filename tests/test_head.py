@@ -249,24 +249,26 @@ def test_an_aws_head_without_the_projects_venv_leaves_the_supervisor_here_and_sa
     class Cluster:
         spec, nodes = "aws:dev", []
 
-    Cluster.head = bare
-    out = io.StringIO()
+    def detached(on: Node, run) -> tuple[list[str], str]:
+        """Where fab starts the supervisor for `run` on a cluster whose head is `on`, and the line it prints."""
+        started.clear()
+        Cluster.head = on
+        out = io.StringIO()
+        assert supervisor.detached(Cluster, run, out)
+        return list(started), out.getvalue().strip()
+
     r = train_flags.resolve(train_flags.TrainFlags(detach=True, max_restarts="1"), RUNS)
-    assert supervisor.detached(Cluster, r, out) and started == ["here"]
-    line = out.getvalue().strip()
-    assert line.startswith("note: cluster aws:dev: its head dev-head has no venv with the operator's packages to run a "
-                           "supervisor, so this machine supervises the run"), line
+    where, line = detached(bare, r)
+    assert where == ["here"] and line.startswith(
+        "note: cluster aws:dev: its head dev-head has no venv with the operator's packages to run a supervisor, so "
+        "this machine supervises the run"), line
     assert line.endswith("(an AWS head needs the project's venv at /opt/nothing/venv/bin/python)"), line
     # a head with its venv, but a request whose files are on this machine (--workdir, data files): here too
-    started.clear()
-    Cluster.head = head
     mine = dataclasses.replace(r, req=dataclasses.replace(r.req, workdir="/home/me/proj", script="train.py",
                                                           args=["--train_file", "/home/me/train.csv"]))
-    out = io.StringIO()
-    assert supervisor.detached(Cluster, mine, out) and started == ["here"]
-    line = out.getvalue().strip()
-    assert line.startswith("note: cluster aws:dev: its head dev-head cannot read --workdir /home/me/proj, "
-                           "--train_file /home/me/train.csv from this machine, so this machine supervises"), line
+    where, line = detached(head, mine)
+    assert where == ["here"] and line.startswith(
+        "note: cluster aws:dev: its head dev-head cannot read --workdir /home/me/proj, --train_file "
+        "/home/me/train.csv from this machine, so this machine supervises"), line
     assert line.endswith("(shipping them to an AWS head is not built yet)"), line
-    started.clear()
-    assert supervisor.detached(Cluster, r, io.StringIO()) and started == ["head"]  # the bundled job: on the head
+    assert detached(head, r) == (["head"], "")  # the bundled job: on the head
