@@ -232,11 +232,15 @@ def read_text(url: str, key: str) -> str | None:
     return None if data is None else data.decode(errors="replace")
 
 
+def run_ids(url: str) -> list[str]:
+    """The run ids the store has a folder for."""
+    return _guard(url, _store(url).children, paths.RUNS)
+
+
 def store_runs(url: str) -> dict[str, dict]:
     """run id -> summary of every run recorded in the store."""
-    store = _store(url)
     out = {}
-    for run_id in _guard(url, store.children, paths.RUNS):
+    for run_id in run_ids(url):
         summary = read_summary(url, run_id)
         if summary is not None:
             out[run_id] = summary
@@ -322,6 +326,17 @@ def read_log(url: str, run_id: str, parts_seen: dict[str, bytes] | None = None) 
 def put_record(url: str, run_id: str, name: str, data: bytes) -> None:
     """One record file of a run (the head's heartbeat.json) into its store; raises ClusterError."""
     _guard(url, _store(url).put_bytes, RunPaths(run_id).store_record(name), data)
+
+
+def delete_record(url: str, run_id: str, name: str) -> None:
+    _guard(url, _store(url).delete, RunPaths(run_id).store_record(name))
+
+
+def put_once(url: str, key: str, data: bytes) -> None:
+    """`key` (under the store's prefix) unless it is there already; raises ClusterError."""
+    store = _store(url)
+    if not _guard(url, store.list, key):
+        _guard(url, store.put_bytes, key, data)
 
 
 def pull(url: str, run_id: str, dest: Path, with_checkpoints: bool = False, with_model: bool = True,

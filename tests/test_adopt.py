@@ -77,3 +77,18 @@ def test_the_boot_script_unpacks_the_code_as_fab_ships_it_and_says_when_there_is
     res = subprocess.run([sys.executable, str(Path(boot["__file__"]))], capture_output=True, text=True, check=False,
                          timeout=60, env={**os.environ, "XC_CLUSTER_ENV": str(env)})
     assert res.returncode == 0 and "no S3 store in cluster.env (file:///nowhere): nothing to take over" in res.stdout
+
+
+def test_a_chain_this_machine_already_supervises_is_seen_as_such():
+    chain = f"test-{os.getpid()}-chain"
+    assert not adopt.supervised_here(chain)
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"], env={**os.environ, head.ENV: chain})
+    try:
+        deadline = time.monotonic() + 10
+        while not adopt.supervised_here(chain):
+            assert time.monotonic() < deadline, "the process carrying XC_SUPERVISOR was not found"
+            time.sleep(0.1)
+    finally:
+        proc.kill()
+        proc.wait()
+    assert not adopt.supervised_here(chain)

@@ -37,9 +37,7 @@ def code_key(digest: str) -> str:
 
 
 def put_code(url: str, digest: str, tarball: bytes) -> None:
-    store = store_lib._store(url)
-    if not store_lib._guard(url, store.list, code_key(digest)):
-        store_lib._guard(url, store.put_bytes, code_key(digest), tarball)
+    store_lib.put_once(url, code_key(digest), tarball)
 
 
 def save_job(url: str, chain: str, spec: str, req, max_restarts: int, restart_wait: float, digest: str) -> None:
@@ -49,7 +47,7 @@ def save_job(url: str, chain: str, spec: str, req, max_restarts: int, restart_wa
 
 
 def drop_job(url: str, chain: str) -> None:
-    store_lib._guard(url, store_lib._store(url).delete, RunPaths(chain).store_record(JOB))
+    store_lib.delete_record(url, chain, JOB)
 
 
 def load_job(url: str, chain: str) -> dict | None:
@@ -73,7 +71,7 @@ def newest(url: str, chain: str) -> tuple[list[str], dict | None]:
 def live_chains(url: str) -> list[str]:
     """Chains with a job in the store whose newest run goes on or waits to restart."""
     out = []
-    for chain in store_lib._guard(url, store_lib._store(url).children, "runs"):
+    for chain in store_lib.run_ids(url):
         if load_job(url, chain) is None:
             continue
         _, summary = newest(url, chain)
@@ -92,14 +90,9 @@ def stale(url: str, chain: str, now: float | None = None) -> float:
 
 
 def supervised_here(chain: str) -> bool:
-    needle = f"{head.ENV}={chain}".encode()
-    for env in Path("/proc").glob("[0-9]*/environ"):
-        try:
-            if needle in env.read_bytes().split(b"\0"):
-                return True
-        except OSError:
-            continue
-    return False
+    """A process on this machine carries XC_SUPERVISOR=<chain> (what fab stop looks for on a head)."""
+    res = subprocess.run(["sh", "-c", head.pids_command(chain)], capture_output=True, text=True, check=False)
+    return bool(res.stdout.split())
 
 
 def pending_outcome(url: str, chain: str, runs_dir: Path, out) -> tuple[RunRecord, list[str]]:
