@@ -8,7 +8,13 @@ for _stream in (sys.stdout, sys.stderr):
     except (AttributeError, ValueError):
         pass
 
+import gc as _gc
 import os as _os
+
+# Start-up without the collector's passes over torch's and transformers' imports (training/runtime/startup.py, whose
+# HIGH this is): put back when the rank's group forms or its Trainer trains.
+GC_THRESHOLD = _gc.get_threshold()
+_gc.set_threshold(100_000, 50, 100)
 
 # Hooks run after a module is first imported, by a meta-path finder: a process that never imports it pays nothing.
 _after_import = {}  # module name -> [function(module)]
@@ -59,6 +65,7 @@ if _os.environ.get("XC_RANK_REPORT") and int(_os.environ.get("WORLD_SIZE", "1") 
 
         def init_process_group(*args, **kwargs):
             out = original(*args, **kwargs)
+            _settle()
             try:
                 _joined["world"] = max(_joined["world"], module.get_world_size())
             except Exception:  # noqa: BLE001, S110 - a report, never the rank's failure
@@ -136,6 +143,13 @@ def _ours(name):
         sys.modules.update(theirs)
 
 
+def _settle():
+    try:
+        _ours("runtime.startup").settle()
+    except Exception as exc:  # noqa: BLE001 - start-up's speed, never the rank's failure
+        print(f"warning: xeon-cluster's rank hook: {exc}", file=sys.stderr, flush=True)
+
+
 def _group_made(dist):
     if not _spot or getattr(_group_made, "agent", None) is not None:
         return
@@ -169,6 +183,7 @@ if _spot:  # training.runtime.contract's variables, set here with no import: scr
 
         def init_process_group(*args, **kwargs):
             out = original(*args, **kwargs)
+            _settle()
             _group_made(module)
             return out
 

@@ -14,6 +14,7 @@ import os
 import socket
 from dataclasses import dataclass
 
+from training.runtime import startup
 from training.runtime.wire import COMM_HOOKS
 from training.speed import mfu
 
@@ -132,6 +133,7 @@ def setup(backend: str | None = None, precision: str | None = None, timeout_s: i
     if world > 1 and not dist.is_initialized():
         timeout = datetime.timedelta(seconds=timeout_s or int(os.environ.get("XC_DIST_TIMEOUT", "300")))
         dist.init_process_group(backend=want, rank=rank, world_size=world, timeout=timeout)
+        startup.hold()  # the rank hook settled at the group; the model's and the Trainer's imports are still ahead
     if dist.is_initialized():
         got = dist.get_backend()
     info = DistInfo(rank=rank, world_size=world, local_rank=local, backend=got,

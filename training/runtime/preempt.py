@@ -19,7 +19,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from training.runtime import notice, publish, spot, store
+from training.runtime import notice, publish, spot, startup, store
 
 log = logging.getLogger("training.runtime.preempt")
 
@@ -211,6 +211,7 @@ def patch(trainer_cls) -> None:
     train = trainer_cls.train
 
     def train_(self, resume_from_checkpoint=None, *args, **kwargs):
+        startup.settle()
         fix_mean_loss(self)
         scale_accumulation(self)
         attach(self)
