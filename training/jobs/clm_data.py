@@ -197,6 +197,7 @@ def prepare(data: DataArguments, model: ModelArguments, dest: Path) -> Path:
     tokens = {}
     for split, ds in raw.items():
         enc = ds.map(encode, batched=True, remove_columns=ds.column_names, desc=f"tokenizing {split}",
+                     new_fingerprint=common.map_fingerprint(ds, encode, tokenizer, eos),
                      num_proc=data.preprocessing_num_workers)
         total = int(np.sum(enc["len"], dtype=np.int64))
         arr = np.memmap(tmp / f"{split}.bin", dtype=np.uint16, mode="w+", shape=(total,))

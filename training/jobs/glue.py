@@ -222,7 +222,9 @@ def main(argv: list[str] | None = None) -> int:
         return out
 
     with args.main_process_first(desc="tokenizing"):
-        data = raw.map(preprocess, batched=True, desc="tokenizing")
+        parts = (key1, key2, padding, max_len, label_to_id)
+        data = type(raw)({name: split.map(preprocess, batched=True, desc="tokenizing", new_fingerprint=common.map_fingerprint(
+            split, preprocess, tokenizer, *parts)) for name, split in raw.items()})
     timeline.mark("tokenized", info.is_main)
     train_ds = data["train"] if args.do_train else None
     eval_ds = data["validation_matched" if data_args.task_name == "mnli" else "validation"] if args.do_eval else None

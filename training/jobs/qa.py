@@ -296,15 +296,17 @@ def main(argv: list[str] | None = None) -> int:
     if args.do_train:
         train_examples = common.take(raw["train"], data_args.max_train_samples)
         with args.main_process_first(desc="train windows"):
-            train_ds = train_examples.map(train_features(tokenizer, data_args, max_len, padding), batched=True,
-                                          remove_columns=train_examples.column_names, desc="train windows",
-                                          num_proc=data_args.preprocessing_num_workers)
+            features = train_features(tokenizer, data_args, max_len, padding)
+            train_ds = train_examples.map(features, batched=True, new_fingerprint=common.map_fingerprint(
+                train_examples, features, tokenizer, repr(data_args), max_len, padding),
+                remove_columns=train_examples.column_names, desc="train windows", num_proc=data_args.preprocessing_num_workers)
     if args.do_eval:
         eval_examples = common.take(raw["validation"], data_args.max_eval_samples)
         with args.main_process_first(desc="eval windows"):
-            eval_ds = eval_examples.map(eval_features(tokenizer, data_args, max_len, padding), batched=True,
-                                        remove_columns=eval_examples.column_names, desc="eval windows",
-                                        num_proc=data_args.preprocessing_num_workers)
+            features = eval_features(tokenizer, data_args, max_len, padding)
+            eval_ds = eval_examples.map(features, batched=True, new_fingerprint=common.map_fingerprint(
+                eval_examples, features, tokenizer, repr(data_args), max_len, padding),
+                remove_columns=eval_examples.column_names, desc="eval windows", num_proc=data_args.preprocessing_num_workers)
 
     model, optimizers = common.ipex_optimizers(model, args, info)
     model, optimizers = master.install(model, model_args, args, optimizers, argv, Trainer)
