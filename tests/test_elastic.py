@@ -21,10 +21,10 @@ from launch.life.records import Status
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 
-# 800 samples x 3 epochs at 8 per device on 2 ranks: 150 optimizer steps; a loss logged at every one
+# 480 samples x 3 epochs at 8 per device on 2 ranks: 90 optimizer steps; a loss logged at every one
 ARGS = ("--num_train_epochs", "3", "--per_device_train_batch_size", "8", "--learning_rate", "1e-4",
-        "--max_train_samples", "800", "--max_eval_samples", "64", "--seed", "42", "--logging_steps", "1")
-STEPS = 150
+        "--max_train_samples", "480", "--max_eval_samples", "64", "--seed", "42", "--logging_steps", "1")
+STEPS = 90
 EPOCHS_6 = tuple("6" if a == "3" else a for a in ARGS)
 
 
@@ -140,7 +140,7 @@ def test_the_run_grows_back_to_two_nodes_at_the_checkpoint_after_node1_returns(t
     lc = start_cluster(tmp_path, 2)
     sup = None
     try:
-        # 6 epochs (300 steps, a checkpoint every 20): time for node1 to return while node0 trains alone
+        # 6 epochs (180 steps, a checkpoint every 20): time for node1 to return while node0 trains alone
         first, sup = _detached(lc, no_dropout, "--min-nodes", "1", "--restart-wait", "5", "--save-every", "20",
                                args=EPOCHS_6)
         _notice_node1_at(lc, first, 7, after=3)

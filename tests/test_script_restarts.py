@@ -85,8 +85,8 @@ trainer.log_metrics("eval", metrics)
 trainer.save_metrics("eval", metrics)
 '''
 
-ROWS, BATCH, EPOCHS = 400, 4, 3
-FULL_STEPS = math.ceil(ROWS / (BATCH * 2)) * EPOCHS  # 2 nodes, one rank each: 150
+ROWS, BATCH, EPOCHS = 240, 4, 3
+FULL_STEPS = math.ceil(ROWS / (BATCH * 2)) * EPOCHS  # 2 nodes, one rank each: 90
 
 
 def _project(tmp_path: Path) -> tuple[Path, list[str]]:

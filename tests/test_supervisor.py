@@ -133,7 +133,7 @@ def test_without_a_head_the_supervised_run_goes_on_when_fab_and_its_supervisor_a
            "end the run" in said, said
     rec = records.load(lc.runs / run_id)
     assert rec.status == Status.OK and rec.supervisor["pid"] == sup_pid, (rec.status, rec.reason, listed)
-    assert max(_steps(lc.runs / run_id)) == 100 and rec.train_samples_per_second, rec
+    assert max(_steps(lc.runs / run_id)) == FakeIMDS.SHORT_STEPS and rec.train_samples_per_second, rec
     assert processes_with_env(f"XC_RUN_ID={run_id}") == []
 
 
