@@ -100,7 +100,7 @@ demo: venv
 
 # Test files run on TEST_WORKERS parallel workers (pytest-xdist; a file's tests stay on one worker, in order):
 # a cluster test spends most of its time waiting on nodes, notices and timeouts. TEST_WORKERS=0: one process.
-TEST_WORKERS ?= 3
+TEST_WORKERS ?= 4
 XDIST = $(if $(filter 0,$(TEST_WORKERS)),-p no:xdist,-n $(TEST_WORKERS) --dist loadfile)
 
 test: venv

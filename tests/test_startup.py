@@ -25,15 +25,16 @@ print(json.dumps(seen))
 
 def test_hold_then_settle_freezes_and_puts_the_threshold_back():
     before = gc.get_threshold()
+    gc.set_threshold(1234, 11, 12)  # whatever this process had (an in-process job may have held it)
     try:
         startup.hold()
         assert gc.get_threshold() == startup.HIGH
         startup.hold()  # already held: the threshold to put back is still the first one
         frozen = gc.get_freeze_count()
         startup.settle()
-        assert gc.get_threshold() == before and gc.get_freeze_count() > frozen
+        assert gc.get_threshold() == (1234, 11, 12) and gc.get_freeze_count() > frozen
         startup.settle()  # settled: nothing more happens
-        assert gc.get_threshold() == before
+        assert gc.get_threshold() == (1234, 11, 12)
     finally:
         gc.unfreeze()
         gc.set_threshold(*before)
