@@ -148,6 +148,10 @@ def test_the_job_peak_is_the_best_window_so_a_core_shared_for_a_moment_does_not_
     assert seen == [(mfu.PEAK_SECONDS / 5, 3)] + [(mfu.PEAK_SECONDS / 5, 0)] * 4
 
 
+def test_the_peak_is_timed_for_a_twentieth_of_the_training_between_a_quarter_second_and_a_second():
+    assert [mfu.peak_seconds(t) for t in (2.0, 10.0, 14.0, 20.0, 600.0)] == pytest.approx([0.25, 0.5, 0.7, 1.0, 1.0])
+
+
 def test_a_node_times_bf16_once_and_times_again_on_another_cpu_torch_or_a_bad_file(monkeypatch, tmp_path):
     timed = []
     monkeypatch.setattr(mfu, "bf16_speedup", lambda: timed.append(1) or 0.75 + len(timed))
