@@ -24,12 +24,13 @@ FAB = [sys.executable, "-m", "fabric"]
 
 # The files that take minutes, longest first: make test spreads files over parallel workers in collection order,
 # and a long file that starts last is the whole suite's tail. Every other file keeps its place after these.
-# Order from a --durations=0 profile of the whole suite (2026-11-27, worker-seconds per file).
-LONG_FILES = ("test_jobs.py", "test_elastic.py", "test_cluster.py", "test_script_restarts.py", "test_twin.py", "test_spot.py",
-              "test_loss_scale.py", "test_restarts.py", "test_setup_doctor.py", "test_store_cluster.py", "test_head.py",
-              "test_runs.py", "test_script_notices.py", "test_supervisor.py", "test_group_termination.py",
-              "test_preempt.py", "test_workdir.py", "test_netns.py", "test_bench_kube.py",
-              "test_user_training_package.py", "test_slow_login.py", "test_user_scripts.py", "test_ccl_path.py")
+# Order from a --durations=0 profile of the whole suite (2026-11-27 20:18, worker-seconds per file: the twin's and
+# elastic's ~400 each, all on one worker, so they start first).
+LONG_FILES = ("test_twin.py", "test_elastic.py", "test_cluster.py", "test_jobs.py", "test_script_restarts.py", "test_spot.py",
+              "test_loss_scale.py", "test_restarts.py", "test_supervisor.py", "test_setup_doctor.py", "test_store_cluster.py",
+              "test_head.py", "test_group_termination.py", "test_script_notices.py", "test_runs.py", "test_preempt.py",
+              "test_bench_kube.py", "test_netns.py", "test_user_training_package.py", "test_user_scripts.py",
+              "test_workdir.py", "test_discovery_aws.py", "test_slow_login.py", "test_ccl_path.py")
 
 
 def pytest_configure(config):
