@@ -24,10 +24,10 @@ from core import procs
 pytestmark = [pytest.mark.cluster, pytest.mark.slow,
               pytest.mark.skipif(os.geteuid() != 0, reason="the AWS twin needs root (network namespaces, mounts)")]
 # 40 steps (320 samples x 2 epochs at 8 per device on 2 nodes) on the 1-layer model: room for a notice at step ~8
-# and a resume, at a third of the notice tests' 100
-def short_args(model: str) -> list[str]:
+# and a resume, at two thirds of the notice tests' 60
+def short_args(model: str, samples: int = 320) -> list[str]:
     args = list(FakeIMDS.short_args(model))
-    args[args.index("--max_train_samples") + 1] = "320"
+    args[args.index("--max_train_samples") + 1] = str(samples)
     return args
 
 
@@ -223,8 +223,10 @@ def test_rebalance_checkpoints_and_goes_on_then_the_groups_termination_ends_it_7
     """A rebalance recommendation: a checkpoint while training goes on. Then the group's own termination, held
     by its lifecycle hook: exit 75 with its cause; the node completes its lifecycle action once the checkpoint is
     in the store, and the group takes it then, long before the hook's 120 s here."""
+    # 240 steps: at the start of a suite the twin's nodes train ~6 steps a second, and 40 ended before the termination
+    # notice reached them; the notice ends the run, so the steps after it cost nothing
     args = ["train", "--nodes", "2", "--save-every", "0", "--env", "XC_NOTICE_POLL_S=0.5", "--",
-            *short_args(small_model)]
+            *short_args(small_model, samples=1920)]
     with twin.start(*args) as running:
         running.wait_for(lambda line: (progress_step(line) or 0) >= 6, 400)
         said = twin.fab("local-notice", "node1", "--kind", "rebalance", timeout=60)
@@ -249,7 +251,8 @@ def test_rebalance_checkpoints_and_goes_on_then_the_groups_termination_ends_it_7
 
 
 def test_a_detached_run_is_followed_and_stopped_through_the_twin(twin, small_model):
-    res = twin.fab("train", "--nodes", "2", "--detach", "--", *short_args(small_model), timeout=300)
+    # stopped once its log shows progress: 240 steps, so that it cannot end first on an idle machine (free: it stops)
+    res = twin.fab("train", "--nodes", "2", "--detach", "--", *short_args(small_model, samples=1920), timeout=300)
     assert res.returncode == 0 and "detached" in res.stdout, res.stdout[-3000:] + res.stderr[-3000:]
     run_id = re.search(r"run (\S+) detached", res.stdout)[1]
     deadline = time.monotonic() + 120
