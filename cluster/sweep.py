@@ -3,8 +3,10 @@ and (with --yes) its deletion in dependency order (cluster.sweep_delete).
 
 A resource belongs to cluster NAME only when it carries the tag xeon-cluster:cluster=NAME (every resource
 of the stack does, through the provider's default tags) or xeon-cluster:image-build=NAME (Image Builder's
-build instance), the store bucket included. The one exception is Image Builder's own build log group, /aws/imagebuilder/<recipe>,
-whose recipe infra.image names NAME-<digest>. Nothing else is listed, so nothing else is ever deleted.
+build instance), the store bucket included. Two exceptions, found by name: Image Builder's own build log group,
+/aws/imagebuilder/<recipe>, whose recipe infra.image names NAME-<digest>, and the SSM parameters fab puts under
+/xeon-cluster/NAME/ (cluster.mesh: the mesh key and its public half). Nothing else is listed, so nothing else is
+ever deleted.
 
 The store (the cluster's S3 bucket: trained models, checkpoints, run records) is listed but kept by --yes; only
 --include-store empties it, and never while the cluster's Auto Scaling group still exists (its nodes may be writing).

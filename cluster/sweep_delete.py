@@ -13,7 +13,7 @@ ORDER = (
     "auto scaling group", "ec2 fleet", "spot fleet", "spot request", "instance", "launch template", "ami",
     "snapshot", "volume", "key pair", "placement group", "imagebuilder pipeline", "imagebuilder image",
     "imagebuilder recipe", "imagebuilder component", "imagebuilder infra config", "imagebuilder distribution",
-    "instance profile", "iam role", "log group", "s3 bucket", "network interface", "elastic ip", "security group", "subnet",
+    "instance profile", "iam role", "log group", "ssm parameter", "s3 bucket", "network interface", "elastic ip", "security group", "subnet",
     "route table", "internet gateway", "vpc",
 )
 VERBS = {"spot fleet": "cancelled", "spot request": "cancelled", "instance": "terminated", "ami": "deregistered",
@@ -208,6 +208,7 @@ DELETE: dict[str, Callable] = {
     "instance profile": _instance_profile,
     "iam role": _role,
     "log group": lambda c, o: c["logs"].delete_log_group(logGroupName=o.id),
+    "ssm parameter": lambda c, o: c["ssm"].delete_parameter(Name=o.id),
     "s3 bucket": _bucket,
     "network interface": lambda c, o: c["ec2"].delete_network_interface(NetworkInterfaceId=o.id),
     "elastic ip": _address,

@@ -7,6 +7,7 @@ import concurrent.futures
 import logging
 from dataclasses import dataclass, field
 
+from cluster.mesh import ROOT
 from core import catalog
 from core.constants import TAG_CLUSTER, TAG_IMAGE_BUILD
 
@@ -315,6 +316,20 @@ def _buckets(c) -> list[Orphan]:
     return [o for o in _each(store, named) if o is not None]
 
 
+def _parameters(c) -> list[Orphan]:
+    """The SSM parameters fab put under /xeon-cluster/<cluster>/ (the mesh key and its public half), outside the
+    stack, so 'pulumi destroy' leaves them. Found by their path (a put that overwrites cannot tag), and listed from
+    their metadata: their values are never read."""
+    found = _pages(c["ssm"], "describe_parameters", "Parameters",
+                   ParameterFilters=[{"Key": "Path", "Option": "Recursive", "Values": [ROOT]}])
+    out = []
+    for param in found:
+        parts = param["Name"].split("/")  # "", "xeon-cluster", <cluster>, ...
+        if len(parts) > 3 and "/".join(parts[:2]) == ROOT and parts[2]:
+            out.append(Orphan("ssm parameter", param["Name"], param.get("Type", ""), 0.0, parts[2]))
+    return out
+
+
 SOURCES = (  # what it lists (for the warning), the lister, and whether a failure there is only a warning
     ("Auto Scaling groups", _groups, True),
     ("EC2 Fleets and spot fleets", _fleets, True),
@@ -325,6 +340,7 @@ SOURCES = (  # what it lists (for the warning), the lister, and whether a failur
     ("Image Builder resources", _imagebuilder, True),
     ("IAM roles and instance profiles", _iam, True),
     ("log groups", _log_groups, True),
+    ("SSM parameters", _parameters, True),
     ("S3 buckets", _buckets, True),
     ("network pieces", _network, False),
 )

@@ -11,13 +11,16 @@ import boto3
 
 ROOT = Path(__file__).resolve().parent.parent
 # The services fab's own code makes clients for (core/ec2.py aws_client; cluster/sweep.py's table; the store).
-SERVICES = ("ec2", "autoscaling", "iam", "imagebuilder", "logs", "s3")
+SERVICES = ("ec2", "autoscaling", "iam", "imagebuilder", "logs", "s3", "ssm")
 # Code fab runs with the operator's credentials: fab tasks, discovery, sweep, the cost lookup, doctor, and the
 # store's client (training/runtime/store.py), which fab pull, fab runs, doctor's store row and resuming use at home.
 FAB_CODE = ("cluster", "core", "launch", "doctor", "infra/cost.py", "fabfile.py", "training/runtime/store.py")
 # The AWS twin (issue 51) plays AWS itself against moto with moto's credentials, never the operator's: its calls
 # (create_vpc, create_auto_scaling_group, ...) are the deployer's and the cloud's, not fab's.
 NOT_FAB_CODE = ("cluster/twin*.py",)
+# Actions the scan finds that fab's credentials must not have: the mesh key is read only on the head, with its role
+# (cluster.mesh.fetch; infra.policies.head_policy), and list_tags_for_resource is the name of logs' call as well.
+NOT_FABS = {"ssm:GetParameter", "ssm:ListTagsForResource"}
 # S3 operations whose IAM action has another name (the S3 user guide's table of actions per operation).
 S3_ACTION_OF = {"ListObjectsV2": "ListBucket", "HeadBucket": "ListBucket", "HeadObject": "GetObject",
                 "DeleteObjects": "DeleteObject", "ListObjectVersions": "ListBucketVersions",
@@ -55,6 +58,8 @@ def test_policy_allows_every_call_fab_makes_and_nothing_wildcard():
     needed = fab_actions()
     assert "ec2:CreateTags" in needed and "ec2:DescribeInstances" in needed  # the scan sees discovery
     assert {"s3:GetObject", "s3:ListBucket", "s3:ListAllMyBuckets", "s3:DeleteBucket"} <= needed  # store, sweep
-    missing = sorted(needed - allowed)
+    assert {"ssm:PutParameter", "ssm:DescribeParameters", "ssm:DeleteParameter"} <= needed  # the mesh key, swept
+    assert not NOT_FABS & allowed  # an operator cannot read the mesh key back
+    missing = sorted(needed - allowed - NOT_FABS)
     assert not missing, f"docs/iam-policy.json lacks {missing}"
     assert not [a for a in allowed if "*" in a]

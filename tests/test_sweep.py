@@ -101,6 +101,10 @@ def plant(cluster: str) -> dict[str, str]:
     logs.create_log_group(logGroupName=ids["build-log"])
     ids["log"] = f"{cluster}-app"
     logs.create_log_group(logGroupName=ids["log"], tags={TAG_CLUSTER: cluster})
+    ssm = client("ssm")  # what fab put outside the stack (cluster.mesh): found by its path, not a tag
+    ids["mesh-key"], ids["mesh-key-pub"] = f"/xeon-cluster/{cluster}/mesh-key", f"/xeon-cluster/{cluster}/mesh-key.pub"
+    ssm.put_parameter(Name=ids["mesh-key"], Value="private", Type="SecureString")
+    ssm.put_parameter(Name=ids["mesh-key-pub"], Value="ssh-ed25519 AAAA", Type="String")
     ids["bucket"] = plant_bucket(f"xc-{cluster}-store", cluster, [f"{cluster}/runs/r1/checkpoints/checkpoint-4/model.pt",
                                                                   f"{cluster}/runs/r1/summary.json",
                                                                   f"{cluster}/runs/r2/output/metrics.json"])
@@ -131,6 +135,8 @@ def plant_survivors() -> dict[str, str]:
     client("iam").create_role(RoleName=ids["role"], AssumeRolePolicyDocument="{}")
     for log in ("/aws/imagebuilder/bert-2-0123456789", "/aws/imagebuilder/other-0123456789", "bert-app-untagged"):
         client("logs").create_log_group(logGroupName=log)
+    for name in ("/xeon-cluster/ernie/mesh-key", "/xeon-clusters/bert/mesh-key", "/team/bert/mesh-key"):
+        client("ssm").put_parameter(Name=name, Value="not ours", Type="SecureString")
     ids["bucket"] = plant_bucket("xc-bert-untagged", None, ["bert/runs/r9/summary.json"])
     ids["ernie-bucket"] = plant_bucket("xc-ernie-store", "ernie", ["ernie/runs/r1/summary.json"])
     ids["other-bucket"] = plant_bucket("team-datasets", None, ["raw/part-0.parquet"])  # not a store: never asked
@@ -145,7 +151,9 @@ def still_there(ids: dict[str, str]) -> dict[str, bool]:
     roles = {r["RoleName"] for r in client("iam").list_roles()["Roles"]}
     logs = {g["logGroupName"] for g in client("logs").describe_log_groups()["logGroups"]}
     buckets = {b["Name"] for b in client("s3").list_buckets()["Buckets"]}
-    return {"bucket": ids["bucket"] in buckets, "ernie-bucket": ids["ernie-bucket"] in buckets,
+    params = {p["Name"] for p in client("ssm").describe_parameters()["Parameters"]}
+    return {"parameters": {"/xeon-cluster/ernie/mesh-key", "/xeon-clusters/bert/mesh-key", "/team/bert/mesh-key"} <= params,
+            "bucket": ids["bucket"] in buckets, "ernie-bucket": ids["ernie-bucket"] in buckets,
             "other-bucket": ids["other-bucket"] in buckets, "volume": ids["volume"] in volumes, "ernie-volume": ids["ernie-volume"] in volumes,
             "sg": ids["sg"] in groups, "key": ids["key"] in keys, "role": ids["role"] in roles,
             "logs": {"/aws/imagebuilder/bert-2-0123456789", "/aws/imagebuilder/other-0123456789",
@@ -194,6 +202,9 @@ def test_sweep_finds_every_orphan_deletes_them_and_spares_the_rest(aws_env):
     assert f"terminated instance {orphans['instance']}" in swept.stdout
     assert f"deleted auto scaling group {orphans['asg']}" in swept.stdout
     assert f"deleted vpc {orphans['vpc']}" in swept.stdout
+    assert f"deleted ssm parameter {orphans['mesh-key']}" in swept.stdout  # the mesh key outlives 'pulumi destroy'
+    assert not {p["Name"] for p in client("ssm").describe_parameters()["Parameters"]} & {orphans["mesh-key"],
+                                                                                          orphans["mesh-key-pub"]}
     assert "revoked the ingress rules of security group" in swept.stdout
     # --yes keeps the store (trained models), saying what it holds and how it would go
     assert "keeping s3 bucket xc-bert-store (3 objects, 0.00 GiB; runs r1, r2): the cluster's store; delete it " \

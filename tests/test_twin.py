@@ -296,6 +296,9 @@ def test_sweep_removes_everything_of_the_twins_cluster_but_the_kept_store(twin):
     res = twin.fab("sweep", "--cluster", "aws:twin", "--yes", timeout=300)
     assert "nothing left of cluster twin" in res.stdout and "but its store" in res.stdout, res.stdout + res.stderr
     assert not twin.group_ids("twin-nodes") and not twin.group_ids("twin-head")
+    mesh = twin.client("ssm").describe_parameters(ParameterFilters=[{"Key": "Path", "Option": "Recursive",
+                                                                      "Values": ["/xeon-cluster/twin"]}])
+    assert not mesh["Parameters"], mesh["Parameters"]  # the mesh key the head's runs read from SSM went too
     deadline = time.monotonic() + 30
     while list((Path(twin.env["XC_STATE_DIR"]) / "twin" / "instances").glob("*/boot.json")):
         assert time.monotonic() < deadline, "the watcher kept namespaces of terminated instances"
