@@ -97,6 +97,23 @@ def test_restarts_resume_from_the_newest_checkpoint_along_the_resume_chain(tmp_p
     assert "restart 1 of 1: run b lost node1" in "".join(lines)
 
 
+def test_a_head_that_took_a_chain_over_counts_the_restarts_the_chain_already_had(tmp_path, monkeypatch):
+    """launch.chain.adopt: the second restart of a --max-restarts 2 chain reads '2 of 2' on the new head, and a
+    chain that had both has none left."""
+    _fake_run(tmp_path, "a", "preempted", 20)
+    _fake_run(tmp_path, "b", "failed", None, resumed_from="a")
+    monkeypatch.setattr(restarts, "train", lambda cluster, req, out: RunResult("c", tmp_path / "c", 0, 1.0, {}))
+    monkeypatch.setattr(restarts, "open_cluster", lambda spec, **_: LOCAL)
+    monkeypatch.setattr(restarts, "wait_for_nodes", lambda *a, **k: None)
+    lost = NodeFailure("run b failed", ["node1"], run_id="b", lost=["node1"])
+    out, req = io.StringIO(), TrainRequest(nodes=2, job="glue", runs_dir=tmp_path)
+    assert restarts.train_with_restarts(LOCAL, req, max_restarts=2, out=out, ended=lost, restarts_done=1).run_id == "c"
+    assert "restart 2 of 2: run b lost node1" in out.getvalue()
+    assert load(tmp_path / "b").restart["attempt"] == 2
+    with pytest.raises(NodeFailure):
+        restarts.train_with_restarts(LOCAL, req, max_restarts=2, out=io.StringIO(), ended=lost, restarts_done=2)
+
+
 def test_no_restart_left_ends_with_the_failure_and_the_wait_problem(tmp_path, monkeypatch):
     _fake_run(tmp_path, "a", "preempted", 20)
 

@@ -124,12 +124,13 @@ def refuse_base_image(cluster: Cluster, max_restarts: int) -> None:
 
 
 def train_with_restarts(cluster: Cluster, req: TrainRequest, max_restarts: int = 0, restart_wait: float = 600,
-                        out: TextIO = sys.stdout, poll_s: float = POLL_S, ended: ClusterError | None = None
-                        ) -> RunResult:
+                        out: TextIO = sys.stdout, poll_s: float = POLL_S, ended: ClusterError | None = None,
+                        restarts_done: int = 0) -> RunResult:
     """Run, and after a preemption or a lost node wait for the cluster and resume, up to max_restarts times.
     The run that ended is recorded `restarting` while this waits, and names the run it was resumed as. With
     req.min_nodes, a wait that ends short of every node goes on with fewer (launch.life.elastic). `ended`: a run
-    of the chain already ended so (a head that took the chain over, launch.chain.adopt): handled first."""
+    of the chain already ended so (a head that took the chain over, launch.chain.adopt): handled first, with the
+    chain's `restarts_done` already counted against max_restarts."""
     def say(msg: str) -> None:
         out.write(msg + "\n")
         out.flush()
@@ -141,7 +142,7 @@ def train_with_restarts(cluster: Cluster, req: TrainRequest, max_restarts: int =
     refuse_base_image(cluster, max_restarts)
     full = check_min_nodes(cluster, req)
     endpoint = req.env.get("XC_IMDS_ENDPOINT") or ""  # else the node's own (a local node's sshd sets it)
-    attempt = 0
+    attempt = restarts_done
     while True:
         grow = None
         if req.min_nodes is not None and req.grow_back and req.nodes is not None and req.nodes < full:

@@ -276,7 +276,8 @@ def adopted(chain: str) -> int:
             sys.stdout.write(f"run {rec.run_id}: not restarted: a head replacement lost the values of its secrets\n")
             return 1
         req = adopt.adopted_request(url, job, rec, runs_dir)
-        result = restarts.train_with_restarts(cluster, req, left, float(job["restart_wait"]), ended=ended)
+        result = restarts.train_with_restarts(cluster, req, int(job["max_restarts"]), float(job["restart_wait"]),
+                                              ended=ended, restarts_done=len(ids) - 1)
     except ClusterError as exc:
         sys.stdout.write(format_error(exc) + "\n")
         return exc.exit_code
