@@ -167,6 +167,30 @@ def test_a_silent_supervisor_is_abandoned_only_when_the_head_confirms_it_gone(tm
     assert records.load(tmp_path / "runs" / rec.run_id).abandoned["was"] == "running"
 
 
+def test_a_chain_an_aws_head_supervised_is_not_abandoned_while_a_new_head_may_take_it_over(tmp_path, monkeypatch):
+    """supervisor.json in the store: the head that supervised it went without ending it, and the group's new head
+    takes it over at boot (launch.chain.adopt). Between the stale heartbeat and that take-over 'fab runs' leaves
+    the record alone; a head long up that runs neither the chain nor its take-over has abandoned it."""
+    store = f"file://{tmp_path / 'store'}"
+    head = Node(name="head", host="127.0.0.9", private_host="127.0.0.9", user="me", labels={"aws_head": "dev"})
+    rec = RunRecord(run_id="20260101-000000-glue-abcd", status=Status.RUNNING, env={"XC_STORE": store},
+                    started_at=time.time() - 1000, supervisor={"pid": 1, "host": "h", "head": "head",
+                                                                "chain": "20260101-000000-glue-abcd"})
+    store_lib.put_record(store, rec.run_id, head_lib.HEARTBEAT, json.dumps({"at": time.time() - 200,
+                                                                            "interval_s": 30}).encode())
+    store_lib.put_record(store, rec.run_id, head_lib.JOB, b"{}")
+    monkeypatch.setattr(head_lib, "supervisors_on", lambda h, chain: [])
+    for boot, note in (((42.0, False), "the head came up 42s ago and takes such chains over at boot"),
+                       ((5000.0, True), "the head came up 5000s ago and takes such chains over at boot"),
+                       (None, "the head did not answer")):
+        monkeypatch.setattr(head_lib, "boot_state", lambda h, boot=boot: boot)
+        assert note in head_lib.judge(rec, store, head, tmp_path / "runs")[1]
+        assert store_lib.read_summary(store, rec.run_id) is None  # nothing recorded
+    monkeypatch.setattr(head_lib, "boot_state", lambda h: (5000.0, False))
+    assert "recorded abandoned" in head_lib.judge(rec, store, head, tmp_path / "runs")[1]
+    assert store_lib.read_summary(store, rec.run_id)["status"] == "abandoned"
+
+
 @pytest.mark.cluster
 def test_a_head_that_does_not_answer_refuses_a_detached_run_in_one_line_and_starts_nothing(tmp_path, cluster2):
     lc = start_cluster(tmp_path, 1, head=True)

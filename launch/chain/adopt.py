@@ -26,7 +26,7 @@ from launch.life import detach, head, records
 from launch.life.records import RunRecord, Status
 from training.runtime.paths import RunPaths
 
-JOB = "supervisor.json"
+JOB = head.JOB
 CODE = "code"  # the store's folder of supervisor code tarballs, by digest
 POLL_S = 5.0
 MAX_WAIT_S = 900.0  # a chain whose heartbeat stays fresh this long has a live supervisor elsewhere

@@ -33,6 +33,8 @@ ENV = "XC_SUPERVISOR"  # the chain's first run id, in the supervisor's environme
 HEAD_ENV = "XC_HEAD"  # the head's name, in the supervisor's environment (records.this_process reads it)
 HEARTBEAT = "heartbeat.json"
 STALE_BEATS = 4  # a heartbeat older than this many intervals is stale
+JOB = "supervisor.json"  # in the store while an AWS head supervises the chain: a new head takes it over at boot
+BOOT_GRACE_S = 300.0  # a head up for less than this may not have reached its boot-time take-over yet
 
 
 def heartbeat_s() -> float:
@@ -171,6 +173,23 @@ def supervisors_on(head: Node, chain: str) -> list[int] | None:
     return [int(w) for w in res.stdout.split() if w.isdigit()] if res.ok else None
 
 
+def boot_state(head: Node) -> tuple[float, bool] | None:
+    """(seconds the head has been up, whether its boot-time take-over, launch.chain.adopt, runs now); None when the
+    head does not answer. The pattern's brackets keep the shell that greps from matching itself."""
+    try:
+        with connect(head) as conn:
+            res = run(conn, "cut -d' ' -f1 /proc/uptime; grep -lz 'launch[.]chain[.]adopt' /proc/[0-9]*/cmdline "
+                            "2>/dev/null | head -1; true", timeout=30)
+    except ClusterError as exc:
+        log.warning("the head %s did not answer: %s", head.name, exc.what)
+        return None
+    lines = res.stdout.split() if res.ok else []
+    try:
+        return float(lines[0]), len(lines) > 1
+    except (IndexError, ValueError):
+        return None
+
+
 def end_on(head: Node, chain: str, wait_s: float = 15.0) -> list[int]:
     """SIGTERM to the supervisor of chain on the head (so it starts no restart), then wait for it to be gone;
     returns the pids it had. Raises ClusterError when the head does not answer."""
@@ -213,11 +232,19 @@ def judge(rec: RunRecord, url: str, head: Node | None, runs_dir: Path, now: floa
     said = f"no heartbeat from its supervisor on {sup['head']} for {age:.0f}s"
     if head is None or head.name != sup["head"]:
         return rec, f"{said}; its head is not this cluster's, so it is not judged from here"
+    silent = f"{said}; the head did not answer, so it is not recorded abandoned"
     found = supervisors_on(head, chain)
     if found is None:
-        return rec, f"{said}; the head did not answer, so it is not recorded abandoned"
+        return rec, silent
     if found:
         return rec, f"{said}, but the head still runs it (pid {', '.join(map(str, found))})"
+    if store_lib.read_text(url, RunPaths(chain).store_record(JOB)):  # an AWS head's chain, never ended
+        boot = boot_state(head)
+        if boot is None:
+            return rec, silent
+        if boot[1] or boot[0] < BOOT_GRACE_S:
+            return rec, (f"{said}; the head came up {boot[0]:.0f}s ago and takes such chains over at boot, so it is "
+                         "not recorded abandoned")
     records.abandoned(RunPaths(rec.run_id, runs_dir=runs_dir).home, rec,
                       {"found": f"no process with {ENV}={chain} on the head {head.name}; {said}", "unchecked": {}})
     return rec, f"{said}; the head runs no supervisor of it: recorded abandoned"
