@@ -13,7 +13,7 @@ TORCH := torch==$(TORCH_VERSION)+cpu
 TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
 PIP = $(BIN)/pip
 
-.PHONY: help venv venv-ops torch-cpu project-deps fab-entry sshd gcc demo test test-fast lint bench clean
+.PHONY: help venv venv-ops torch-cpu project-deps fab-entry sshd gcc bytecode demo test test-fast lint bench clean
 
 help:
 	@echo "make demo   - 2-node local cluster, fine-tune MiniLM on the bundled paraphrase set, stop the cluster"
@@ -108,7 +108,12 @@ demo: venv
 TEST_WORKERS ?= 4
 XDIST = $(if $(filter 0,$(TEST_WORKERS)),-p no:xdist,-n $(TEST_WORKERS) --dist loadfile)
 
-test: venv
+# The project's own bytecode, written once: these machines set PYTHONDONTWRITEBYTECODE, so otherwise every fab,
+# supervisor and pytest worker started from the checkout compiles the modules it imports again.
+bytecode:
+	@$(BIN)/python -m compileall -q -j 0 $(LINT_PKGS) >/dev/null
+
+test: venv bytecode
 	$(BIN)/python -m pytest -q --durations=25 $(XDIST)
 
 test-fast: venv
