@@ -292,13 +292,19 @@ def test_bad_input_is_one_line_and_starts_nothing(twin, tmp_path):
 
 
 def test_sweep_removes_everything_of_the_twins_cluster_but_the_kept_store(twin):
-    """Last: it takes the cluster away, as after a 'pulumi destroy' that left things behind."""
+    """Last: it takes the cluster away, as after a 'pulumi destroy' that left things behind; the mesh key that the
+    head's runs put in SSM (the rehearsal above) goes too."""
+    def mesh() -> list[str]:
+        found = twin.client("ssm").describe_parameters(ParameterFilters=[{"Key": "Path", "Option": "Recursive",
+                                                                           "Values": ["/xeon-cluster/twin"]}])
+        return [p["Name"] for p in found["Parameters"]]
+
+    had = mesh()
+    print(f"SSM parameters of cluster twin before the sweep: {had}")
     res = twin.fab("sweep", "--cluster", "aws:twin", "--yes", timeout=300)
     assert "nothing left of cluster twin" in res.stdout and "but its store" in res.stdout, res.stdout + res.stderr
     assert not twin.group_ids("twin-nodes") and not twin.group_ids("twin-head")
-    mesh = twin.client("ssm").describe_parameters(ParameterFilters=[{"Key": "Path", "Option": "Recursive",
-                                                                      "Values": ["/xeon-cluster/twin"]}])
-    assert not mesh["Parameters"], mesh["Parameters"]  # the mesh key the head's runs read from SSM went too
+    assert all(f"deleted ssm parameter {name}" in res.stdout for name in had) and not mesh(), (had, res.stdout)
     deadline = time.monotonic() + 30
     while list((Path(twin.env["XC_STATE_DIR"]) / "twin" / "instances").glob("*/boot.json")):
         assert time.monotonic() < deadline, "the watcher kept namespaces of terminated instances"
