@@ -15,6 +15,7 @@ import argparse
 import collections
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -24,6 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from glue_single_node import cpu_line
 
 HZ = os.sysconf("SC_CLK_TCK")
+WORKER_DIR = re.compile(r"/popen-(gw\d+)/")
 
 
 def _read(path: str) -> bytes:
@@ -31,9 +33,14 @@ def _read(path: str) -> bytes:
         return f.read()
 
 
-def sample(seen: dict, before: bool = False) -> None:
+def sample(seen: dict, before: bool = False, running: dict | None = None) -> None:
     """One pass over /proc: (pid, start time) -> {comm, argv, test, cpu, base}. A process already running
-    before the command (before=True) counts only the CPU it takes from then on."""
+    before the command (before=True) counts only the CPU it takes from then on. `running` (xdist worker -> the
+    test it runs, kept between passes) lets a process sshd started, which has no PYTEST_CURRENT_TEST, count under
+    the test its worker runs when it is first seen, found by the worker's folder (pytest's popen-gwN) in its
+    working directory or command line."""
+    running = {} if running is None else running
+    fresh = []
     for pid in os.listdir("/proc"):
         if not pid.isdigit():
             continue
@@ -48,13 +55,32 @@ def sample(seen: dict, before: bool = False) -> None:
                 if seen[key]["comm"] != comm:  # bash exec'd the rank: take the new command line
                     seen[key].update(comm=comm, argv=_argv(pid))
                 continue
-            test = ""
+            test, worker = "", ""
             for kv in _read(f"/proc/{pid}/environ").split(b"\0"):
                 if kv.startswith(b"PYTEST_CURRENT_TEST="):
                     test = kv[len(b"PYTEST_CURRENT_TEST="):].decode(errors="replace").split(" ")[0]
+                elif kv.startswith(b"PYTEST_XDIST_WORKER="):
+                    worker = kv[len(b"PYTEST_XDIST_WORKER="):].decode(errors="replace")
             seen[key] = {"comm": comm, "argv": _argv(pid), "test": test, "cpu": cpu, "base": cpu if before else 0.0}
+            if test and worker:
+                running[worker] = test
+            elif not test:
+                seen[key]["cwd"] = _cwd(pid)
+                fresh.append(key)
         except (OSError, ValueError, IndexError):
             continue  # gone, or a kernel thread's unreadable environ
+    for key in fresh:  # started by sshd (a rank, a node's helper): the test its worker runs, found by its folder
+        m = WORKER_DIR.search(seen[key].get("cwd", "") + " " + " ".join(seen[key]["argv"]))
+        if m and m.group(1) in running:
+            seen[key]["test"] = running[m.group(1)]
+            seen[key]["by_folder"] = True
+
+
+def _cwd(pid: str) -> str:
+    try:
+        return os.readlink(f"/proc/{pid}/cwd")
+    except OSError:
+        return ""
 
 
 def _argv(pid: str) -> list[str]:
@@ -95,7 +121,7 @@ def report(procs: list[dict], wall: float, top: int) -> str:
         k = kind(p)
         by_kind[k] += p["cpu"]
         count[k] += 1
-        by_test[p["test"] or "(no test: ranks under sshd, the kernel, setup)"][k.split(" ")[0]] += p["cpu"]
+        by_test[p["test"] or "(no test: the kernel, setup, processes of no worker's folder)"][k.split(" ")[0]] += p["cpu"]
     busy = total / wall / (os.cpu_count() or 1)
     summary = f"wall {wall:.0f} s, CPU {total:.0f} s over {len(procs)} processes ({busy:.0%} of {os.cpu_count()} cpus)"
     lines = [cpu_line(), summary, "", "by kind:"]
@@ -117,11 +143,12 @@ def main(argv: list[str] | None = None) -> int:
     if not cmd:
         ap.error("give the command to measure after --, e.g. -- make test")
     seen: dict = {}
+    running: dict = {}
     sample(seen, before=True)
     start = time.monotonic()
     child = subprocess.Popen(cmd)
     while child.poll() is None:
-        sample(seen)
+        sample(seen, running=running)
         time.sleep(1.0)
     wall = time.monotonic() - start
     procs = [dict(p, cpu=p["cpu"] - p.pop("base")) for (pid, _), p in seen.items() if pid != str(os.getpid())]

@@ -40,3 +40,31 @@ def test_it_says_how_to_call_it():
                          timeout=60, check=False)
     assert res.returncode == 2 and res.stderr.strip().splitlines()[-1].endswith(
         "give the command to measure after --, e.g. -- make test")
+
+
+def test_a_process_without_the_tests_variable_counts_under_the_test_its_workers_folder_runs(tmp_path):
+    """A rank sshd started has no PYTEST_CURRENT_TEST: it counts under the test that worker gw7 runs, found by the
+    popen-gw7 folder it works in; one in no worker's folder counts under no test."""
+    import os
+
+    sys.path.insert(0, str(ROOT / "bench"))
+    try:
+        import suite_cpu
+    finally:
+        sys.path.pop(0)
+    folder = tmp_path / "popen-gw7" / "cluster0"
+    folder.mkdir(parents=True)
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_")}
+    sleep = [sys.executable, "-c", "import time; time.sleep(30)"]
+    procs = [subprocess.Popen(sleep, env={**clean, "PYTEST_CURRENT_TEST": "tests/t.py::test_x (call)",
+                                          "PYTEST_XDIST_WORKER": "gw7"}),
+             subprocess.Popen(sleep, env=clean, cwd=folder), subprocess.Popen(sleep, env=clean, cwd=tmp_path)]
+    try:
+        seen: dict = {}
+        suite_cpu.sample(seen, running={})
+        tests = {p.pid: next((v["test"] for (pid, _), v in seen.items() if pid == str(p.pid)), None) for p in procs}
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+    assert tests == {procs[0].pid: "tests/t.py::test_x", procs[1].pid: "tests/t.py::test_x", procs[2].pid: ""}
