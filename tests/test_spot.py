@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+import time
 from pathlib import Path
 
 import pytest
@@ -57,6 +58,33 @@ def test_the_poll_interval_comes_from_the_ranks_environment(monkeypatch):
         monkeypatch.setenv(spot.POLL_ENV, bad)
         with pytest.raises(ValueError, match=spot.POLL_ENV):
             spot.NoticeWatcher("http://x")
+
+
+def test_a_pace_holds_each_step_to_its_floor_sleeping_not_computing(monkeypatch):
+    """XC_PACE_S: the step boundary sleeps out the rest of the floor, so a step that took 0.05 s lasts 0.3 s and the
+    process's CPU does not grow with it; a step longer than the floor is not held."""
+    from types import SimpleNamespace
+
+    monkeypatch.setenv(spot.PACE_ENV, "0.3")
+    cb = spot.spot_callback(watcher=None, save_every="0")
+    state, control = SimpleNamespace(global_step=0), SimpleNamespace(should_save=False, should_training_stop=False)
+    cb.on_train_begin(None, state, control)
+    ends = []
+    for work in (0.05, 0.05, 0.5):
+        time.sleep(work)
+        state.global_step += 1
+        cpu = time.process_time()
+        cb.on_step_end(None, state, control)
+        ends.append((time.monotonic(), time.process_time() - cpu))
+    starts = [ends[0][0] - 0.3] + [t for t, _ in ends[:-1]]
+    took = [t - s for (t, _), s in zip(ends, starts)]
+    assert all(0.29 <= d < 0.45 for d in took[:2]), took
+    assert 0.5 <= took[2] < 0.65, took  # longer than the floor: no sleep on top
+    assert all(c < 0.05 for _, c in ends), ends  # sleeping, not spinning
+    for bad in ("slow", "-1", "61"):
+        monkeypatch.setenv(spot.PACE_ENV, bad)
+        with pytest.raises(ValueError, match=spot.PACE_ENV):
+            spot.spot_callback(watcher=None, save_every="0")
 
 
 def test_only_complete_checkpoints_count(tmp_path, monkeypatch):

@@ -191,6 +191,10 @@ def validate(req: TrainRequest) -> TrainRequest:
         spot.parse_poll(req.env.get(spot.POLL_ENV))
     except ValueError as exc:
         raise ClusterError(f"--env {exc}", fix=f"pass seconds between 0.1 and 60, e.g. --env {spot.POLL_ENV}=1") from None
+    try:
+        spot.parse_pace(req.env.get(spot.PACE_ENV))
+    except ValueError as exc:
+        raise ClusterError(f"--env {exc}", fix=f"pass seconds between 0 and 60, e.g. --env {spot.PACE_ENV}=0.5") from None
     if req.master_port is not None and not 1024 <= req.master_port <= 65535:
         raise ClusterError(f"--master-port {req.master_port} is not a usable TCP port", fix="use 1024..65535, or leave it "
                            "out to get a free one")

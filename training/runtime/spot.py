@@ -44,6 +44,9 @@ PREEMPTED_TAG = _notice.TAG  # aliases: training.runtime.notice owns the line an
 REBALANCE_TAG = "[rebalance]"
 PREEMPTED_EXIT = _notice.EXIT
 DEFAULT_SAVE_EVERY = "600s"
+# A floor under each optimizer step, slept out on every rank before the step's notice check: a rehearsal's short run
+# on a local cluster or the twin lasts long enough to raise a notice by hand, and the CPU idles between its steps.
+PACE_ENV = "XC_PACE_S"
 
 
 def parse_poll(value: str | None) -> float:
@@ -56,6 +59,19 @@ def parse_poll(value: str | None) -> float:
         raise ValueError(f"{POLL_ENV}={value!r} is not a number of seconds") from None
     if not 0.1 <= seconds <= 60:
         raise ValueError(f"{POLL_ENV}={value} is outside 0.1..60 seconds")
+    return seconds
+
+
+def parse_pace(value: str | None) -> float:
+    """XC_PACE_S: the least seconds an optimizer step takes, 0..60 (default 0: as fast as the cores go)."""
+    if value is None or value == "":
+        return 0.0
+    try:
+        seconds = float(value)
+    except ValueError:
+        raise ValueError(f"{PACE_ENV}={value!r} is not a number of seconds") from None
+    if not 0 <= seconds <= 60:
+        raise ValueError(f"{PACE_ENV}={value} is outside 0..60 seconds")
     return seconds
 
 
@@ -227,20 +243,25 @@ def spot_callback(watcher: NoticeWatcher | None = None, save_every: str | None =
     from transformers import TrainerCallback
 
     mode, every = parse_save_every(save_every if save_every is not None else os.environ.get("XC_SAVE_EVERY"))
+    pace = parse_pace(os.environ.get(PACE_ENV))
 
     class Spot(TrainerCallback):
         def __init__(self):
             self.watcher = watcher
             self.last_save = time.monotonic()
+            self.last_step = time.monotonic()
             self.preempted_by: int | None = None  # the rank whose node got the notice
             self.cause: str | None = None
             self.step: int | None = None
             self.rebalance_saved = False
 
         def on_train_begin(self, args, state, control, **kw):
-            self.last_save = time.monotonic()
+            self.last_save = self.last_step = time.monotonic()
 
         def on_step_end(self, args, state, control, **kw):
+            if pace:
+                time.sleep(max(0.0, self.last_step + pace - time.monotonic()))
+                self.last_step = time.monotonic()
             rank = dist.get_rank() if dist.is_initialized() else 0
             noticed = self.watcher is not None and self.watcher.notice is not None
             group = noticed and self.watcher.notice.get("cause") == GROUP_CAUSE
