@@ -259,27 +259,53 @@ def _shared_dir(tmp_path_factory) -> Path:
     return base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base  # workers' temp folders are siblings
 
 
+# What the lifecycle tests' runs train: the bundled MiniLM's first encoder layer, its first 4 of 12 heads (128 of 384
+# dims) and 256 of 1536 feed-forward units. A 2-node step costs ~1/3 of the 1-layer cut's; PACE holds each step to
+# that cut's speed on an idle machine, so the runs last through the same wall-clock windows (a notice polled every
+# 0.5 s, a head's take-over, a node coming back) while their ranks sleep between steps.
+THIN = {"hidden_size": 128, "num_attention_heads": 4, "intermediate_size": 256, "num_hidden_layers": 1}
+PACE = ("--env", "XC_PACE_S=0.08")
+
+
+def _thin(name: str, value):
+    """`value` (a tensor of the bundled model) cut to THIN's shape."""
+    h, ffn = THIN["hidden_size"], THIN["intermediate_size"]
+    if "intermediate" in name:
+        return value[:ffn] if value.dim() == 1 else value[:ffn, :h]
+    if value.dim() == 1:
+        return value[:h]
+    if "embeddings" in name:
+        return value[:, :h]
+    if ".output.dense." in name and "attention" not in name:
+        return value[:h, :ffn]
+    return value[:h, :h]
+
+
 @pytest.fixture(scope="session")
 def small_model(tmp_path_factory) -> str:
-    """The bundled MiniLM cut to its first encoder layer (same tokenizer, embeddings and first layer's weights):
-    a training step costs ~1/7 of the 6-layer model's. For the runs whose tests are about the run's lifecycle
-    (notices, restarts, stores, supervisors), not about learning; what learns keeps the bundled model.
-    Built once per `make test`, shared by the xdist workers."""
+    """The bundled MiniLM cut to THIN (same tokenizer; embeddings, first layer and pooler sliced from its weights).
+    For the runs whose tests are about the run's lifecycle (notices, restarts, stores, supervisors), not about
+    learning; what learns keeps the bundled model. Built once per `make test`, shared by the xdist workers."""
     from filelock import FileLock
 
-    folder = _shared_dir(tmp_path_factory) / "minilm-1-layer"
+    folder = _shared_dir(tmp_path_factory) / "minilm-thin"
     with FileLock(str(folder) + ".lock"):
         if not (folder / "config.json").is_file():
-            from transformers import AutoModel, AutoTokenizer
+            from transformers import AutoConfig, AutoModel, AutoTokenizer
 
             from training.jobs.common import DEFAULT_MODEL, resolve_model
 
             src = resolve_model(DEFAULT_MODEL)
-            model = AutoModel.from_pretrained(src)
-            model.encoder.layer = model.encoder.layer[:1]
-            model.config.num_hidden_layers = 1
+            full = AutoModel.from_pretrained(src)
+            config = AutoConfig.from_pretrained(src)
+            for key, value in THIN.items():
+                setattr(config, key, value)
+            thin = type(full)(config)
+            kept = {k: _thin(k, v).clone() for k, v in full.state_dict().items() if k in thin.state_dict()}
+            assert {k: v.shape for k, v in kept.items()} == {k: v.shape for k, v in thin.state_dict().items()}
+            thin.load_state_dict(kept)
             tmp = folder.with_name(folder.name + ".partial")
-            model.save_pretrained(tmp)
+            thin.save_pretrained(tmp)
             AutoTokenizer.from_pretrained(src).save_pretrained(tmp)
             tmp.rename(folder)
     return str(folder)

@@ -66,8 +66,8 @@ class FakeIMDS:
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
         threading.Thread(target=self.server.serve_forever, daemon=True).start()
 
-    # A run for notice tests: 60 steps on 2 nodes of conftest's 1-layer cut of MiniLM (a step ~1/7 of the bundled
-    # model's). With 0.5 s polls a notice raised at step ~10 ends it within a few steps, leaving a resume of ~45:
+    # A run for notice tests: 60 steps on 2 nodes of conftest's thin cut of MiniLM (small_model), paced to ~12 steps
+    # a second (conftest.PACE). With 0.5 s polls a notice raised at step ~10 ends it within a few steps, leaving a resume of ~45:
     # room for a checkpoint every 20 steps and a node lost after the first (test_restarts), not more (each step
     # of each rank is CPU the whole suite waits for).
     SHORT_ARGS = ("--num_train_epochs", "2", "--per_device_train_batch_size", "8", "--learning_rate", "1e-4",
@@ -81,8 +81,10 @@ class FakeIMDS:
 
     def train_env(self) -> list[str]:
         """fab train's --env flags: the ranks poll this server every 0.5 s (not AWS's 5 s), so a short run
-        sees a notice within a step or two of the test raising it."""
-        return ["--env", f"XC_IMDS_ENDPOINT={self.url}", "--env", "XC_NOTICE_POLL_S=0.5"]
+        sees a notice within a step or two of the test raising it; and its steps are paced (conftest.PACE)."""
+        from conftest import PACE
+
+        return ["--env", f"XC_IMDS_ENDPOINT={self.url}", "--env", "XC_NOTICE_POLL_S=0.5", *PACE]
 
     def train_until(self, cluster, args, at_step: int = 8, trigger=None, fab_args=(), timeout: float = 600):
         """`fab train --nodes 2 --save-every 0` on `cluster` with this server's env; once a progress line reaches

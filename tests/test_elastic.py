@@ -2,7 +2,7 @@
 back, and the run goes on with node0 alone at the same global batch (gradient accumulation 2) to the same step count
 as an uninterrupted 2-node run, with the same loss at every step after the resume; and a node that returns, after
 which the run grows back to 2 nodes at its next checkpoint. Dropout is off (its masks depend on the rank count);
-everything else is the bundled glue job on conftest's 1-layer MiniLM."""
+everything else is the bundled glue job on conftest's thin MiniLM (small_model), paced (conftest.PACE)."""
 from __future__ import annotations
 
 import json
@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import fab, processes_with_env, progress_steps, start_cluster, wait_until
+from conftest import PACE, fab, processes_with_env, progress_steps, start_cluster, wait_until
 
 from launch.life import records
 from launch.life.records import Status
@@ -34,7 +34,7 @@ GROW_STEPS = 180
 
 @pytest.fixture(scope="module")
 def no_dropout(small_model, tmp_path_factory) -> str:
-    folder = tmp_path_factory.mktemp("no-dropout") / "minilm-1-layer"
+    folder = tmp_path_factory.mktemp("no-dropout") / "minilm-thin"
     shutil.copytree(small_model, folder)
     config = json.loads((folder / "config.json").read_text())
     config.update(hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, classifier_dropout=0.0)
@@ -77,7 +77,7 @@ def _chain_end(lc, first: str, sup: dict, timeout: float) -> list[records.RunRec
 
 
 def _detached(lc, no_dropout: str, *flags: str, args=ARGS) -> tuple[str, dict]:
-    res = lc.fab("train", "--nodes", "2", "--detach", "--max-restarts", "2", *flags, "--env", "XC_NOTICE_POLL_S=0.5",
+    res = lc.fab("train", "--nodes", "2", "--detach", "--max-restarts", "2", *flags, "--env", "XC_NOTICE_POLL_S=0.5", *PACE,
                  "--", *args, "--model_name_or_path", no_dropout, timeout=900)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     m = re.search(r"run (\S+) detached under its supervisor \(pid (\d+)", res.stdout)
@@ -188,7 +188,7 @@ def test_an_unchanged_trainer_script_goes_on_alone_with_its_accumulation_scaled_
     project, flags = _project(tmp_path)
     try:
         with lc.start("train", "--nodes", "2", "--max-restarts", "1", "--min-nodes", "1", "--restart-wait", "5",
-                      "--save-every", "20", "--workdir", str(project), "--script", "run_glue.py", "--",
+                      "--save-every", "20", "--workdir", str(project), "--script", "run_glue.py", *PACE, "--",
                       "--model_name_or_path", small_model, *flags, merge=True) as running:
             running.wait_for("[store] checkpoint step 20 durable", 600)
             killed = lc.fab("local-kill", "node1", timeout=60)  # no notice: the node is simply gone

@@ -148,7 +148,7 @@ def _home_steps(run_dir: Path) -> list[int]:
 
 
 # The resumed run must outlive the save of its first checkpoint into the store (the local store is beside runs/,
-# so that is the save itself): 60 steps of the 1-layer model, where the second run is killed at step 20 or 40.
+# so that is the save itself): 60 paced steps of the thin model, where the second run is killed at step 20 or 40.
 @pytest.mark.cluster
 @pytest.mark.slow
 def test_a_preempted_run_and_a_killed_node_are_resumed_by_themselves(tmp_path, small_model):

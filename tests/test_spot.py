@@ -199,7 +199,7 @@ def test_notice_checkpoints_home_and_resume_finishes_like_an_uninterrupted_run(c
 @pytest.mark.slow
 def test_a_checkpoint_resumes_on_half_the_nodes_with_the_same_global_batch(cluster2, small_model):
     """The same checkpoint on half the nodes: gradient accumulation keeps the global batch, so the run has the
-    same number of optimizer steps in all. The 1-layer model: this is about the resume, not what it learns."""
+    same number of optimizer steps in all. The thin model: this is about the resume, not what it learns."""
     imds = FakeIMDS()
     before = cluster2.run_dirs()
     try:

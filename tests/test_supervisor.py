@@ -11,7 +11,7 @@ import signal
 import time
 
 import pytest
-from conftest import fab, processes_with_env, progress_steps, start_cluster, wait_until
+from conftest import PACE, fab, processes_with_env, progress_steps, start_cluster, wait_until
 from fake_imds import FakeIMDS
 
 from cluster import store as store_lib
@@ -104,7 +104,7 @@ def test_without_a_head_the_supervised_run_goes_on_when_fab_and_its_supervisor_a
     mid-run (a laptop closed for good): the ranks run under node 0's wrapper and go on; the next 'fab runs'
     concludes the run ok, with its results, and nothing of it is left running."""
     lc = start_cluster(tmp_path, 2)
-    running = lc.start("train", "--nodes", "2", "--detach", "--max-restarts", "1", "--",
+    running = lc.start("train", "--nodes", "2", "--detach", "--max-restarts", "1", *PACE, "--",
                        *FakeIMDS.short_args(small_model), merge=True, new_session=True)
     sup_pid, run_id = None, None
     try:

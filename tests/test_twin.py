@@ -23,7 +23,7 @@ from core import procs
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow,
               pytest.mark.skipif(os.geteuid() != 0, reason="the AWS twin needs root (network namespaces, mounts)")]
-# 40 steps (320 samples x 2 epochs at 8 per device on 2 nodes) on the 1-layer model: room for a notice at step ~8
+# 40 steps (320 samples x 2 epochs at 8 per device on 2 nodes) on the thin model: room for a notice at step ~8
 # and a resume, at two thirds of the notice tests' 60
 def short_args(model: str, samples: int = 320) -> list[str]:
     args = list(FakeIMDS.short_args(model))
@@ -31,6 +31,9 @@ def short_args(model: str, samples: int = 320) -> list[str]:
     return args
 
 
+# The twin's windows are longer (a head's take-over, a group's replacement, S3 through moto): its runs go ~4 steps a
+# second, so that a loaded machine's take-over (over 30 s in a suite) still finds the run training
+TWIN_PACE = ("--env", "XC_PACE_S=0.25")
 KEEP_OUT = ("XC_CLUSTER", "XC_STORE", "XC_AWS_ENDPOINT_URL", "XC_S3_ENDPOINT_URL", "XC_SSH_KEY")  # then the line's
 
 
@@ -150,12 +153,12 @@ def test_the_head_supervises_is_replaced_and_recovers_a_spot_notice_with_the_ope
 
     before = twin.group_ids("twin-nodes")
     args = list(FakeIMDS.short_args(small_model))
-    # 480 steps: from step 8 to the notice is the kill, the stale heartbeat (8 s) and the take-over, ~15 s, which an
-    # idle machine trains ~180 of (~12 steps/s); what is left, the resumed run trains (each step is suite CPU)
+    # 480 steps at TWIN_PACE, 2 minutes: from step 8 to the notice is the kill, the stale heartbeat (8 s) and the
+    # take-over, ~15 s on an idle machine and over 30 s in a suite; what is left, the resumed run trains
     args[args.index("--max_train_samples") + 1] = "3840"
     env = {**twin.env, "XC_HEARTBEAT_S": "2"}  # a dead head's heartbeat is stale after 8 s, not 2 minutes
     code = f"{Path.home()}/.xeon-cluster/code/{shipping.code_hash(tops=shipping.HEAD_SHIPPED)}"  # what fab ships
-    res = fab("train", "--nodes", "2", "--detach", "--max-restarts", "2", "--env", "XC_NOTICE_POLL_S=0.5", "--", *args,
+    res = fab("train", "--nodes", "2", "--detach", "--max-restarts", "2", "--env", "XC_NOTICE_POLL_S=0.5", *TWIN_PACE, "--", *args,
               env=env, timeout=300)
     assert res.returncode == 0 and "detached under its supervisor on the head twin-head" in res.stdout, \
         res.stdout[-3000:] + res.stderr[-3000:]
@@ -223,9 +226,9 @@ def test_rebalance_checkpoints_and_goes_on_then_the_groups_termination_ends_it_7
     """A rebalance recommendation: a checkpoint while training goes on. Then the group's own termination, held
     by its lifecycle hook: exit 75 with its cause; the node completes its lifecycle action once the checkpoint is
     in the store, and the group takes it then, long before the hook's 120 s here."""
-    # 240 steps: at the start of a suite the twin's nodes train ~6 steps a second, and 40 ended before the termination
-    # notice reached them; the notice ends the run, so the steps after it cost nothing
-    args = ["train", "--nodes", "2", "--save-every", "0", "--env", "XC_NOTICE_POLL_S=0.5", "--",
+    # 240 steps at TWIN_PACE, a minute (40 unpaced ended before the termination notice reached them); the notice ends
+    # the run, so the steps after it cost nothing
+    args = ["train", "--nodes", "2", "--save-every", "0", "--env", "XC_NOTICE_POLL_S=0.5", *TWIN_PACE, "--",
             *short_args(small_model, samples=1920)]
     with twin.start(*args) as running:
         running.wait_for(lambda line: (progress_step(line) or 0) >= 6, 400)
@@ -252,7 +255,7 @@ def test_rebalance_checkpoints_and_goes_on_then_the_groups_termination_ends_it_7
 
 def test_a_detached_run_is_followed_and_stopped_through_the_twin(twin, small_model):
     # stopped once its log shows progress: 240 steps, so that it cannot end first on an idle machine (free: it stops)
-    res = twin.fab("train", "--nodes", "2", "--detach", "--", *short_args(small_model, samples=1920), timeout=300)
+    res = twin.fab("train", "--nodes", "2", "--detach", *TWIN_PACE, "--", *short_args(small_model, samples=1920), timeout=300)
     assert res.returncode == 0 and "detached" in res.stdout, res.stdout[-3000:] + res.stderr[-3000:]
     run_id = re.search(r"run (\S+) detached", res.stdout)[1]
     deadline = time.monotonic() + 120
