@@ -70,9 +70,9 @@ def sample(seen: dict, before: bool = False, running: dict | None = None) -> Non
         except (OSError, ValueError, IndexError):
             continue  # gone, or a kernel thread's unreadable environ
     for key in fresh:  # started by sshd (a rank, a node's helper): the test its worker runs, found by its folder
-        m = WORKER_DIR.search(seen[key].get("cwd", "") + " " + " ".join(seen[key]["argv"]))
-        if m and m.group(1) in running:
-            seen[key]["test"] = running[m.group(1)]
+        found = WORKER_DIR.findall(seen[key].get("cwd", "") or " ".join(seen[key]["argv"]))
+        if found and found[-1] in running:  # the innermost: a test's own folder may hold another worker-like one
+            seen[key]["test"] = running[found[-1]]
             seen[key]["by_folder"] = True
 
 

@@ -46,6 +46,7 @@ def test_a_process_without_the_tests_variable_counts_under_the_test_its_workers_
     """A rank sshd started has no PYTEST_CURRENT_TEST: it counts under the test that worker gw7 runs, found by the
     popen-gw7 folder it works in; one in no worker's folder counts under no test."""
     import os
+    import tempfile
 
     sys.path.insert(0, str(ROOT / "bench"))
     try:
@@ -56,9 +57,10 @@ def test_a_process_without_the_tests_variable_counts_under_the_test_its_workers_
     folder.mkdir(parents=True)
     clean = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_")}
     sleep = [sys.executable, "-c", "import time; time.sleep(30)"]
+    outside = tempfile.mkdtemp(prefix="suite-cpu-")  # no worker's folder above it, unlike tmp_path under xdist
     procs = [subprocess.Popen(sleep, env={**clean, "PYTEST_CURRENT_TEST": "tests/t.py::test_x (call)",
                                           "PYTEST_XDIST_WORKER": "gw7"}),
-             subprocess.Popen(sleep, env=clean, cwd=folder), subprocess.Popen(sleep, env=clean, cwd=tmp_path)]
+             subprocess.Popen(sleep, env=clean, cwd=folder), subprocess.Popen(sleep, env=clean, cwd=outside)]
     try:
         seen: dict = {}
         suite_cpu.sample(seen, running={})
@@ -67,4 +69,5 @@ def test_a_process_without_the_tests_variable_counts_under_the_test_its_workers_
         for p in procs:
             p.kill()
             p.wait()
+        os.rmdir(outside)
     assert tests == {procs[0].pid: "tests/t.py::test_x", procs[1].pid: "tests/t.py::test_x", procs[2].pid: ""}
