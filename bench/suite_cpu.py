@@ -121,7 +121,8 @@ def report(procs: list[dict], wall: float, top: int) -> str:
         k = kind(p)
         by_kind[k] += p["cpu"]
         count[k] += 1
-        by_test[p["test"] or "(no test: the kernel, setup, processes of no worker's folder)"][k.split(" ")[0]] += p["cpu"]
+        test = p["test"] or "(no test: the kernel, setup, processes of no worker's folder)"
+        by_test[test][k.split(" ")[0]] += p["cpu"]
     busy = total / wall / (os.cpu_count() or 1)
     summary = f"wall {wall:.0f} s, CPU {total:.0f} s over {len(procs)} processes ({busy:.0%} of {os.cpu_count()} cpus)"
     lines = [cpu_line(), summary, "", "by kind:"]

@@ -66,10 +66,10 @@ class FakeIMDS:
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
         threading.Thread(target=self.server.serve_forever, daemon=True).start()
 
-    # A run for notice tests: 60 steps on 2 nodes of conftest's thin cut of MiniLM (small_model), paced to ~12 steps
-    # a second (conftest.PACE). With 0.5 s polls a notice raised at step ~10 ends it within a few steps, leaving a resume of ~45:
-    # room for a checkpoint every 20 steps and a node lost after the first (test_restarts), not more (each step
-    # of each rank is CPU the whole suite waits for).
+    # A run for notice tests: 60 steps on 2 nodes of conftest's thin cut of MiniLM (small_model), paced to ~12
+    # steps a second (conftest.PACE). With 0.5 s polls a notice raised at step ~10 ends it within a few steps,
+    # leaving a resume of ~45: room for a checkpoint every 20 steps and a node lost after the first (test_restarts),
+    # not more (each step of each rank is CPU the whole suite waits for).
     SHORT_ARGS = ("--num_train_epochs", "2", "--per_device_train_batch_size", "8", "--learning_rate", "1e-4",
                   "--max_train_samples", "480", "--max_eval_samples", "64", "--seed", "42")
     SHORT_STEPS = 60  # 480 samples x 2 epochs / (8 per device x 2 nodes)

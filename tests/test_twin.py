@@ -158,8 +158,8 @@ def test_the_head_supervises_is_replaced_and_recovers_a_spot_notice_with_the_ope
     args[args.index("--max_train_samples") + 1] = "3840"
     env = {**twin.env, "XC_HEARTBEAT_S": "2"}  # a dead head's heartbeat is stale after 8 s, not 2 minutes
     code = f"{Path.home()}/.xeon-cluster/code/{shipping.code_hash(tops=shipping.HEAD_SHIPPED)}"  # what fab ships
-    res = fab("train", "--nodes", "2", "--detach", "--max-restarts", "2", "--env", "XC_NOTICE_POLL_S=0.5", *TWIN_PACE, "--", *args,
-              env=env, timeout=300)
+    res = fab("train", "--nodes", "2", "--detach", "--max-restarts", "2", "--env", "XC_NOTICE_POLL_S=0.5", *TWIN_PACE,
+              "--", *args, env=env, timeout=300)
     assert res.returncode == 0 and "detached under its supervisor on the head twin-head" in res.stdout, \
         res.stdout[-3000:] + res.stderr[-3000:]
     first = re.search(r"run (\S+) detached", res.stdout)[1]
@@ -255,7 +255,8 @@ def test_rebalance_checkpoints_and_goes_on_then_the_groups_termination_ends_it_7
 
 def test_a_detached_run_is_followed_and_stopped_through_the_twin(twin, small_model):
     # stopped once its log shows progress: 240 steps, so that it cannot end first on an idle machine (free: it stops)
-    res = twin.fab("train", "--nodes", "2", "--detach", *TWIN_PACE, "--", *short_args(small_model, samples=1920), timeout=300)
+    res = twin.fab("train", "--nodes", "2", "--detach", *TWIN_PACE, "--", *short_args(small_model, samples=1920),
+                   timeout=300)
     assert res.returncode == 0 and "detached" in res.stdout, res.stdout[-3000:] + res.stderr[-3000:]
     run_id = re.search(r"run (\S+) detached", res.stdout)[1]
     deadline = time.monotonic() + 120

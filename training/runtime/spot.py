@@ -49,30 +49,26 @@ DEFAULT_SAVE_EVERY = "600s"
 PACE_ENV = "XC_PACE_S"
 
 
-def parse_poll(value: str | None) -> float:
-    """XC_NOTICE_POLL_S: seconds between IMDS polls, 0.1..60 (default POLL_S)."""
+def _seconds(name: str, value: str | None, default: float, low: float, high: float) -> float:
     if value is None or value == "":
-        return POLL_S
+        return default
     try:
         seconds = float(value)
     except ValueError:
-        raise ValueError(f"{POLL_ENV}={value!r} is not a number of seconds") from None
-    if not 0.1 <= seconds <= 60:
-        raise ValueError(f"{POLL_ENV}={value} is outside 0.1..60 seconds")
+        raise ValueError(f"{name}={value!r} is not a number of seconds") from None
+    if not low <= seconds <= high:
+        raise ValueError(f"{name}={value} is outside {low:g}..{high:g} seconds")
     return seconds
+
+
+def parse_poll(value: str | None) -> float:
+    """XC_NOTICE_POLL_S: seconds between IMDS polls, 0.1..60 (default POLL_S)."""
+    return _seconds(POLL_ENV, value, POLL_S, 0.1, 60)
 
 
 def parse_pace(value: str | None) -> float:
     """XC_PACE_S: the least seconds an optimizer step takes, 0..60 (default 0: as fast as the cores go)."""
-    if value is None or value == "":
-        return 0.0
-    try:
-        seconds = float(value)
-    except ValueError:
-        raise ValueError(f"{PACE_ENV}={value!r} is not a number of seconds") from None
-    if not 0 <= seconds <= 60:
-        raise ValueError(f"{PACE_ENV}={value} is outside 0..60 seconds")
-    return seconds
+    return _seconds(PACE_ENV, value, 0.0, 0, 60)
 
 
 def parse_save_every(value: str | None) -> tuple[str, float]:
