@@ -150,6 +150,13 @@ def _settle():
         print(f"warning: xeon-cluster's rank hook: {exc}", file=sys.stderr, flush=True)
 
 
+def _cache_import_structure(module):
+    _ours("runtime.startup").cache_import_structure(module)
+
+
+_on_import("transformers.utils.import_utils", _cache_import_structure)
+
+
 def _group_made(dist):
     if not _spot or getattr(_group_made, "agent", None) is not None:
         return
