@@ -106,7 +106,8 @@ def node_policy(ctx: AwsContext, cluster: str, group: str, bucket_arn: str | Non
 def head_policy(ctx: AwsContext, cluster: str, group: str, bucket_arn: str, prefix: str | None = None) -> str:
     """The head (it runs the supervisors of detached runs, no user code): see the cluster's instances and group,
     read their console output for host keys, complete the nodes' lifecycle action, read and write the store's
-    prefix (records, logs, heartbeats), read the run secrets and the mesh key under the cluster's SSM path, move
+    prefix (records, logs, heartbeats), read the run secrets and the mesh key under the cluster's SSM path and
+    delete the secrets of the chains it ended, move
     the master role tag among the cluster's instances, tag itself with its own host keys. Nothing else."""
     instances = f"arn:{ctx.partition}:ec2:{ctx.region}:{ctx.account}:instance/*"
     return document([
@@ -119,6 +120,9 @@ def head_policy(ctx: AwsContext, cluster: str, group: str, bucket_arn: str, pref
         *store_statements(bucket_arn, prefix or cluster, writable=None, deletable=None, sid="HeadStore"),
         {"Sid": "ReadRunSecrets", "Effect": "Allow", "Resource": ctx.ssm_path_arns(secrets_path(cluster)),
          "Action": ["ssm:GetParameter", "ssm:GetParameters", "ssm:GetParametersByPath"]},
+        # a chain's secrets (launch.chain.run_secrets) leave SSM when its supervisor ends it; never the mesh key
+        {"Sid": "DeleteEndedRunSecrets", "Effect": "Allow", "Action": ["ssm:DeleteParameters"],
+         "Resource": [ctx.ssm_path_arns(f"{secrets_path(cluster)}/runs")[1]]},
         # node order (cluster.aws.order_nodes): the master role tag moves to a survivor when node 0 is gone
         {"Sid": "MoveMasterTag", "Effect": "Allow", "Action": ["ec2:CreateTags"], "Resource": [instances],
          "Condition": {"StringEquals": {f"aws:ResourceTag/{TAG_CLUSTER}": cluster},

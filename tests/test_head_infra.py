@@ -99,7 +99,7 @@ def test_the_heads_role_does_only_what_the_supervisor_needs(program):
     found = {s["Sid"]: s for s in statements(m, "dev-head")}
     assert set(found) == {"DescribeCluster", "ReadClusterHostKeys", "CompleteClusterGroupsLifecycleAction",
                           "HeadStoreRead", "HeadStoreWrite", "HeadStoreDelete", "HeadStoreList", "ReadRunSecrets",
-                          "MoveMasterTag", "PublishOwnHostKeys"}
+                          "DeleteEndedRunSecrets", "MoveMasterTag", "PublishOwnHostKeys"}
     assert found["DescribeCluster"]["Action"] == ["ec2:DescribeInstances", "autoscaling:DescribeAutoScalingGroups"]
     assert found["CompleteClusterGroupsLifecycleAction"]["Resource"] == [
         f"arn:aws:autoscaling:us-east-1:{ACCOUNT}:autoScalingGroup:*:autoScalingGroupName/dev-nodes"]
@@ -116,14 +116,21 @@ def test_the_heads_role_does_only_what_the_supervisor_needs(program):
                                    f"arn:aws:ssm:us-east-1:{ACCOUNT}:parameter/xeon-cluster/dev/*"]
     # the mesh key (cluster.mesh) is under the secrets' path: only the head reads it
     from cluster import mesh
+    from launch.chain import run_secrets
 
     assert mesh.parameter("dev").startswith("/xeon-cluster/dev/")
+    # a chain's secrets leave SSM with the chain: the head deletes those, and never the mesh key
+    assert found["DeleteEndedRunSecrets"]["Action"] == ["ssm:DeleteParameters"]
+    assert found["DeleteEndedRunSecrets"]["Resource"] == [
+        f"arn:aws:ssm:us-east-1:{ACCOUNT}:parameter/xeon-cluster/dev/runs/*"]
+    assert run_secrets.parameter("dev", "c1", "K").startswith("/xeon-cluster/dev/runs/")
+    assert not run_secrets.parameter("dev", "c1", "K").startswith(mesh.parameter("dev"))
     # it moves the master role tag among the cluster's instances (cluster.aws.order_nodes), and sets no other tag
     assert found["MoveMasterTag"]["Action"] == ["ec2:CreateTags"]
     assert found["MoveMasterTag"]["Condition"] == {
         "StringEquals": {"aws:ResourceTag/xeon-cluster:cluster": "dev"},
         "ForAllValues:StringEquals": {"aws:TagKeys": ["xeon-cluster:role"]}}
-    actions = [a for s in found.values() for a in s["Action"]]
+    actions = [a for sid, s in found.items() for a in s["Action"] if sid != "DeleteEndedRunSecrets"]
     assert not [a for a in actions if "*" in a or "Version" in a or a.startswith(("iam:", "ssm:Put", "ssm:Delete"))]
     assert all(s["Resource"] != "*" for sid, s in found.items() if sid != "DescribeCluster")
 

@@ -34,6 +34,7 @@ def short_args(model: str, samples: int = 320) -> list[str]:
 # The twin's windows are longer (a head's take-over, a group's replacement, S3 through moto): its runs go ~4 steps a
 # second, so that a loaded machine's take-over (over 30 s in a suite) still finds the run training
 TWIN_PACE = ("--env", "XC_PACE_S=0.25")
+SECRET = "hushhush-twin-4711"
 KEEP_OUT = ("XC_CLUSTER", "XC_STORE", "XC_AWS_ENDPOINT_URL", "XC_S3_ENDPOINT_URL", "XC_SSH_KEY")  # then the line's
 
 
@@ -156,13 +157,17 @@ def test_the_head_supervises_is_replaced_and_recovers_a_spot_notice_with_the_ope
     # 480 steps at TWIN_PACE, 2 minutes: from step 8 to the notice is the kill, the stale heartbeat (8 s) and the
     # take-over, ~15 s on an idle machine and over 30 s in a suite; what is left, the resumed run trains
     args[args.index("--max_train_samples") + 1] = "3840"
-    env = {**twin.env, "XC_HEARTBEAT_S": "2"}  # a dead head's heartbeat is stale after 8 s, not 2 minutes
+    # a dead head's heartbeat is stale after 8 s, not 2 minutes; the run's secret must outlive its first head
+    env = {**twin.env, "XC_HEARTBEAT_S": "2", "MYSECRET": SECRET}
     code = f"{Path.home()}/.xeon-cluster/code/{shipping.code_hash(tops=shipping.HEAD_SHIPPED)}"  # what fab ships
     res = fab("train", "--nodes", "2", "--detach", "--max-restarts", "2", "--env", "XC_NOTICE_POLL_S=0.5", *TWIN_PACE,
-              "--", *args, env=env, timeout=300)
+              "--env", "MYSECRET", "--", *args, env=env, timeout=300)
     assert res.returncode == 0 and "detached under its supervisor on the head twin-head" in res.stdout, \
         res.stdout[-3000:] + res.stderr[-3000:]
     first = re.search(r"run (\S+) detached", res.stdout)[1]
+    ssm = twin.client("ssm")
+    kept = ssm.get_parameter(Name=f"/xeon-cluster/twin/runs/{first}/MYSECRET", WithDecryption=True)["Parameter"]
+    assert kept["Type"] == "SecureString" and kept["Value"] == SECRET  # where a replacement head finds it
 
     def supervisors() -> dict[int, str]:
         """pid -> network namespace of each process supervising the chain, each checked to run the shipped code."""
@@ -218,6 +223,12 @@ def test_the_head_supervises_is_replaced_and_recovers_a_spot_notice_with_the_ope
     assert json.loads((out / "results.json").read_text())["resumed_from_step"] >= 8
     wait_until("the supervisor's exit", lambda: not processes_with_env(f"XC_SUPERVISOR={first}"), 60)
     assert not processes_with_env(f"XC_RUN_ID={first}") and not processes_with_env(f"XC_RUN_ID={resumed}")
+    # the replacement head restarted the run with the secret from SSM (not 'lost the values of its secrets'), and
+    # deleted it when the chain ended
+    left = ssm.describe_parameters(ParameterFilters=[{"Key": "Path", "Option": "Recursive",
+                                                      "Values": [f"/xeon-cluster/twin/runs/{first}"]}])["Parameters"]
+    assert left == [], left
+    assert SECRET not in json.dumps(summary)
     doctor = twin.fab("doctor", "--quick", timeout=300)  # the keys are in place since the run
     assert doctor.returncode == 0 and "verdict: healthy" in doctor.stdout, doctor.stdout[-3000:] + doctor.stderr
 

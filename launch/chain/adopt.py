@@ -7,8 +7,8 @@ value). fab puts the supervisor's code into the store too (`code/<digest>.tar.gz
 starts a supervisor `--adopt CHAIN` for every chain whose newest run is not over and whose heartbeat is stale, and
 never a second one for a chain a live process here already supervises. The adopted supervisor follows the run the
 ranks still run (under node 0's wrapper), concludes it, and restarts it as the first supervisor would have.
-A run given secrets (`--env KEY`) is not restarted by another head: their values were only in the dead head's
-memory, and the record says so.
+A run given secrets (`--env KEY`) is restarted by another head with their values from SSM, where fab kept them
+(launch.chain.run_secrets); where they are gone, it is not, and the record says so.
 """
 from __future__ import annotations
 
@@ -40,9 +40,15 @@ def put_code(url: str, digest: str, tarball: bytes) -> None:
     store_lib.put_once(url, code_key(digest), tarball)
 
 
-def save_job(url: str, chain: str, spec: str, req, max_restarts: int, restart_wait: float, digest: str) -> None:
+def save_job(url: str, chain: str, spec: str, req, max_restarts: int, restart_wait: float, digest: str,
+             secrets_at: str | None = None) -> None:
+    """`secrets`: the names of the chain's secret --env values (a record keeps them masked); `secrets_at`: the
+    cluster under whose SSM path fab keeps their values (launch.chain.run_secrets), if it did."""
+    from launch.ship import secrets
+
     job = {"chain": chain, "spec": spec, "max_restarts": max_restarts, "restart_wait": restart_wait,
-           "min_nodes": req.min_nodes, "grow_back": req.grow_back, "secrets": sorted(req.valueless), "code": digest}
+           "min_nodes": req.min_nodes, "grow_back": req.grow_back,
+           "secrets": sorted(secrets.split(req.env, req.valueless)[1]), "secrets_at": secrets_at, "code": digest}
     store_lib.put_record(url, chain, JOB, json.dumps(job, indent=2).encode())
 
 
@@ -184,13 +190,28 @@ def _start(chain: str, name: str, runs_dir: Path, folder: Path) -> None:
     print(f"xc-head-adopt: chain {chain}: supervisor pid {proc.pid}, log {log_path}", flush=True)
 
 
-def adopted_request(url: str, job: dict, rec: RunRecord, runs_dir: Path):
-    """The request the chain's restart loop goes on with: the record's, with what the record does not keep."""
+def kept_secrets(job: dict) -> dict[str, str] | None:
+    """The values of the chain's secrets, from SSM where fab kept them; {} for a chain without any; None when they
+    are lost (never kept, or gone)."""
+    names = list(job.get("secrets") or ())
+    if not names:
+        return {}
+    if not job.get("secrets_at"):
+        return None
+    from launch.chain import run_secrets
+
+    return run_secrets.fetch(job["secrets_at"], job["chain"], names)
+
+
+def adopted_request(url: str, job: dict, rec: RunRecord, runs_dir: Path, values: dict[str, str] | None = None):
+    """The request the chain's restart loop goes on with: the record's, with what the record does not keep (the
+    secrets' `values`: the record has them masked)."""
     from launch.plan.request import TrainRequest
 
     summary = store_lib.read_summary(url, rec.run_id) or rec.to_json()
-    req = TrainRequest.from_record(summary["request"], dict(summary["request"].get("env") or {}),
-                                   set(job.get("secrets") or ()), runs_dir=runs_dir, nodes=len(rec.nodes) or None)
+    env = {**dict(summary["request"].get("env") or {}), **(values or {})}
+    req = TrainRequest.from_record(summary["request"], env, set(job.get("secrets") or ()), runs_dir=runs_dir,
+                                   nodes=len(rec.nodes) or None)
     return dataclasses.replace(req, min_nodes=job.get("min_nodes"), grow_back=job.get("grow_back", True), wrapped=True)
 
 

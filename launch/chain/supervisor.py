@@ -65,10 +65,15 @@ def start_on_head(cluster, req, max_restarts: int, restart_wait: float, out: Tex
     machine."""
     from cluster import local, shipping
     from cluster.remote import connect, remote_home
+    from launch.chain import run_secrets
+    from launch.ship import secrets
 
     label = "script" if req.script or req.module else req.job
     req = dataclasses.replace(req, run_id=req.run_id or new_run_id(label), detach=False)
-    job = base64.b64encode(payload(cluster.spec, req, max_restarts, restart_wait)).decode()
+    secret_env = secrets.split(req.env, req.valueless)[1]
+    # on an AWS head: kept in SSM for a head that takes the chain over (run_secrets); a local head has none
+    secrets_at = cluster.head.labels.get("aws_head") if secret_env else None
+    job = base64.b64encode(payload(cluster.spec, req, max_restarts, restart_wait, secrets_at)).decode()
     env = {head.HEAD_ENV: cluster.head.name, **{k: os.environ[k] for k in ("XC_DEBUG", "XC_HEARTBEAT_S",
                                                                            "XC_PUBLISH_S") if os.environ.get(k)}}
     if cluster.spec.split(":")[0] == "local":  # how a local cluster is found: its state folder on this one machine
@@ -92,8 +97,15 @@ def start_on_head(cluster, req, max_restarts: int, restart_wait: float, out: Tex
         code = shipping.ensure_code(conn, remote_home(conn), digest, tarball)
         command = (f"cd {shlex.quote(code)} && exec env " + " ".join(shlex.quote(f"{k}={v}") for k, v in env.items())
                    + f" {shlex.quote(cluster.head.python)} -m launch.chain.supervisor --on-head")
-        res = conn.run(command, warn=True, pty=False, hide=False, in_stream=io.StringIO(job + "\n"), out_stream=out,
-                       err_stream=out)
+        if secrets_at:
+            run_secrets.put(secrets_at, req.run_id, secret_env)
+        res = None
+        try:
+            res = conn.run(command, warn=True, pty=False, hide=False, in_stream=io.StringIO(job + "\n"),
+                           out_stream=out, err_stream=out)
+        finally:
+            if res is None or res.exited != 0:  # no supervisor to delete them at the chain's end
+                _forget_secrets(secrets_at, req.run_id, sorted(secret_env))
     if res.exited != 0:
         raise ClusterError(f"run {req.run_id}: its supervisor did not start on the head {cluster.head.name} "
                            f"(exit {res.exited})", fix="see the lines above; 'fab status' shows the head")
@@ -137,19 +149,21 @@ def on_head() -> int:
     try:
         if job["spec"].split(":")[0] == "aws":
             _aws_head_env(job["spec"])
-        start(job["spec"], req, job["max_restarts"], job["restart_wait"], sys.stdout, env={head.ENV: req.run_id})
+        start(job["spec"], req, job["max_restarts"], job["restart_wait"], sys.stdout, env={head.ENV: req.run_id},
+              secrets_at=job.get("secrets_at"))
     except ClusterError as exc:
         sys.stdout.write(format_error(exc) + "\n")
         return exc.exit_code
     return 0
 
 
-def start(spec: str, req, max_restarts: int, restart_wait: float, out: TextIO, env: dict | None = None) -> str:
+def start(spec: str, req, max_restarts: int, restart_wait: float, out: TextIO, env: dict | None = None,
+          secrets_at: str | None = None) -> str:
     """Start the supervisor; return once the first run's ranks all run (its id), or raise what stopped it."""
     folder = Path(req.runs_dir) / FOLDER
     folder.mkdir(parents=True, exist_ok=True)
     log_path = folder / f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}.log"
-    job = payload(spec, req, max_restarts, restart_wait)
+    job = payload(spec, req, max_restarts, restart_wait, secrets_at)
     with log_path.open("wb") as sink:
         proc = subprocess.Popen([sys.executable, "-m", "launch.chain.supervisor"], cwd=PROJECT_ROOT, stdin=subprocess.PIPE,
                                 stdout=sink, stderr=subprocess.STDOUT, start_new_session=True,
@@ -188,11 +202,12 @@ def start(spec: str, req, max_restarts: int, restart_wait: float, out: TextIO, e
                        f"see {log_path}; end it with 'fab stop {run_id}'" if run_id else f"see {log_path}")
 
 
-def payload(spec: str, req, max_restarts: int, restart_wait: float) -> bytes:
+def payload(spec: str, req, max_restarts: int, restart_wait: float, secrets_at: str | None = None) -> bytes:
     """What the supervisor is handed on its stdin. What validate() found stays here (a scanned --workdir holds
-    a lock): the supervisor, a process of its own, checks the request once itself."""
+    a lock): the supervisor, a process of its own, checks the request once itself. `secrets_at`: the cluster under
+    whose SSM path fab put the chain's secrets (launch.chain.run_secrets)."""
     return pickle.dumps({"spec": spec, "req": dataclasses.replace(req, checked=None), "max_restarts": max_restarts,
-                         "restart_wait": restart_wait})
+                         "restart_wait": restart_wait, "secrets_at": secrets_at})
 
 
 def _ranks_running(run_dir: Path) -> bool:
@@ -229,7 +244,7 @@ def main() -> int:
         from launch.chain import adopt
 
         adopt.save_job(req.store, chain, job["spec"], req, job["max_restarts"], job["restart_wait"],
-                       os.environ["XC_CODE_DIGEST"])
+                       os.environ["XC_CODE_DIGEST"], job.get("secrets_at"))
     try:
         result = restarts.train_with_restarts(open_cluster(job["spec"]), dataclasses.replace(req, wrapped=True),
                                               job["max_restarts"], job["restart_wait"])
@@ -239,8 +254,21 @@ def main() -> int:
     finally:
         if kept:
             adopt.drop_job(req.store, chain)
+        if job.get("secrets_at"):
+            from launch.ship import secrets
+
+            _forget_secrets(job["secrets_at"], chain or req.run_id, sorted(secrets.split(req.env, req.valueless)[1]))
     sys.stdout.write(result_line(result) + "\n")
     return 0
+
+
+def _forget_secrets(cluster: str | None, chain: str, names: list[str]) -> None:
+    """The chain is over (or never started): its secrets leave SSM, kept there only while a replacement head may
+    need them."""
+    if cluster and names:
+        from launch.chain import run_secrets
+
+        run_secrets.delete(cluster, chain, names)
 
 
 def adopted(chain: str) -> int:
@@ -268,14 +296,15 @@ def adopted(chain: str) -> int:
         if ended is None or left <= 0:
             sys.stdout.write(f"run {rec.run_id} {rec.status}: the chain is over\n")
             return 0 if rec.status == Status.OK else 1
-        if job.get("secrets"):
+        values = adopt.kept_secrets(job)
+        if values is None:
             run_dir = RunPaths(rec.run_id, runs_dir=runs_dir).home
             records.restarting(run_dir, len(ids), int(job["max_restarts"]), str(ended.what))
             records.restart_given_up(run_dir, "a head replacement lost the values of its secrets (" +
                                      ", ".join(job["secrets"]) + "): 'fab train --resume " + rec.run_id + "' gives them again")
             sys.stdout.write(f"run {rec.run_id}: not restarted: a head replacement lost the values of its secrets\n")
             return 1
-        req = adopt.adopted_request(url, job, rec, runs_dir)
+        req = adopt.adopted_request(url, job, rec, runs_dir, values)
         result = restarts.train_with_restarts(cluster, req, int(job["max_restarts"]), float(job["restart_wait"]),
                                               ended=ended, restarts_done=len(ids) - 1)
     except ClusterError as exc:
@@ -283,6 +312,7 @@ def adopted(chain: str) -> int:
         return exc.exit_code
     finally:
         adopt.drop_job(url, chain)
+        _forget_secrets(job.get("secrets_at"), chain, list(job.get("secrets") or ()))
     sys.stdout.write(result_line(result) + "\n")
     return 0
 

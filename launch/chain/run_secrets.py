@@ -1,0 +1,65 @@
+"""The secrets of a run an AWS head supervises, kept where a replacement head finds them (issue 52).
+
+fab puts each secret `--env` value of the chain (a bare `--env KEY`, or a name that reads as a secret:
+launch.ship.secrets.is_secret) as an SSM SecureString at /xeon-cluster/<cluster>/runs/<chain>/<KEY>, encrypted with the
+account's aws/ssm key, before the supervisor starts on the head. A head that takes the chain over reads them back
+(only the head's role may: infra.policies.head_policy); the supervisor deletes them when the chain ends. Records,
+logs and the store keep only the masked values. A head that finds them gone ends the chain with that cause.
+"""
+from __future__ import annotations
+
+import logging
+import posixpath
+
+from cluster.mesh import ROOT
+from core.ec2 import aws_client, aws_errors
+
+log = logging.getLogger(__name__)
+
+
+def folder(cluster: str, chain: str) -> str:
+    return posixpath.join(ROOT, cluster, "runs", chain)  # an SSM path, not a run's folder (paths.RunPaths's)
+
+
+def parameter(cluster: str, chain: str, key: str) -> str:
+    return f"{folder(cluster, chain)}/{key}"
+
+
+def put(cluster: str, chain: str, values: dict[str, str], region: str | None = None) -> None:
+    """Operator side: each value as a SecureString (raises ClusterError naming the SSM call that failed)."""
+    if not values:
+        return
+    with aws_errors("ssm"):
+        client = aws_client("ssm", region)
+        for key, value in sorted(values.items()):
+            client.put_parameter(Name=parameter(cluster, chain, key), Value=value, Type="SecureString",
+                                 Overwrite=True, Description=f"xeon-cluster {cluster}: a secret of chain {chain} "
+                                 "(its supervisor deletes it when the chain ends)")
+    log.info("%d secret(s) of chain %s in SSM under %s", len(values), chain, folder(cluster, chain))
+
+
+def fetch(cluster: str, chain: str, keys: list[str], region: str | None = None) -> dict[str, str] | None:
+    """Head side: every value, or None if any of them is gone."""
+    names = [parameter(cluster, chain, k) for k in keys]
+    got: dict[str, str] = {}
+    with aws_errors("ssm"):
+        client = aws_client("ssm", region)
+        for i in range(0, len(names), 10):  # GetParameters takes at most 10 names
+            res = client.get_parameters(Names=names[i:i + 10], WithDecryption=True)
+            got.update({p["Name"]: p["Value"] for p in res["Parameters"]})
+    if set(got) != set(names):
+        return None
+    return {k: got[parameter(cluster, chain, k)] for k in keys}
+
+
+def delete(cluster: str, chain: str, keys: list[str], region: str | None = None) -> None:
+    """When the chain ends (or its start failed): gone from SSM. A failure is logged, not raised: 'fab sweep'
+    finds what is left under /xeon-cluster/<cluster>/."""
+    names = [parameter(cluster, chain, k) for k in keys]
+    try:
+        with aws_errors("ssm"):
+            client = aws_client("ssm", region)
+            for i in range(0, len(names), 10):  # DeleteParameters takes at most 10 names
+                client.delete_parameters(Names=names[i:i + 10])
+    except Exception as exc:  # noqa: BLE001 - the chain's end is not undone by a cleanup that failed
+        log.warning("could not delete the secrets of chain %s from SSM (%s): 'fab sweep' lists them", chain, exc)

@@ -1,0 +1,60 @@
+"""The secrets of a chain an AWS head supervises (launch.chain.run_secrets), against a moto server over HTTP: fab
+puts each secret --env value as a SecureString under /xeon-cluster/<cluster>/runs/<chain>/, a head that takes the
+chain over reads them back, its supervisor deletes them at the chain's end; the store's job keeps only their names.
+The whole flow (head killed, the replacement restarting the run with its secret) runs on the AWS twin
+(tests/test_twin.py)."""
+from __future__ import annotations
+
+import types
+
+import moto_fixture
+
+from launch.chain import adopt, run_secrets
+from launch.plan.request import TrainRequest
+
+moto_server, aws_env = moto_fixture.moto_server, moto_fixture.aws_env
+
+
+def test_put_then_a_head_reads_them_back_and_the_chains_end_deletes_them(aws_env):
+    values = {f"KEY_{i}": f"value-{i}-hush" for i in range(12)}  # more than one GetParameters call takes
+    run_secrets.put("bert", "c1", values)
+    ssm = moto_fixture.client("ssm")
+    stored = ssm.get_parameter(Name="/xeon-cluster/bert/runs/c1/KEY_0")["Parameter"]
+    assert stored["Type"] == "SecureString" and stored["Value"] != "value-0-hush"  # encrypted at rest
+    assert run_secrets.fetch("bert", "c1", sorted(values)) == values
+    assert run_secrets.fetch("bert", "c1", ["KEY_0", "NOT_PUT"]) is None  # one gone: lost, not half a set
+    assert run_secrets.fetch("bert", "other-chain", ["KEY_0"]) is None
+    run_secrets.delete("bert", "c1", sorted(values))
+    left = ssm.describe_parameters(ParameterFilters=[{"Key": "Path", "Option": "Recursive",
+                                                      "Values": ["/xeon-cluster/bert/runs"]}])["Parameters"]
+    assert left == []
+    run_secrets.delete("bert", "c1", sorted(values))  # again: nothing there, nothing raised
+
+
+def test_the_store_keeps_the_names_and_a_replacement_head_gets_the_values_back(aws_env, tmp_path):
+    store = (tmp_path / "store").as_uri()
+    req = TrainRequest(nodes=2, env={"MYSECRET": "hush-1", "HF_TOKEN": "hush-2", "PLAIN": "p"}, valueless={"MYSECRET"})
+    adopt.save_job(store, "c1", "aws:bert", req, 2, 60.0, "digest", secrets_at="bert")
+    saved = (tmp_path / "store").rglob("*.json")
+    text = "".join(p.read_text() for p in saved)
+    assert "hush-1" not in text and "hush-2" not in text  # names only
+    job = adopt.load_job(store, "c1")
+    # a bare --env KEY and a name that reads as a secret (masked in the record alike) are both kept
+    assert job["secrets"] == ["HF_TOKEN", "MYSECRET"] and job["secrets_at"] == "bert"
+    assert adopt.kept_secrets(job) is None  # fab has not put them: lost
+    run_secrets.put("bert", "c1", {"MYSECRET": "hush-1", "HF_TOKEN": "hush-2"})
+    assert adopt.kept_secrets(job) == {"MYSECRET": "hush-1", "HF_TOKEN": "hush-2"}
+    assert adopt.kept_secrets({**job, "secrets_at": None}) is None  # kept nowhere (an older fab): lost
+    assert adopt.kept_secrets({**job, "secrets": []}) == {}  # a chain without secrets needs none
+
+
+def test_the_adopted_request_has_the_values_the_record_masks(aws_env, tmp_path):
+    store = (tmp_path / "store").as_uri()
+    req = TrainRequest(nodes=2, env={"MYSECRET": "hush-1", "PLAIN": "p"}, valueless={"MYSECRET"})
+    record = req.to_record()
+    assert record["env"]["MYSECRET"] != "hush-1"  # what the store and the replacement head see
+    rec = types.SimpleNamespace(run_id="c1-r2", nodes=[{}, {}], to_json=lambda: {"request": record})
+    job = {"chain": "c1", "secrets": ["MYSECRET"], "secrets_at": "bert", "min_nodes": None, "grow_back": True}
+    again = adopt.adopted_request(store, job, rec, tmp_path / "runs", {"MYSECRET": "hush-1"})
+    assert again.env == {"MYSECRET": "hush-1", "PLAIN": "p"} and again.valueless == {"MYSECRET"}
+    assert again.to_record()["env"] == record["env"]  # and its own record masks it again
