@@ -225,6 +225,17 @@ def test_doctor_says_in_one_row_with_its_fix_that_the_head_does_not_answer():
     assert head_rows(None) == []  # no head: no rows
 
 
+def test_doctor_checks_an_aws_heads_instance_role_by_its_name():
+    """The role an AWS head's IMDS names (the twin's head: tests/test_twin.py): Pulumi's <cluster>-head-<suffix>."""
+    from doctor.head import role_row
+
+    ok = role_row("dev-head", "dev", "dev-head-3f9a2c1")
+    assert (ok.check, ok.ok, ok.detail) == ("instance role", True, "dev-head-3f9a2c1")
+    for role, said in (("", "none: its IMDS names no role"), ("dev-node-77aa", "dev-node-77aa, not the head's")):
+        row = role_row("dev-head", "dev", role)
+        assert not row.ok and row.detail.startswith(said) and "pulumi up" in row.fix, row
+
+
 def test_no_head_keeps_the_supervisor_here_even_where_the_cluster_has_a_head(monkeypatch):
     """fab train --detach --no-head: the fix the head-not-answering error names; it goes with --detach only."""
     from core.errors import ClusterError

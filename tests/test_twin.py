@@ -231,6 +231,7 @@ def test_the_head_supervises_is_replaced_and_recovers_a_spot_notice_with_the_ope
     assert SECRET not in json.dumps(summary)
     doctor = twin.fab("doctor", "--quick", timeout=300)  # the keys are in place since the run
     assert doctor.returncode == 0 and "verdict: healthy" in doctor.stdout, doctor.stdout[-3000:] + doctor.stderr
+    assert re.search(r"^\s*instance role\s+ok\s+twin-head$", doctor.stdout, re.MULTILINE), doctor.stdout[-3000:]
 
 
 def test_rebalance_checkpoints_and_goes_on_then_the_groups_termination_ends_it_75(twin, small_model):
