@@ -36,7 +36,8 @@ def main() -> dict:
         image = Image(settings.cluster_name, settings, network, ctx.partition, opts, ec2_principal=ctx.ec2_principal)
         store = Store(settings.cluster_name, settings, opts)
         nodes = Nodes(settings.cluster_name, settings, network, image.ami_id, opts, store=store, ctx=ctx)
-        head = Head(settings.cluster_name, settings, network, store, nodes.key.key_name, ctx, opts)
+        head = Head(settings.cluster_name, settings, network, store, nodes.key.key_name, ctx, opts,
+                    baked_ami=image.ami_id)
     except ClusterError as exc:
         raise pulumi.RunError(str(exc)) from None  # one line, no traceback
     pulumi.log.info(checks.quota_line(settings))

@@ -11,7 +11,7 @@ from core.ec2 import ec2_client
 
 log = logging.getLogger(__name__)
 
-HEAD_ROOT_GIB = 20  # the head's encrypted gp3 root volume: Ubuntu, a venv, the supervisors' logs
+HEAD_ROOT_GIB = 40  # the head's encrypted gp3 root volume: the baked AMI's snapshot size (infra.settings.MIN_ROOT_GIB)
 
 
 @dataclass(frozen=True)

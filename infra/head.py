@@ -1,9 +1,13 @@
 """The head: a small on-demand instance next to the nodes that runs what must outlive the operator's laptop (the
 supervisors of detached runs, issue 40). An Auto Scaling group of one replaces it when it dies; it is never spot
-(it recovers the nodes from their reclaims), boots stock Ubuntu (Canonical's SSM parameter, pinned like
-image=base), requires IMDSv2, has an encrypted gp3 root, sits in the cluster's subnet in a security group of its
+(it recovers the nodes from their reclaims), requires IMDSv2, has an encrypted gp3 root, sits in the cluster's subnet in a security group of its
 own (SSH from adminCidr only: nodes run user code and reach it on no port) and has its own role (infra/policies.py
 head_policy). It carries the cluster tag but no role tag: discovery never takes it for a node.
+
+Its image: with image=bake, the nodes' baked AMI (Ubuntu with the project's venv at /opt/xeon-cluster/venv, so the
+supervisors run there); otherwise stock Ubuntu (Canonical's SSM parameter, pinned like image=base), which has no
+venv: the operator's machine then keeps the supervisor role and says so (launch.life.head.lacks_venv). Either way
+the AMI a head booted stays until the head is replaced: a new bake does not restart a running head.
 """
 from __future__ import annotations
 
@@ -56,7 +60,8 @@ def head_tags(settings: ClusterSettings) -> dict[str, str]:
 
 class Head(pulumi.ComponentResource):
     def __init__(self, name: str, settings: ClusterSettings, network, store, key_name: pulumi.Input[str],
-                 ctx: AwsContext | None = None, opts: pulumi.ResourceOptions | None = None):
+                 ctx: AwsContext | None = None, opts: pulumi.ResourceOptions | None = None,
+                 baked_ami: pulumi.Input[str] | None = None):
         super().__init__("xeon-cluster:infra:Head", name, None, opts)
         ctx = ctx or AwsContext(region=settings.region)
         child = pulumi.ResourceOptions(parent=self)
@@ -69,8 +74,11 @@ class Head(pulumi.ComponentResource):
         self.policy = aws.iam.RolePolicy(f"{name}-head", role=self.role.id, policy=policy, opts=child)
         self.instance_profile = aws.iam.InstanceProfile(f"{name}-head", path=ROLE_PATH,
                                                         role=self.role.name, tags=tags, opts=child)
-        ami = aws.ssm.get_parameter_output(name=settings.ubuntu_ami_parameter,
-                                           opts=pulumi.InvokeOutputOptions(parent=self)).value
+        if settings.image == "bake" and baked_ami is not None:
+            ami = baked_ami  # the nodes' image: its venv runs the supervisors
+        else:
+            ami = aws.ssm.get_parameter_output(name=settings.ubuntu_ami_parameter,
+                                               opts=pulumi.InvokeOutputOptions(parent=self)).value
         user_data = store.url.apply(lambda url: base64.b64encode(packed(head_user_data(settings, url))).decode())
         burstable = settings.head_instance_type.startswith("t")
         self.launch_template = aws.ec2.LaunchTemplate(
@@ -88,7 +96,7 @@ class Head(pulumi.ComponentResource):
             tag_specifications=[{"resource_type": "volume", "tags": tags},
                                 {"resource_type": "instance", "tags": head_tags(settings)}],
             update_default_version=True, tags=tags,
-            # a new Ubuntu AMI does not replace a running head on an unrelated 'pulumi up'
+            # a new Ubuntu AMI or bake does not replace a running head on an unrelated 'pulumi up'
             opts=pulumi.ResourceOptions(parent=self, ignore_changes=["imageId"]))
         # A group of one: a head that dies (or fails its EC2 health check) is replaced. On-demand only: a plain
         # launch template with no market options. A changed template replaces the head, the old one first.

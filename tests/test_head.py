@@ -297,7 +297,8 @@ def test_an_aws_head_without_the_projects_venv_leaves_the_supervisor_here_and_sa
     assert where == ["here"] and line.startswith(
         "note: cluster aws:dev: its head dev-head has no venv with the operator's packages to run a supervisor, so "
         "this machine supervises the run"), line
-    assert line.endswith("(an AWS head needs the project's venv at /opt/nothing/venv/bin/python)"), line
+    assert line.endswith("(an AWS head needs the project's venv at /opt/nothing/venv/bin/python: image=bake gives it "
+                         "the nodes' baked AMI)"), line
     # a head with its venv, but a request whose files are on this machine (--workdir, data files): here too
     mine = dataclasses.replace(r, req=dataclasses.replace(r.req, workdir="/home/me/proj", script="train.py",
                                                           args=["--train_file", "/home/me/train.csv"]))

@@ -11,11 +11,12 @@ import pulumi
 import pytest
 import yaml
 from moto_fixture import isolate_aws
-from pulumi_mocks import ACCOUNT, BASE_AMI, Recorder, make_program
+from pulumi_mocks import ACCOUNT, BAKED_AMI, BASE_AMI, Recorder, make_program
 
 from core.constants import PROJECT_ROOT as ROOT
 from core.constants import TAG_ROLE
 from infra import cost
+from infra.settings import MIN_ROOT_GIB
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*EncryptionControl has been deprecated:DeprecationWarning")
 LT = "aws:ec2/launchTemplate:LaunchTemplate"
@@ -43,11 +44,13 @@ def test_the_head_is_a_small_on_demand_instance_with_imdsv2_an_encrypted_root_an
     assert template["metadataOptions"] == {"httpEndpoint": "enabled", "httpTokens": "required",
                                            "httpPutResponseHopLimit": 1}
     (root,) = template["blockDeviceMappings"]
-    assert root == {"deviceName": "/dev/sda1", "ebs": {"volumeSize": 20, "volumeType": "gp3", "encrypted": "true",
-                                                       "deleteOnTermination": "true"}}
+    # as big as the baked AMI's snapshot, which it boots
+    assert root == {"deviceName": "/dev/sda1", "ebs": {"volumeSize": MIN_ROOT_GIB, "volumeType": "gp3",
+                                                       "encrypted": "true", "deleteOnTermination": "true"}}
     assert "instanceMarketOptions" not in template  # never spot
     assert template["creditSpecification"] == {"cpuCredits": "standard"}
-    assert template["imageId"] == BASE_AMI  # stock Ubuntu, not the nodes' baked AMI
+    # the nodes' baked AMI (image=bake, the default): its venv at /opt/xeon-cluster/venv runs the supervisors
+    assert template["imageId"] == BAKED_AMI
     profile = m.named("aws:iam/instanceProfile:InstanceProfile", "dev-head")
     assert template["iamInstanceProfile"] == {"arn": f"arn:aws:mock:::{profile.name}"}
     assert profile.inputs["role"] == "dev-head" and profile.name != "dev-node"  # its own role, not the nodes'
@@ -92,6 +95,14 @@ def test_the_head_has_its_own_group_with_ssh_from_the_admin_cidr_only_and_the_no
     everything = head.inputs["ingress"] + ingress
     assert not [r for r in everything if "0.0.0.0/0" in r.get("cidrBlocks", []) or "::/0" in r.get("ipv6CidrBlocks", [])]
     assert head.inputs["vpcId"] == nodes.inputs["vpcId"]
+
+
+def test_without_a_bake_the_head_boots_stock_ubuntu(program):
+    """image=base (or an AMI of the operator's): stock Ubuntu, with no venv; the operator's machine then keeps the
+    supervisor role (launch.life.head.lacks_venv), and says so."""
+    for image in ("base", "ami-0123456789abcdef0"):
+        template = program(image=image).mocks.named(LT, "dev-head").inputs
+        assert template["imageId"] == BASE_AMI, image
 
 
 def test_the_heads_role_does_only_what_the_supervisor_needs(program):
@@ -165,7 +176,8 @@ def test_the_cost_estimate_adds_the_head_on_demand():
     with_head = cost.estimate("c6i.16xlarge", 2, availability_zone="us-east-1a", spot=False,
                               head_instance_type="t3.medium")
     assert with_head.total_usd_h - without.total_usd_h == pytest.approx(cost.head_usd_h("t3.medium"), abs=1e-4)
-    assert cost.head_usd_h("t3.medium") == pytest.approx(0.0416 + 20 * 0.08 / 730 + 0.005, abs=1e-4)
+    assert cost.head_usd_h("t3.medium") == pytest.approx(0.0416 + 40 * 0.08 / 730 + 0.005, abs=1e-4)
+    assert cost.HEAD_ROOT_GIB == MIN_ROOT_GIB
     assert "head" not in without.summary() and with_head.to_dict()["head_instance_type"] == "t3.medium"
 
 

@@ -493,10 +493,10 @@ def test_outputs_name_the_cluster_and_its_group_and_cost(program):
     assert out["instanceTypes"] == ["c6i.16xlarge"] and out["secretsPath"] == "/xeon-cluster/bert"
     # no AWS credentials here: the estimate falls back to the catalog's on-demand price; the head is on-demand
     extras = 2 * (100 * cost.GP3_USD_PER_GIB_MONTH / cost.HOURS_PER_MONTH + cost.PUBLIC_IPV4_USD_H)
-    head = 0.0416 + 20 * cost.GP3_USD_PER_GIB_MONTH / cost.HOURS_PER_MONTH + cost.PUBLIC_IPV4_USD_H
+    head = 0.0416 + cost.HEAD_ROOT_GIB * cost.GP3_USD_PER_GIB_MONTH / cost.HOURS_PER_MONTH + cost.PUBLIC_IPV4_USD_H
     assert out["hourlyCostUsd"] == pytest.approx(
         2 * catalog.lookup("c6i.16xlarge").on_demand_usd_h + extras + head, abs=1e-3)
-    assert "2 x c6i.16xlarge spot" in out["costEstimate"] and "+ head t3.medium on-demand $0.0488/h" in \
+    assert "2 x c6i.16xlarge spot" in out["costEstimate"] and "+ head t3.medium on-demand $0.0510/h" in \
         out["costEstimate"]
 
 

@@ -59,8 +59,8 @@ def runs_on_head(head: Node | None) -> bool:
 
 
 def lacks_venv(node: Node) -> bool:
-    """An AWS head boots stock Ubuntu: without a venv at node.python (the twin's head has this machine's), it cannot
-    run a supervisor, and this machine keeps the role. A head that does not answer is not judged here: starting
+    """An AWS head boots the nodes' baked AMI with image=bake (infra/head.py), stock Ubuntu otherwise: without a venv
+    at node.python (the twin's head has this machine's), it cannot run a supervisor, and this machine keeps the role. A head that does not answer is not judged here: starting
     the supervisor there says so."""
     if not node.labels.get("aws_head"):
         return False
@@ -99,7 +99,8 @@ def no_head_line(spec: str, head: Node | None, supervised: bool = False, why: st
     why = why or ("it has no head" if head is None else
                   f"its head {head.name} has no venv with the operator's packages to run a supervisor")
     hint = ("'fab local-up' starts a local head" if head is None or not head.labels.get("aws_head") else
-            f"an AWS head needs the project's venv at {head.python}" if "venv" in why else
+            f"an AWS head needs the project's venv at {head.python}: image=bake gives it the nodes' baked AMI"
+            if "venv" in why else
             "shipping them to an AWS head is not built yet")
     if supervised:
         return (f"note: cluster {spec}: {why}, so this machine supervises the run: its ranks run under node 0's own "
