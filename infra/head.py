@@ -1,8 +1,9 @@
 """The head: a small on-demand instance next to the nodes that runs what must outlive the operator's laptop (the
 supervisors of detached runs, issue 40). An Auto Scaling group of one replaces it when it dies; it is never spot
-(it recovers the nodes from their reclaims), requires IMDSv2, has an encrypted gp3 root, sits in the cluster's subnet in a security group of its
-own (SSH from adminCidr only: nodes run user code and reach it on no port) and has its own role (infra/policies.py
-head_policy). It carries the cluster tag but no role tag: discovery never takes it for a node.
+(it recovers the nodes from their reclaims), requires IMDSv2, has an encrypted gp3 root, sits in the cluster's
+subnet in a security group of its own (SSH from adminCidr only: nodes run user code and reach it on no port) and has
+its own role (infra/policies.py head_policy). It carries the cluster tag but no role tag: discovery never takes it
+for a node.
 
 Its image: with image=bake, the nodes' baked AMI (Ubuntu with the project's venv at /opt/xeon-cluster/venv, so the
 supervisors run there); otherwise stock Ubuntu (Canonical's SSM parameter, pinned like image=base), which has no

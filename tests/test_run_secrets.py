@@ -33,28 +33,37 @@ def test_put_then_a_head_reads_them_back_and_the_chains_end_deletes_them(aws_env
 
 def test_the_store_keeps_the_names_and_a_replacement_head_gets_the_values_back(aws_env, tmp_path):
     store = (tmp_path / "store").as_uri()
-    req = TrainRequest(nodes=2, env={"MYSECRET": "hush-1", "HF_TOKEN": "hush-2", "PLAIN": "p"}, valueless={"MYSECRET"})
+    req = TrainRequest(nodes=2, env={"MYSECRET": "hush-1", "HF_TOKEN": "hush-2", "PLAIN": "p"}, valueless={"MYSECRET"},
+                       args=["--hub_token", "hush-3", "--seed", "1", "--api-key=hush-4"])
+    kept = run_secrets.of_request(req)
+    # a bare --env KEY, a name that reads as a secret, and secret job arguments under their flags' names (as
+    # --resume reads them): each masked in the record
+    assert kept == {"MYSECRET": "hush-1", "HF_TOKEN": "hush-2", "HUB_TOKEN": "hush-3", "API_KEY": "hush-4"}
     adopt.save_job(store, "c1", "aws:bert", req, 2, 60.0, "digest", secrets_at="bert")
     saved = (tmp_path / "store").rglob("*.json")
     text = "".join(p.read_text() for p in saved)
-    assert "hush-1" not in text and "hush-2" not in text  # names only
+    assert not [v for v in kept.values() if v in text]  # names only
     job = adopt.load_job(store, "c1")
-    # a bare --env KEY and a name that reads as a secret (masked in the record alike) are both kept
-    assert job["secrets"] == ["HF_TOKEN", "MYSECRET"] and job["secrets_at"] == "bert"
+    assert job["secrets"] == sorted(kept) and job["secrets_at"] == "bert"
     assert adopt.kept_secrets(job) is None  # fab has not put them: lost
-    run_secrets.put("bert", "c1", {"MYSECRET": "hush-1", "HF_TOKEN": "hush-2"})
-    assert adopt.kept_secrets(job) == {"MYSECRET": "hush-1", "HF_TOKEN": "hush-2"}
+    run_secrets.put("bert", "c1", kept)
+    assert adopt.kept_secrets(job) == kept
     assert adopt.kept_secrets({**job, "secrets_at": None}) is None  # kept nowhere (an older fab): lost
     assert adopt.kept_secrets({**job, "secrets": []}) == {}  # a chain without secrets needs none
 
 
 def test_the_adopted_request_has_the_values_the_record_masks(aws_env, tmp_path):
     store = (tmp_path / "store").as_uri()
-    req = TrainRequest(nodes=2, env={"MYSECRET": "hush-1", "PLAIN": "p"}, valueless={"MYSECRET"})
+    args = ["--hub_token", "hush-3", "--seed", "1", "--api-key=hush-4"]
+    req = TrainRequest(nodes=2, env={"MYSECRET": "hush-1", "PLAIN": "p"}, valueless={"MYSECRET"}, args=args)
     record = req.to_record()
-    assert record["env"]["MYSECRET"] != "hush-1"  # what the store and the replacement head see
+    # what the store and the replacement head see
+    assert record["env"]["MYSECRET"] != "hush-1" and "hush-3" not in record["args"] and "--api-key=hush-4" not in \
+        record["args"]
     rec = types.SimpleNamespace(run_id="c1-r2", nodes=[{}, {}], to_json=lambda: {"request": record})
-    job = {"chain": "c1", "secrets": ["MYSECRET"], "secrets_at": "bert", "min_nodes": None, "grow_back": True}
-    again = adopt.adopted_request(store, job, rec, tmp_path / "runs", {"MYSECRET": "hush-1"})
-    assert again.env == {"MYSECRET": "hush-1", "PLAIN": "p"} and again.valueless == {"MYSECRET"}
-    assert again.to_record()["env"] == record["env"]  # and its own record masks it again
+    job = {"chain": "c1", "secrets": sorted(run_secrets.of_request(req)), "secrets_at": "bert", "min_nodes": None,
+           "grow_back": True}
+    again = adopt.adopted_request(store, job, rec, tmp_path / "runs", run_secrets.of_request(req))
+    assert again.env == {"MYSECRET": "hush-1", "PLAIN": "p"}  # the arguments' values go back in the arguments only
+    assert again.args == args
+    assert again.to_record()["env"] == record["env"] and again.to_record()["args"] == record["args"]  # masked again

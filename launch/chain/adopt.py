@@ -42,13 +42,13 @@ def put_code(url: str, digest: str, tarball: bytes) -> None:
 
 def save_job(url: str, chain: str, spec: str, req, max_restarts: int, restart_wait: float, digest: str,
              secrets_at: str | None = None) -> None:
-    """`secrets`: the names of the chain's secret --env values (a record keeps them masked); `secrets_at`: the
-    cluster under whose SSM path fab keeps their values (launch.chain.run_secrets), if it did."""
-    from launch.ship import secrets
+    """`secrets`: the names of the chain's secret --env values and arguments (a record keeps them masked);
+    `secrets_at`: the cluster under whose SSM path fab keeps their values (launch.chain.run_secrets), if it did."""
+    from launch.chain import run_secrets
 
     job = {"chain": chain, "spec": spec, "max_restarts": max_restarts, "restart_wait": restart_wait,
            "min_nodes": req.min_nodes, "grow_back": req.grow_back,
-           "secrets": sorted(secrets.split(req.env, req.valueless)[1]), "secrets_at": secrets_at, "code": digest}
+           "secrets": sorted(run_secrets.of_request(req)), "secrets_at": secrets_at, "code": digest}
     store_lib.put_record(url, chain, JOB, json.dumps(job, indent=2).encode())
 
 
@@ -207,10 +207,14 @@ def adopted_request(url: str, job: dict, rec: RunRecord, runs_dir: Path, values:
     """The request the chain's restart loop goes on with: the record's, with what the record does not keep (the
     secrets' `values`: the record has them masked)."""
     from launch.plan.request import TrainRequest
+    from launch.ship import secrets
 
     summary = store_lib.read_summary(url, rec.run_id) or rec.to_json()
-    env = {**dict(summary["request"].get("env") or {}), **(values or {})}
-    req = TrainRequest.from_record(summary["request"], env, set(job.get("secrets") or ()), runs_dir=runs_dir,
+    values = values or {}
+    env = dict(summary["request"].get("env") or {})
+    env.update({k: v for k, v in values.items() if k in env})
+    request = {**summary["request"], "args": secrets.fill_masked(summary["request"]["args"], values)}
+    req = TrainRequest.from_record(request, env, set(job.get("secrets") or ()), runs_dir=runs_dir,
                                    nodes=len(rec.nodes) or None)
     return dataclasses.replace(req, min_nodes=job.get("min_nodes"), grow_back=job.get("grow_back", True), wrapped=True)
 

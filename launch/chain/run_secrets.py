@@ -1,8 +1,9 @@
 """The secrets of a run an AWS head supervises, kept where a replacement head finds them (issue 52).
 
 fab puts each secret `--env` value of the chain (a bare `--env KEY`, or a name that reads as a secret:
-launch.ship.secrets.is_secret) as an SSM SecureString at /xeon-cluster/<cluster>/runs/<chain>/<KEY>, encrypted with the
-account's aws/ssm key, before the supervisor starts on the head. A head that takes the chain over reads them back
+launch.ship.secrets.is_secret) and each secret job argument's (of_request) as an SSM SecureString at
+/xeon-cluster/<cluster>/runs/<chain>/<KEY>, encrypted with the account's aws/ssm key, before the supervisor starts on
+the head. A head that takes the chain over reads them back
 (only the head's role may: infra.policies.head_policy); the supervisor deletes them when the chain ends. Records,
 logs and the store keep only the masked values. A head that finds them gone ends the chain with that cause.
 """
@@ -13,8 +14,15 @@ import posixpath
 
 from cluster.mesh import ROOT
 from core.ec2 import aws_client, aws_errors
+from launch.ship import secrets
 
 log = logging.getLogger(__name__)
+
+
+def of_request(req) -> dict[str, str]:
+    """What a chain keeps in SSM: its secret --env values by key, and its secret job arguments' values under their
+    flags' names in capitals (--hub_token -> HUB_TOKEN, as --resume reads them); records keep both masked."""
+    return {**secrets.split(req.env, req.valueless)[1], **secrets.arg_values_by_flag(req.args)}
 
 
 def folder(cluster: str, chain: str) -> str:

@@ -66,11 +66,10 @@ def start_on_head(cluster, req, max_restarts: int, restart_wait: float, out: Tex
     from cluster import local, shipping
     from cluster.remote import connect, remote_home
     from launch.chain import run_secrets
-    from launch.ship import secrets
 
     label = "script" if req.script or req.module else req.job
     req = dataclasses.replace(req, run_id=req.run_id or new_run_id(label), detach=False)
-    secret_env = secrets.split(req.env, req.valueless)[1]
+    secret_env = run_secrets.of_request(req)
     # on an AWS head: kept in SSM for a head that takes the chain over (run_secrets); a local head has none
     secrets_at = cluster.head.labels.get("aws_head") if secret_env else None
     job = base64.b64encode(payload(cluster.spec, req, max_restarts, restart_wait, secrets_at)).decode()
@@ -255,9 +254,9 @@ def main() -> int:
         if kept:
             adopt.drop_job(req.store, chain)
         if job.get("secrets_at"):
-            from launch.ship import secrets
+            from launch.chain import run_secrets
 
-            _forget_secrets(job["secrets_at"], chain or req.run_id, sorted(secrets.split(req.env, req.valueless)[1]))
+            _forget_secrets(job["secrets_at"], chain or req.run_id, sorted(run_secrets.of_request(req)))
     sys.stdout.write(result_line(result) + "\n")
     return 0
 

@@ -74,7 +74,7 @@ def resume_request(run_id: str, runs_dir: Path, nodes: int | None = None, fetch_
             raise ClusterError(f"--resume {run_id}: its data file {path} changed since the run", fix="a resumed run must "
                                "train on the same data (restore it or start anew)")
     # masked job arguments (--hub_token ***): the operator's own value under the flag's name (HUB_TOKEN)
-    request = {**request, "args": [_unmasked(a, prev) for prev, a in zip([None, *request["args"]], request["args"])]}
+    request = {**request, "args": secrets.fill_masked(request["args"], os.environ)}
     env = dict(request["env"])
     # the record keeps secrets as ***: the operator's own values stand in (--env KEY=VALUE overrides)
     hidden = {k for k, v in env.items() if v == secrets.MASK}
@@ -83,16 +83,6 @@ def resume_request(run_id: str, runs_dir: Path, nodes: int | None = None, fetch_
                     checkpoint=str(checkpoint) if checkpoint else None, url=url)
     return TrainRequest.from_record(request, env, hidden, nodes=nodes or len(summary["nodes"]), runs_dir=runs_dir,
                                     fetch_model=fetch_model, resume=resume)
-
-
-def _unmasked(word: str, before: str | None) -> str:
-    if word.endswith(f"={secrets.MASK}"):
-        flag = word.split("=", 1)[0]
-        value = os.environ.get(secrets.flag_env_name(flag))
-        return f"{flag}={value}" if value else word
-    if word == secrets.MASK and before:
-        return os.environ.get(secrets.flag_env_name(before)) or word
-    return word
 
 
 def same_code(run_id: str, request: dict, shipped: dict | None) -> None:

@@ -58,6 +58,34 @@ def arg_env(args) -> dict[str, str]:
     return {f"{ARG_ENV}{i}": v for i, v in secret_args(args).items() if v and v != MASK}
 
 
+def arg_values_by_flag(args) -> dict[str, str]:
+    """Secret argument values under their flags' names in capitals (--hub_token VALUE -> HUB_TOKEN): the names
+    --resume reads them back from (fill_masked)."""
+    args, out = list(args), {}
+    for i, value in secret_args(args).items():
+        if value and value != MASK:
+            flag = args[i].split("=", 1)[0] if args[i].startswith("-") and "=" in args[i] else args[i - 1]
+            out[flag_env_name(flag)] = value
+    return out
+
+
+def fill_masked(args, values) -> list[str]:
+    """A record's masked arguments (--hub_token *** or --hub_token=***) with the value under the flag's name in
+    capitals, where ``values`` (a mapping: the operator's environment, or what a head kept) has one."""
+    args = list(args)
+    return [_filled(word, before, values) for before, word in zip([None, *args], args)]
+
+
+def _filled(word: str, before: str | None, values) -> str:
+    if word.endswith(f"={MASK}"):
+        flag = word.split("=", 1)[0]
+        value = values.get(flag_env_name(flag))
+        return f"{flag}={value}" if value else word
+    if word == MASK and before:
+        return values.get(flag_env_name(before)) or word
+    return word
+
+
 def unmask_args(masked, real) -> list[str]:
     """A record's masked arguments with the values of the same run's own (a restart by its supervisor)."""
     masked, real = list(masked), list(real)
