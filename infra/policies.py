@@ -120,7 +120,7 @@ def head_policy(ctx: AwsContext, cluster: str, group: str, bucket_arn: str, pref
         *store_statements(bucket_arn, prefix or cluster, writable=None, deletable=None, sid="HeadStore"),
         {"Sid": "ReadRunSecrets", "Effect": "Allow", "Resource": ctx.ssm_path_arns(secrets_path(cluster)),
          "Action": ["ssm:GetParameter", "ssm:GetParameters", "ssm:GetParametersByPath"]},
-        # a chain's secrets (launch.chain.run_secrets) leave SSM when its supervisor ends it; never the mesh key
+        # a chain's secrets (launch.ship.run_secrets) leave SSM when its supervisor ends it; never the mesh key
         {"Sid": "DeleteEndedRunSecrets", "Effect": "Allow", "Action": ["ssm:DeleteParameters"],
          "Resource": [ctx.ssm_path_arns(f"{secrets_path(cluster)}/runs")[1]]},
         # node order (cluster.aws.order_nodes): the master role tag moves to a survivor when node 0 is gone

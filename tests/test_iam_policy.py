@@ -19,7 +19,7 @@ FAB_CODE = ("cluster", "core", "launch", "doctor", "infra/cost.py", "fabfile.py"
 # (create_vpc, create_auto_scaling_group, ...) are the deployer's and the cloud's, not fab's.
 NOT_FAB_CODE = ("cluster/twin*.py",)
 # Actions the scan finds that fab's credentials must not have: the mesh key and the run secrets are read only on the
-# head, with its role (cluster.mesh.fetch, launch.chain.run_secrets.fetch; infra.policies.head_policy), and
+# head, with its role (cluster.mesh.fetch, launch.ship.run_secrets.fetch; infra.policies.head_policy), and
 # list_tags_for_resource is the name of logs' call as well.
 NOT_FABS = {"ssm:GetParameter", "ssm:GetParameters", "ssm:ListTagsForResource"}
 # S3 operations whose IAM action has another name (the S3 user guide's table of actions per operation).

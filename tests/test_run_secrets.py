@@ -1,4 +1,4 @@
-"""The secrets of a chain an AWS head supervises (launch.chain.run_secrets), against a moto server over HTTP: fab
+"""The secrets of a chain an AWS head supervises (launch.ship.run_secrets), against a moto server over HTTP: fab
 puts each secret --env value as a SecureString under /xeon-cluster/<cluster>/runs/<chain>/, a head that takes the
 chain over reads them back, its supervisor deletes them at the chain's end; the store's job keeps only their names.
 The whole flow (head killed, the replacement restarting the run with its secret) runs on the AWS twin
@@ -9,8 +9,9 @@ import types
 
 import moto_fixture
 
-from launch.chain import adopt, run_secrets
+from launch.chain import adopt
 from launch.plan.request import TrainRequest
+from launch.ship import run_secrets
 
 moto_server, aws_env = moto_fixture.moto_server, moto_fixture.aws_env
 
@@ -29,6 +30,18 @@ def test_put_then_a_head_reads_them_back_and_the_chains_end_deletes_them(aws_env
                                                       "Values": ["/xeon-cluster/bert/runs"]}])["Parameters"]
     assert left == []
     run_secrets.delete("bert", "c1", sorted(values))  # again: nothing there, nothing raised
+
+
+def test_fab_stop_deletes_a_chains_secrets_by_their_path_without_reading_them(aws_env):
+    """A supervisor ended by SIGTERM deletes nothing: fab stop lists the chain's folder and deletes it."""
+    run_secrets.put("bert", "c1", {f"KEY_{i}": f"value-{i}" for i in range(12)})
+    run_secrets.put("bert", "c2", {"KEEP": "other chain"})
+    run_secrets.delete_chain("bert", "c1")
+    ssm = moto_fixture.client("ssm")
+    left = ssm.describe_parameters(ParameterFilters=[{"Key": "Path", "Option": "Recursive",
+                                                      "Values": ["/xeon-cluster/bert/runs"]}])["Parameters"]
+    assert [p["Name"] for p in left] == ["/xeon-cluster/bert/runs/c2/KEEP"]
+    run_secrets.delete_chain("bert", "c1")  # nothing left: nothing raised
 
 
 def test_the_store_keeps_the_names_and_a_replacement_head_gets_the_values_back(aws_env, tmp_path):

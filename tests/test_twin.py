@@ -267,10 +267,12 @@ def test_rebalance_checkpoints_and_goes_on_then_the_groups_termination_ends_it_7
 
 def test_a_detached_run_is_followed_and_stopped_through_the_twin(twin, small_model):
     # stopped once its log shows progress: 240 steps, so that it cannot end first on an idle machine (free: it stops)
-    res = twin.fab("train", "--nodes", "2", "--detach", *TWIN_PACE, "--", *short_args(small_model, samples=1920),
-                   timeout=300)
+    res = fab("train", "--nodes", "2", "--detach", *TWIN_PACE, "--env", "MYSECRET", "--",
+              *short_args(small_model, samples=1920), env={**twin.env, "MYSECRET": SECRET}, timeout=300)
     assert res.returncode == 0 and "detached" in res.stdout, res.stdout[-3000:] + res.stderr[-3000:]
     run_id = re.search(r"run (\S+) detached", res.stdout)[1]
+    ssm, kept = twin.client("ssm"), f"/xeon-cluster/twin/runs/{run_id}/MYSECRET"
+    assert ssm.get_parameter(Name=kept)["Parameter"]["Type"] == "SecureString"  # supervised on the head
     deadline = time.monotonic() + 120
     while "[progress]" not in (logs := twin.fab("logs", run_id, timeout=60)).stdout:
         assert time.monotonic() < deadline, logs.stdout[-2000:] + logs.stderr
@@ -278,6 +280,8 @@ def test_a_detached_run_is_followed_and_stopped_through_the_twin(twin, small_mod
     stopped = twin.fab("stop", run_id, timeout=120)
     assert stopped.returncode == 0 and "nothing is left running" in stopped.stdout, stopped.stdout + stopped.stderr
     assert re.search(rf"^{run_id}\s.*stopped", twin.fab("runs", timeout=60).stdout, re.MULTILINE)
+    # its supervisor ended by SIGTERM deleted nothing: fab stop took the secret out of SSM
+    assert not ssm.describe_parameters(ParameterFilters=[{"Key": "Name", "Values": [kept]}])["Parameters"]
 
 
 def test_kill_without_notice_the_group_replaces_the_instance(twin):

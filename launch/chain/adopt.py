@@ -8,7 +8,7 @@ starts a supervisor `--adopt CHAIN` for every chain whose newest run is not over
 never a second one for a chain a live process here already supervises. The adopted supervisor follows the run the
 ranks still run (under node 0's wrapper), concludes it, and restarts it as the first supervisor would have.
 A run given secrets (`--env KEY`) is restarted by another head with their values from SSM, where fab kept them
-(launch.chain.run_secrets); where they are gone, it is not, and the record says so.
+(launch.ship.run_secrets); where they are gone, it is not, and the record says so.
 """
 from __future__ import annotations
 
@@ -43,8 +43,8 @@ def put_code(url: str, digest: str, tarball: bytes) -> None:
 def save_job(url: str, chain: str, spec: str, req, max_restarts: int, restart_wait: float, digest: str,
              secrets_at: str | None = None) -> None:
     """`secrets`: the names of the chain's secret --env values and arguments (a record keeps them masked);
-    `secrets_at`: the cluster under whose SSM path fab keeps their values (launch.chain.run_secrets), if it did."""
-    from launch.chain import run_secrets
+    `secrets_at`: the cluster under whose SSM path fab keeps their values (launch.ship.run_secrets), if it did."""
+    from launch.ship import run_secrets
 
     job = {"chain": chain, "spec": spec, "max_restarts": max_restarts, "restart_wait": restart_wait,
            "min_nodes": req.min_nodes, "grow_back": req.grow_back,
@@ -198,7 +198,7 @@ def kept_secrets(job: dict) -> dict[str, str] | None:
         return {}
     if not job.get("secrets_at"):
         return None
-    from launch.chain import run_secrets
+    from launch.ship import run_secrets
 
     return run_secrets.fetch(job["secrets_at"], job["chain"], names)
 

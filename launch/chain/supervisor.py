@@ -65,7 +65,7 @@ def start_on_head(cluster, req, max_restarts: int, restart_wait: float, out: Tex
     machine."""
     from cluster import local, shipping
     from cluster.remote import connect, remote_home
-    from launch.chain import run_secrets
+    from launch.ship import run_secrets
 
     label = "script" if req.script or req.module else req.job
     req = dataclasses.replace(req, run_id=req.run_id or new_run_id(label), detach=False)
@@ -204,7 +204,7 @@ def start(spec: str, req, max_restarts: int, restart_wait: float, out: TextIO, e
 def payload(spec: str, req, max_restarts: int, restart_wait: float, secrets_at: str | None = None) -> bytes:
     """What the supervisor is handed on its stdin. What validate() found stays here (a scanned --workdir holds
     a lock): the supervisor, a process of its own, checks the request once itself. `secrets_at`: the cluster under
-    whose SSM path fab put the chain's secrets (launch.chain.run_secrets)."""
+    whose SSM path fab put the chain's secrets (launch.ship.run_secrets)."""
     return pickle.dumps({"spec": spec, "req": dataclasses.replace(req, checked=None), "max_restarts": max_restarts,
                          "restart_wait": restart_wait, "secrets_at": secrets_at})
 
@@ -254,7 +254,7 @@ def main() -> int:
         if kept:
             adopt.drop_job(req.store, chain)
         if job.get("secrets_at"):
-            from launch.chain import run_secrets
+            from launch.ship import run_secrets
 
             _forget_secrets(job["secrets_at"], chain or req.run_id, sorted(run_secrets.of_request(req)))
     sys.stdout.write(result_line(result) + "\n")
@@ -265,7 +265,7 @@ def _forget_secrets(cluster: str | None, chain: str, names: list[str]) -> None:
     """The chain is over (or never started): its secrets leave SSM, kept there only while a replacement head may
     need them."""
     if cluster and names:
-        from launch.chain import run_secrets
+        from launch.ship import run_secrets
 
         run_secrets.delete(cluster, chain, names)
 

@@ -73,7 +73,13 @@ def _end_on_head(cluster: Cluster, rec: records.RunRecord | None) -> bool:
         return False
     from launch.life import head
 
-    return bool(head.end_on(cluster.head, sup.get("chain") or rec.run_id))
+    chain = sup.get("chain") or rec.run_id
+    ended = bool(head.end_on(cluster.head, chain))
+    if cluster.head.labels.get("aws_head"):  # the chain is over: its secrets leave SSM (launch.ship.run_secrets)
+        from launch.ship import run_secrets
+
+        run_secrets.delete_chain(cluster.head.labels["aws_head"], chain)
+    return ended
 
 
 def latest(runs_dir: Path, run_id: str, store: str | None = None) -> str:

@@ -4,7 +4,8 @@ fab puts each secret `--env` value of the chain (a bare `--env KEY`, or a name t
 launch.ship.secrets.is_secret) and each secret job argument's (of_request) as an SSM SecureString at
 /xeon-cluster/<cluster>/runs/<chain>/<KEY>, encrypted with the account's aws/ssm key, before the supervisor starts on
 the head. A head that takes the chain over reads them back
-(only the head's role may: infra.policies.head_policy); the supervisor deletes them when the chain ends. Records,
+(only the head's role may: infra.policies.head_policy); the supervisor deletes them when the chain ends, and
+`fab stop` when it ends the chain's supervisor (delete_chain: a supervisor ended by SIGTERM deletes nothing). Records,
 logs and the store keep only the masked values. A head that finds them gone ends the chain with that cause.
 """
 from __future__ import annotations
@@ -71,3 +72,19 @@ def delete(cluster: str, chain: str, keys: list[str], region: str | None = None)
                 client.delete_parameters(Names=names[i:i + 10])
     except Exception as exc:  # noqa: BLE001 - the chain's end is not undone by a cleanup that failed
         log.warning("could not delete the secrets of chain %s from SSM (%s): 'fab sweep' lists them", chain, exc)
+
+
+def delete_chain(cluster: str, chain: str, region: str | None = None) -> None:
+    """Every secret kept for the chain, found by its path (`fab stop`: the operator may list and delete, never read
+    them). A failure is logged, not raised, as in delete()."""
+    try:
+        with aws_errors("ssm"):
+            client = aws_client("ssm", region)
+            pages = client.get_paginator("describe_parameters").paginate(
+                ParameterFilters=[{"Key": "Path", "Option": "Recursive", "Values": [folder(cluster, chain)]}])
+            names = [p["Name"] for page in pages for p in page["Parameters"]]
+    except Exception as exc:  # noqa: BLE001 - the stop is not undone by a cleanup that failed
+        log.warning("could not list the secrets of chain %s in SSM (%s): 'fab sweep' lists them", chain, exc)
+        return
+    for i in range(0, len(names), 10):
+        delete(cluster, chain, [n.rsplit("/", 1)[1] for n in names[i:i + 10]], region)
