@@ -30,6 +30,7 @@ from launch.life import head, records
 from launch.life.cleanup import runs_alive
 from launch.life.records import Status
 from launch.plan.request import new_run_id
+from launch.ship import run_secrets
 from training.runtime.paths import RunPaths
 
 log = logging.getLogger(__name__)
@@ -65,7 +66,6 @@ def start_on_head(cluster, req, max_restarts: int, restart_wait: float, out: Tex
     machine."""
     from cluster import local, shipping
     from cluster.remote import connect, remote_home
-    from launch.ship import run_secrets
 
     label = "script" if req.script or req.module else req.job
     req = dataclasses.replace(req, run_id=req.run_id or new_run_id(label), detach=False)
@@ -104,7 +104,7 @@ def start_on_head(cluster, req, max_restarts: int, restart_wait: float, out: Tex
                            out_stream=out, err_stream=out)
         finally:
             if res is None or res.exited != 0:  # no supervisor to delete them at the chain's end
-                _forget_secrets(secrets_at, req.run_id, sorted(secret_env))
+                run_secrets.delete(secrets_at, req.run_id, sorted(secret_env))
     if res.exited != 0:
         raise ClusterError(f"run {req.run_id}: its supervisor did not start on the head {cluster.head.name} "
                            f"(exit {res.exited})", fix="see the lines above; 'fab status' shows the head")
@@ -253,21 +253,9 @@ def main() -> int:
     finally:
         if kept:
             adopt.drop_job(req.store, chain)
-        if job.get("secrets_at"):
-            from launch.ship import run_secrets
-
-            _forget_secrets(job["secrets_at"], chain or req.run_id, sorted(run_secrets.of_request(req)))
+        run_secrets.delete(job.get("secrets_at"), chain or req.run_id, sorted(run_secrets.of_request(req)))
     sys.stdout.write(result_line(result) + "\n")
     return 0
-
-
-def _forget_secrets(cluster: str | None, chain: str, names: list[str]) -> None:
-    """The chain is over (or never started): its secrets leave SSM, kept there only while a replacement head may
-    need them."""
-    if cluster and names:
-        from launch.ship import run_secrets
-
-        run_secrets.delete(cluster, chain, names)
 
 
 def adopted(chain: str) -> int:
@@ -311,7 +299,7 @@ def adopted(chain: str) -> int:
         return exc.exit_code
     finally:
         adopt.drop_job(url, chain)
-        _forget_secrets(job.get("secrets_at"), chain, list(job.get("secrets") or ()))
+        run_secrets.delete(job.get("secrets_at"), chain, list(job.get("secrets") or ()))  # the chain is over
     sys.stdout.write(result_line(result) + "\n")
     return 0
 

@@ -3,10 +3,10 @@
 fab puts each secret `--env` value of the chain (a bare `--env KEY`, or a name that reads as a secret:
 launch.ship.secrets.is_secret) and each secret job argument's (of_request) as an SSM SecureString at
 /xeon-cluster/<cluster>/runs/<chain>/<KEY>, encrypted with the account's aws/ssm key, before the supervisor starts on
-the head. A head that takes the chain over reads them back
-(only the head's role may: infra.policies.head_policy); the supervisor deletes them when the chain ends, and
-`fab stop` when it ends the chain's supervisor (delete_chain: a supervisor ended by SIGTERM deletes nothing). Records,
-logs and the store keep only the masked values. A head that finds them gone ends the chain with that cause.
+the head. A head that takes the chain over reads them back (only the head's role may: infra.policies.head_policy).
+The supervisor deletes them when the chain ends, and `fab stop` when it ends the chain's supervisor (delete_chain: a
+supervisor ended by SIGTERM deletes nothing). Records, logs and the store keep only the masked values. A head that
+finds them gone ends the chain with that cause.
 """
 from __future__ import annotations
 
@@ -61,9 +61,11 @@ def fetch(cluster: str, chain: str, keys: list[str], region: str | None = None) 
     return {k: got[parameter(cluster, chain, k)] for k in keys}
 
 
-def delete(cluster: str, chain: str, keys: list[str], region: str | None = None) -> None:
-    """When the chain ends (or its start failed): gone from SSM. A failure is logged, not raised: 'fab sweep'
-    finds what is left under /xeon-cluster/<cluster>/."""
+def delete(cluster: str | None, chain: str, keys: list[str], region: str | None = None) -> None:
+    """When the chain ends (or its start failed): gone from SSM; nothing to do without a cluster (kept nowhere) or
+    keys. A failure is logged, not raised: 'fab sweep' finds what is left under /xeon-cluster/<cluster>/."""
+    if not cluster or not keys:
+        return
     names = [parameter(cluster, chain, k) for k in keys]
     try:
         with aws_errors("ssm"):
@@ -86,5 +88,4 @@ def delete_chain(cluster: str, chain: str, region: str | None = None) -> None:
     except Exception as exc:  # noqa: BLE001 - the stop is not undone by a cleanup that failed
         log.warning("could not list the secrets of chain %s in SSM (%s): 'fab sweep' lists them", chain, exc)
         return
-    for i in range(0, len(names), 10):
-        delete(cluster, chain, [n.rsplit("/", 1)[1] for n in names[i:i + 10]], region)
+    delete(cluster, chain, [n.rsplit("/", 1)[1] for n in names], region)
