@@ -26,6 +26,10 @@ from core.constants import REMOTE_PYTHON
 from core.errors import ClusterError
 from core.render import render
 
+# Each pass lists the groups' instances from moto: at 0.3 s the server and this watcher took ~40 CPU-s over the
+# twin's tests (bench/suite_cpu.py); a second keeps EC2's own pace (an instance is seen within its first second).
+POLL_S = 1.0
+
 
 class Watcher:
     def __init__(self, state: Path):
@@ -244,7 +248,7 @@ def watch(state: Path) -> None:
             w.once()
         except Exception as exc:  # noqa: BLE001 - the twin keeps watching; the log says what failed
             print(f"{time.strftime('%H:%M:%S')} watcher: {type(exc).__name__}: {exc}", flush=True)
-        time.sleep(0.3)
+        time.sleep(POLL_S)
 
 
 if __name__ == "__main__":

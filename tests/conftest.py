@@ -1,6 +1,7 @@
 """Shared fixtures: a real local cluster (sshd on loopback) in a private state folder."""
 from __future__ import annotations
 
+import gc
 import json
 import os
 import random
@@ -34,6 +35,10 @@ LONG_FILES = ("test_twin.py", "test_elastic.py", "test_cluster.py", "test_jobs.p
 
 
 def pytest_configure(config):
+    # The workers import torch, transformers, moto and Pulumi: at Python's default thresholds the cyclic collector
+    # walks their ~1M objects again and again while they import (a fifth of an import's CPU, perf), as the rank hook
+    # avoids for the ranks (training/hook/sitecustomize.py)
+    gc.set_threshold(100_000, 50, 100)
     # xdist (3.7+) otherwise queues files by their number of tests, most first, whatever the order below: the long
     # files, which have few tests each, then started last (the AWS twin's, 7 tests, at the very end)
     if hasattr(config.option, "loadscopereorder"):
@@ -231,9 +236,10 @@ def cluster2(tmp_path_factory):
 @pytest.fixture(scope="session")
 def uninterrupted_demo(cluster2, tmp_path_factory) -> Callable[[], dict]:
     """One uninterrupted 2-node run of the demo's arguments (--save-every 0), trained once per `make test` and
-    shared: test_cluster checks that it learned and recorded everything, test_spot compares a resumed run's
-    accuracy with it. Call it where the run is needed: whichever xdist worker calls first trains it on its
-    cluster, a later call reads it (waiting on the lock while another worker trains it).
+    shared by the tests that read it (test_cluster checks that it learned and recorded everything; test_spot
+    compares its resume with a thin run's instead, at a fifth of the CPU). Call it where the run is needed:
+    whichever xdist worker calls first trains it on its cluster, a later call reads it (waiting on the lock while
+    another worker trains it).
     The call returns the fab result (returncode, stdout, stderr) and the run's folder."""
     from filelock import FileLock
 

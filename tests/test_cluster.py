@@ -92,7 +92,7 @@ def test_the_probe_times_bf16_against_fp32_only_where_amx_does_not_settle_it(clu
 
 @pytest.mark.slow
 def test_two_node_glue_run_learns_and_records_everything(uninterrupted_demo):
-    res = uninterrupted_demo()  # the demo's arguments on 2 nodes (glue, the default job), shared with test_spot
+    res = uninterrupted_demo()  # the demo's arguments on 2 nodes (glue, the default job)
     assert res["returncode"] == 0 and res["run_dir"], res["stdout"][-3000:] + res["stderr"][-3000:]
     out = res["stdout"]
     # every rank's start-up line, prefixed with rank and host, streamed through
