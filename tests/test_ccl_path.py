@@ -48,8 +48,8 @@ def test_ccl_local_pair_is_completed_or_left_alone(env, expect):
 def test_sweep_script_is_shell_not_a_format_string():
     script = cleanup.sweep_script("20260101-000000-glue-ab12")
     assert "${e#/proc/}" in script and "${p%/environ}" in script  # the shell's own expansions, intact
-    assert "grep -qxF XC_RUN_ID=20260101-000000-glue-ab12 " in script
-    assert "grep -qxF 'XC_RUN_ID=a b'" in cleanup.sweep_script("a b")  # quoted for the shell
+    assert "grep -lzxF XC_RUN_ID=20260101-000000-glue-ab12 " in script
+    assert "grep -lzxF 'XC_RUN_ID=a b'" in cleanup.sweep_script("a b")  # quoted for the shell
     subprocess.run(["bash", "-n", "-c", script], check=True)
 
 

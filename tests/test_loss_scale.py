@@ -18,7 +18,7 @@ import shutil
 
 import pytest
 
-from training.jobs import clm_data, common
+from training.jobs import clm_data
 
 pytestmark = pytest.mark.cluster
 
@@ -34,10 +34,12 @@ GLOBAL_BATCH = 16
 
 
 @pytest.fixture(scope="module")
-def no_dropout_model(tmp_path_factory):
-    """The default model with every dropout probability at 0 (every local node reads this one path)."""
+def no_dropout_model(tmp_path_factory, small_model):
+    """conftest's thin MiniLM (the default model's tokenizer, architecture and heads, cut small: what is checked is
+    how the loss is scaled and reduced, not the width) with every dropout probability at 0 (every local node reads
+    this one path)."""
     path = tmp_path_factory.mktemp("model") / "minilm-no-dropout"
-    shutil.copytree(common.resolve_model(common.DEFAULT_MODEL), path)
+    shutil.copytree(small_model, path)
     config = json.loads((path / "config.json").read_text())
     zeroed = {k: 0.0 for k in config if "dropout" in k and isinstance(config[k], (int, float))}
     assert zeroed, "the model's config names no dropout"

@@ -181,7 +181,7 @@ def test_the_head_supervises_is_replaced_and_recovers_a_spot_notice_with_the_ope
 
     old_head = _head_ns(twin)
     assert set(supervisors().values()) == {old_head}
-    wait_until("step 8", lambda: _steps(twin, first) >= 8, 300)
+    wait_until("step 8", lambda: _steps(twin, first) >= 8, 300, poll=2)  # each look is a fab logs
     at_kill = _steps(twin, first)
     killed = twin.fab("local-kill", "head", timeout=60)
     assert killed.returncode == 0, killed.stdout + killed.stderr
@@ -205,7 +205,7 @@ def test_the_head_supervises_is_replaced_and_recovers_a_spot_notice_with_the_ope
     # from a second checkout (nothing of this one's state or runs), pointed at the twin by the printed line
     elsewhere = {**twin.env, "XC_STATE_DIR": str(tmp_path / "state"), "XC_RUNS_DIR": str(tmp_path / "runs")}
     chain = wait_until("the chain's end", lambda: (c := _chain(elsewhere, first)) and c[-1][1] in ("ok", "failed")
-                       and c, 600, poll=3)
+                       and c, 600, poll=6)  # each look is a fab runs (~0.8 CPU-s)
     assert [s.split(" -> ")[0] for _, s in chain] == ["preempted", "ok"], chain
     resumed = chain[-1][0]
     bucket, prefix = twin.env["XC_STORE"][5:].split("/", 1)
