@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import statistics
 from pathlib import Path
 
@@ -287,7 +288,7 @@ def test_clm_on_two_nodes_learns_and_shares_its_token_files(cluster2, tmp_path):
 # ---- glue --do_predict -----------------------------------------------------------------------
 
 @pytest.mark.slow  # trains the glue job in-process
-def test_glue_predicts_a_test_file_without_labels_like_run_glue(tmp_path):
+def test_glue_predicts_a_test_file_without_labels_like_run_glue(tmp_path, small_model):
     import csv
     import subprocess
     import sys
@@ -300,7 +301,7 @@ def test_glue_predicts_a_test_file_without_labels_like_run_glue(tmp_path):
     out = tmp_path / "out"
     cmd = [sys.executable, "-m", "training.jobs.glue", "--max_steps", "3", "--max_train_samples", "48",
            "--max_eval_samples", "16", "--do_predict", "--test_file", str(tmp_path / "test.csv"),
-           "--max_predict_samples", "12", "--output_dir", str(out)]
+           "--max_predict_samples", "12", "--model_name_or_path", small_model, "--output_dir", str(out)]
     res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, check=False, timeout=600, env=job_env())
     assert res.returncode == 0, res.stderr[-3000:]
     lines = (out / "predict_results_custom.txt").read_text().splitlines()
@@ -369,24 +370,24 @@ def test_bf16_weights_auto_stays_off_where_fp32_ipex_or_the_users_optim_choose()
 
 
 @pytest.mark.slow  # trains the glue job in-process
-def test_glue_freeze_embeddings_keeps_the_word_embeddings_and_trains_the_rest(tmp_path):
+def test_glue_freeze_embeddings_keeps_the_word_embeddings_and_trains_the_rest(tmp_path, small_model):
+    """On conftest's thin MiniLM: the default model's vocabulary and layout, cut small."""
     import subprocess
     import sys
 
     from safetensors.torch import load_file
-
-    from training.jobs.common import DEFAULT_MODEL, resolve_model
 
     runs = {}
     for freeze in ("True", "False"):
         out = tmp_path / freeze
         res = subprocess.run([sys.executable, "-m", "training.jobs.glue", "--max_steps", "3", "--max_train_samples", "48",
                               "--max_eval_samples", "16", "--learning_rate", "1e-3", "--freeze_embeddings", freeze,
-                              "--output_dir", str(out)], cwd=ROOT, capture_output=True, text=True, check=False,
+                              "--model_name_or_path", small_model, "--output_dir", str(out)], cwd=ROOT, capture_output=True, text=True, check=False,
                              timeout=600, env=job_env(XC_PRECISION="fp32"))
         assert res.returncode == 0, res.stderr[-3000:]
         runs[freeze] = (json.loads((out / "results.json").read_text()), load_file(str(out / "model.safetensors")))
-    before = load_file(str(Path(resolve_model(DEFAULT_MODEL)) / "model.safetensors"))
+    before = load_file(str(Path(small_model) / "model.safetensors"))
+    config = json.loads((Path(small_model) / "config.json").read_text())
     word, layer = "embeddings.word_embeddings.weight", "encoder.layer.0.attention.self.query.weight"
 
     def tensor(weights, name):
@@ -394,15 +395,16 @@ def test_glue_freeze_embeddings_keeps_the_word_embeddings_and_trains_the_rest(tm
 
     frozen, full = runs["True"][1], runs["False"][1]
     assert runs["True"][0]["freeze_embeddings"] is True
-    # MiniLM's 30522 x 384 word embeddings leave the trainable count; nothing else does
-    assert runs["False"][0]["trainable_params"] - runs["True"][0]["trainable_params"] == 30522 * 384
+    # the word embeddings (MiniLM's 30522 words x the thin width) leave the trainable count; nothing else does
+    assert config["vocab_size"] == 30522
+    assert runs["False"][0]["trainable_params"] - runs["True"][0]["trainable_params"] == 30522 * config["hidden_size"]
     assert tensor(frozen, word).equal(tensor(before, word))
     assert not tensor(full, word).equal(tensor(before, word))
     assert not tensor(frozen, layer).equal(tensor(before, layer))
 
 
 @pytest.mark.slow  # trains the glue job in-process
-def test_glue_resumes_a_checkpoint_that_trained_its_embeddings_and_refuses_a_mismatch(tmp_path):
+def test_glue_resumes_a_checkpoint_that_trained_its_embeddings_and_refuses_a_mismatch(tmp_path, small_model):
     """A run checkpointed before frozen embeddings were the default resumes as it was started; forcing the
     other choice is a one-line error, not the Trainer's optimizer-group traceback."""
     import subprocess
@@ -413,7 +415,8 @@ def test_glue_resumes_a_checkpoint_that_trained_its_embeddings_and_refuses_a_mis
         if resume:
             env["XC_RESUME_FROM"] = str(resume)
         return subprocess.run([sys.executable, "-m", "training.jobs.glue", "--max_steps", "4", "--max_train_samples", "64",
-                               "--max_eval_samples", "16", *flags, "--output_dir", str(tmp_path / out)], cwd=ROOT,
+                               "--max_eval_samples", "16", *flags, "--model_name_or_path", small_model,
+                               "--output_dir", str(tmp_path / out)], cwd=ROOT,
                               capture_output=True, text=True, check=False, timeout=600, env=env)
 
     first = glue("first", "--freeze_embeddings", "False")
@@ -429,5 +432,7 @@ def test_glue_resumes_a_checkpoint_that_trained_its_embeddings_and_refuses_a_mis
     forced = glue("forced", "--freeze_embeddings", "True", resume=checkpoint)
     assert forced.returncode == 2
     last = forced.stderr.strip().splitlines()[-1]
-    assert last.startswith("error: XC_RESUME_FROM") and "stepped 105 parameter tensors but this job trains 104" in last
+    counts = re.search(r"stepped (\d+) parameter tensors but this job trains (\d+)", last)
+    assert last.startswith("error: XC_RESUME_FROM") and counts, last
+    assert int(counts.group(1)) == int(counts.group(2)) + 1  # the word embeddings, which the checkpoint trained
     assert not (tmp_path / "forced" / "results.json").exists()
