@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import processes_with_cmdline, processes_with_env, start_cluster
+from conftest import PACE, processes_with_cmdline, processes_with_env, start_cluster
 
 from launch.life import records
 from launch.run import DEMO_ARGS
@@ -134,9 +134,10 @@ def test_two_node_glue_run_learns_and_records_everything(uninterrupted_demo):
     assert 0.4 < first < 0.95, first
 
 
-def test_comm_hook_bf16_reaches_ddp_on_both_nodes(cluster2):
+def test_comm_hook_bf16_reaches_ddp_on_both_nodes(cluster2, small_model):
     before = cluster2.run_dirs()
-    res = cluster2.fab("train", "--nodes", "2", "--comm-hook", "bf16", "--", *TINY_ARGS, timeout=600)
+    res = cluster2.fab("train", "--nodes", "2", "--comm-hook", "bf16", "--", *TINY_ARGS, "--model_name_or_path", small_model,
+                       timeout=600)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     assert "gradients on the wire: bf16 (--comm-hook none for fp32)" in res.stdout
     run_dir = cluster2.runs / (cluster2.run_dirs() - before).pop()
@@ -162,10 +163,10 @@ def test_user_script_runs_unchanged_with_rank_variables(cluster2, tmp_path):
     assert "[1 node1] rank 1 of 2 on node1 sum 3" in res.stdout
 
 
-def test_killed_rank_fails_the_whole_job_quickly_and_leaves_nothing(cluster2):
+def test_killed_rank_fails_the_whole_job_quickly_and_leaves_nothing(cluster2, small_model):
     before = cluster2.run_dirs()
     with cluster2.start("train", "--nodes", "2", "--", "--num_train_epochs", "50", "--per_device_train_batch_size", "8",
-                        merge=True) as running:
+                        "--model_name_or_path", small_model, merge=True) as running:
         running.wait_for("[progress] step", 240)
         run_id = (cluster2.run_dirs() - before).pop()
         victims = [p for p in processes_with_env(f"XC_RUN_ID={run_id}")
@@ -255,10 +256,10 @@ def test_local_down_stops_exactly_its_own_processes(tmp_path):
     assert "no local cluster" in lc.fab("local-down", check=True).stdout
 
 
-def test_four_node_run(tmp_path):
+def test_four_node_run(tmp_path, small_model):
     lc = start_cluster(tmp_path, 4)  # own cluster: four nodes
     try:
-        res = lc.fab("train", "--nodes", "4", "--", *TINY_ARGS, timeout=600)
+        res = lc.fab("train", "--nodes", "4", "--", *TINY_ARGS, "--model_name_or_path", small_model, timeout=600)
         assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
         for i in range(4):
             assert f"[{i} node{i}] rank {i}/4" in res.stdout
@@ -319,9 +320,10 @@ def test_a_corrupt_state_file_is_one_line_and_local_down_still_stops_the_nodes(t
     fab("local-down", env=lc.env, timeout=60)
 
 
-def test_one_ctrl_c_stops_the_run_within_seconds_and_leaves_nothing(cluster2):
+def test_one_ctrl_c_stops_the_run_within_seconds_and_leaves_nothing(cluster2, small_model):
     before = cluster2.run_dirs()
-    with cluster2.start("train", "--nodes", "2", "--save-every", "0", "--", *DEMO_ARGS) as running:
+    with cluster2.start("train", "--nodes", "2", "--save-every", "0", *PACE, "--", *DEMO_ARGS, "--model_name_or_path",
+                        small_model) as running:
         running.wait_for("[progress] step", 400)
         running.signal(signal.SIGINT)
         pressed = time.monotonic()
