@@ -31,8 +31,9 @@ CLM_ARGS = ["--max_train_samples", "512", "--max_eval_samples", "64", "--num_tra
 
 def job_env(**extra: str) -> dict:
     """The environment of a job run in a subprocess here: one thread, as each rank on a local node has; two
-    would spin against the other workers' ranks on this 2-core machine (~25% more CPU for the same run)."""
-    return {**os.environ, "OMP_NUM_THREADS": "1", **extra}
+    would spin against the other workers' ranks on this 2-core machine (~25% more CPU for the same run). A precision,
+    as fab's launcher gives every rank: without one the job times bf16 against fp32 itself (~2 CPU-s)."""
+    return {**os.environ, "OMP_NUM_THREADS": "1", "XC_PRECISION": "fp32", **extra}
 
 
 @pytest.fixture(scope="module")
