@@ -9,7 +9,7 @@ import json
 import re
 
 import pytest
-from conftest import processes_with_env
+from conftest import processes_with_env, progress_step, wait_until
 from fake_imds import FakeIMDS
 
 from launch.life import records
@@ -66,51 +66,41 @@ def test_the_node_completes_its_lifecycle_action_with_continue(tmp_path, monkeyp
 
 @pytest.mark.cluster
 @pytest.mark.slow
-def test_a_group_termination_checkpoints_exits_75_names_its_cause_and_resumes(cluster2, small_model):
+def test_a_rebalance_checkpoints_while_the_run_goes_on_then_a_group_termination_exits_75_and_resumes(cluster2,
+                                                                                                   small_model):
+    """One run for both (each run's ranks are CPU the suite waits for): a rebalance recommendation puts a checkpoint in
+    the store while training goes on; then the group's termination checkpoints again, the run exits 75 naming its
+    cause, and it resumes from that checkpoint."""
     imds = FakeIMDS()
     before = cluster2.run_dirs()
+    store = cluster2.runs.parent / "store" / "runs"  # the local store
     try:
-        proc, _ = imds.train_until(cluster2, FakeIMDS.short_args(small_model), trigger=FakeIMDS.terminate_by_group)
-        out, err = proc.stdout, proc.stderr
+        with cluster2.start("train", "--nodes", "2", "--save-every", "0", *imds.train_env(), "--",
+                            *FakeIMDS.short_args(small_model)) as running:
+            running.wait_for(lambda line: (progress_step(line) or 0) >= 5, 400)
+            run_id = (cluster2.run_dirs() - before).pop()
+            imds.recommend_rebalance()
+            rebalanced = int(running.wait_for(re.compile(r"\[rebalance\] step=(\d+)"), 120).group(1))
+            marker = store / run_id / "checkpoints" / f"checkpoint-{rebalanced}" / spot.COMPLETE_MARKER
+            wait_until("the rebalance checkpoint in the store", marker.is_file, 120, poll=0.5)
+            assert running.proc.poll() is None  # it reached the store while the run went on
+            imds.terminate_by_group()
+            proc = running.finish(600)
     finally:
         imds.close()
-    run_id = (cluster2.run_dirs() - before).pop()
+    out, err = proc.stdout, proc.stderr
     assert proc.returncode == 75, out[-3000:] + err[-3000:]
     summary = records.load(cluster2.runs / run_id).to_json()
     assert summary["status"] == "preempted" and summary["cause"] == "group termination", summary
     step = summary["preempted"]["step"]
-    ckpt = cluster2.runs.parent / "store" / "runs" / run_id / "checkpoints" / f"checkpoint-{step}"  # the local store
-    assert (ckpt / spot.COMPLETE_MARKER).is_file()
+    assert step > rebalanced  # training went on after the rebalance's checkpoint
+    assert (store / run_id / "checkpoints" / f"checkpoint-{step}" / spot.COMPLETE_MARKER).is_file()
     assert not [ln for ln in imds.requests if "spot/instance-action" in ln[1] and ln[2] == 200]  # no spot notice
     assert processes_with_env(f"XC_RUN_ID={run_id}") == []
-
     res = cluster2.fab("train", "--resume", run_id, timeout=900)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     resumed = (cluster2.run_dirs() - before - {run_id}).pop()
     assert json.loads((cluster2.runs / resumed / "results.json").read_text())["resumed_from_step"] == step
-
-
-@pytest.mark.cluster
-@pytest.mark.slow
-def test_a_rebalance_recommendation_checkpoints_while_the_run_goes_on(cluster2, small_model):
-    imds = FakeIMDS()
-    before = cluster2.run_dirs()
-    try:
-        proc, _ = imds.train_until(cluster2, FakeIMDS.short_args(small_model), trigger=FakeIMDS.recommend_rebalance)
-        out, err = proc.stdout, proc.stderr
-    finally:
-        imds.close()
-    run_id = (cluster2.run_dirs() - before).pop()
-    assert proc.returncode == 0, out[-3000:] + err[-3000:]
-    m = re.search(r"\[rebalance\] step=(\d+)", out)
-    assert m, out[-3000:]
-    step = int(m.group(1))
-    summary = records.load(cluster2.runs / run_id).to_json()
-    assert summary["status"] == "ok"
-    total = json.loads((cluster2.runs / run_id / "output" / "trainer_state.json").read_text())["global_step"]
-    assert total > step  # training went on after the checkpoint
-    ckpt = cluster2.runs.parent / "store" / "runs" / run_id / "checkpoints" / f"checkpoint-{step}"  # the local store
-    assert (ckpt / spot.COMPLETE_MARKER).is_file(), ckpt
 
 
 def test_node_0_without_a_store_keeps_its_node_until_the_heartbeat_ends(monkeypatch):
