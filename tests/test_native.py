@@ -70,6 +70,24 @@ def test_the_node_side_check_builds_and_loads_the_library():
     assert Path(got["detail"].rsplit(": ", 1)[1]).is_file()
 
 
+@NEEDS_GCC
+def test_the_node_side_check_remembers_a_load_and_then_needs_no_torch_import(tmp_path):
+    """fab doctor and each cluster's first run ask every node: a load this venv's torch made before is read from a
+    stamp beside the library instead of importing torch (~1.7 CPU-s). Shown with a `torch` that cannot import."""
+    first = _check({})
+    assert first["ok"] is True
+    library = Path(first["detail"].rsplit(": ", 1)[1])
+    assert list(library.parent.glob(library.name + ".loaded-*"))
+    broken = tmp_path / "shadow" / "torch"
+    broken.mkdir(parents=True)
+    (broken / "__init__.py").write_text("raise ImportError('this torch cannot import')\n")
+    assert _check({"PYTHONPATH": str(broken.parent)}) == first
+    for stamp in library.parent.glob(library.name + ".loaded-*"):
+        stamp.unlink()
+    assert _check({"PYTHONPATH": str(broken.parent)}) == {
+        "ok": None, "detail": "built, not loaded: this torch cannot import (no job runs on this python)"}
+
+
 def test_the_node_side_check_without_the_kernels_says_so():
     assert _check({native.ENV: "0"}) == {"ok": False, "detail": "XC_NATIVE_KERNELS=0: torch's own ops"}
     # no gcc on PATH: not built, with the compiler's absence as the reason
