@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import shlex
 import shutil
 import threading
@@ -155,25 +156,13 @@ def draw_loss(state_file: Path, png: Path) -> Path | None:
         history = json.loads(state_file.read_text()).get("log_history", [])
     except (OSError, ValueError):
         return None
-    train = [(h["step"], h["loss"]) for h in history if "loss" in h and "step" in h]
-    evals = [(h["step"], h["eval_loss"]) for h in history if "eval_loss" in h and "step" in h]
+    def points(key: str) -> list[tuple[float, float]]:  # a diverged run logs nan or inf: not drawable
+        return [(h["step"], h[key]) for h in history if key in h and "step" in h and math.isfinite(h[key])]
+
+    train, evals = points("loss"), points("eval_loss")
     if not train and not evals:
         return None
-    import matplotlib
+    from launch.ship.chart import line_chart
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6, 3.5))
-    if train:
-        ax.plot(*zip(*train), label="train loss")
-    if evals:
-        ax.plot(*zip(*evals), "o-", label="eval loss")
-    ax.set_xlabel("step")
-    ax.set_ylabel("loss")
-    ax.legend()
-    ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(png, dpi=100)
-    plt.close(fig)
-    return png
+    series = [("train loss", train, "line")] if train else []
+    return line_chart(series + ([("eval loss", evals, "points")] if evals else []), png, "step", "loss")
