@@ -1,6 +1,7 @@
 """Fabric connections with verified host keys, and parallel fan-out over nodes."""
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import threading
@@ -59,16 +60,75 @@ class _Reject(paramiko.MissingHostKeyPolicy):
         raise _Unknown(hostname)
 
 
+# A fab command talks to each node some twenty times in its first seconds (plan, lock, keys, stage, launch); a new
+# SSH session costs ~25 ms of CPU between paramiko and sshd and ~75 ms of waiting, a command on an open one ~7 ms.
+# So a connection left by a `with connect(...)` block is kept and handed, to one caller at a time, to the next
+# connect() of the same node within REUSE_S. Only that briefly: a link cut meanwhile would show as a command's
+# timeout, not the connect's; older ones are closed. A connection whose block raised is closed, never kept.
+REUSE_S = 2.0
+_idle: dict[tuple, list[tuple[float, Connection]]] = {}
+_idle_lock = threading.Lock()
+
+
+class _Kept(Connection):
+    """A Connection whose `with` block hands it back for reuse instead of closing it (close() still closes)."""
+
+    def __exit__(self, *exc) -> None:
+        if exc[0] is not None or not self.is_connected:
+            self.close()
+            return
+        with _idle_lock:
+            _idle.setdefault(self._xc_key, []).append((time.monotonic(), self))
+
+
+def _reusable(key: tuple) -> Connection | None:
+    now, found, stale = time.monotonic(), None, []
+    with _idle_lock:
+        for k in list(_idle):
+            keep = []
+            for at, conn in reversed(_idle[k]):  # the most recently used first
+                if found is None and k == key and now - at < REUSE_S and conn.is_connected:
+                    found = conn
+                elif now - at < REUSE_S:
+                    keep.append((at, conn))
+                else:
+                    stale.append(conn)
+            if keep:
+                _idle[k] = keep[::-1]
+            else:
+                del _idle[k]
+    for conn in stale:
+        conn.close()
+    return found
+
+
+def close_idle() -> None:
+    """Close every kept connection (at exit, and where a caller wants none left open)."""
+    with _idle_lock:
+        conns = [c for held in _idle.values() for _, c in held]
+        _idle.clear()
+    for conn in conns:
+        conn.close()
+
+
+atexit.register(close_idle)
+
+
 def connect(node: Node, timeout: float = 10.0) -> Connection:
-    """An open Connection; unknown or changed host keys are refused, never added."""
-    kwargs: dict = {"timeout": timeout, "banner_timeout": timeout, "auth_timeout": timeout}
+    """An open Connection; unknown or changed host keys are refused, never added. Within REUSE_S of a `with`
+    block's end, that block's connection to the same node, as the same user with the same key and known_hosts."""
     identity = node.labels.get("identity") or os.environ.get("XC_SSH_KEY")
+    key = (node.host, node.port, node.user, identity, tuple(map(str, known_hosts_files(node))))
+    kept = _reusable(key)
+    if kept is not None:
+        return kept
+    kwargs: dict = {"timeout": timeout, "banner_timeout": timeout, "auth_timeout": timeout}
     if identity:
         kwargs["key_filename"] = str(Path(identity).expanduser())
         kwargs["look_for_keys"] = False
         kwargs["allow_agent"] = False
-    conn = Connection(node.host, user=node.user, port=node.port, connect_kwargs=kwargs,
-                      inline_ssh_env=True)
+    conn = _Kept(node.host, user=node.user, port=node.port, connect_kwargs=kwargs, inline_ssh_env=True)
+    conn._xc_key = key
     conn.client.set_missing_host_key_policy(_Reject())
     for f in known_hosts_files(node):
         conn.client.load_host_keys(str(f))

@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import PACE, processes_with_cmdline, processes_with_env, start_cluster
+from conftest import PACE, processes_with_cmdline, processes_with_env, start_cluster, wait_until
 
 from launch.life import records
 from launch.run import DEMO_ARGS
@@ -488,3 +488,37 @@ def test_a_local_node_counts_only_its_own_clusters_runs(cluster2, tmp_path, monk
     finally:
         other.fab("local-down", timeout=60)
     assert processes_with_env(f"XC_RUN_ID={run_id}") == []
+
+
+def test_a_connection_is_reused_briefly_by_one_caller_at_a_time_and_closed_after_a_failure(cluster2, monkeypatch):
+    from cluster import remote
+    from cluster.resolve import open_cluster
+
+    for key, value in cluster2.env.items():
+        monkeypatch.setenv(key, value)
+    node = open_cluster().nodes[0]
+
+    def session(conn) -> str:  # the sshd process serving this connection: the parent of the login shell
+        return remote.run(conn, "ps -o ppid= -p $$").stdout.strip()
+
+    remote.close_idle()
+    with remote.connect(node) as conn:
+        first = session(conn)
+        with remote.connect(node) as other:  # held meanwhile: a connection of its own
+            assert session(other) != first
+    with remote.connect(node) as conn:  # right after: the first block's, not a new login
+        assert session(conn) == first
+    monkeypatch.setattr(remote, "REUSE_S", 0.2)
+    time.sleep(0.3)
+    with remote.connect(node) as conn:  # kept too long: closed, and a new login
+        second = session(conn)
+    assert second != first
+    wait_until("the closed connection's sshd to end", lambda: not os.path.exists(f"/proc/{first}"), 10)
+    with pytest.raises(RuntimeError), remote.connect(node) as conn:
+        assert session(conn) == second
+        raise RuntimeError("a block that fails does not hand its connection on")
+    assert not conn.is_connected
+    with remote.connect(node) as conn:
+        assert session(conn) not in (first, second)
+    remote.close_idle()
+    assert not conn.is_connected
