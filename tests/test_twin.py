@@ -148,8 +148,9 @@ def test_the_head_supervises_is_replaced_and_recovers_a_spot_notice_with_the_ope
     under its home) and reaches the nodes with the mesh key from SSM. The head killed mid-run: the group's replacement
     takes the chain over at boot (a new supervisor, from the code in the store) and the run goes on. Then the
     operator's runs/ deleted and a spot notice on node1: the checkpoint reaches S3, the group replaces node1 (which
-    authorizes the mesh key at boot), the head restarts the run there and it ends ok; a second checkout lists the
-    chain and pulls its outputs from the store."""
+    authorizes the mesh key at boot), the head restarts the run there and it ends ok; a second checkout follows the
+    taken-over run's log through that restart to the end (fab logs -f), lists the chain and pulls its outputs from
+    the store."""
     from cluster import shipping
 
     before = twin.group_ids("twin-nodes")
@@ -200,18 +201,24 @@ def test_the_head_supervises_is_replaced_and_recovers_a_spot_notice_with_the_ope
     print(f"head killed -> its replacement supervises the chain: {took_s:.1f}s (heartbeat every 2 s, stale after 8 s)")
     shutil.rmtree(twin.env["XC_RUNS_DIR"], ignore_errors=True)  # nothing of the run is kept on this machine
     node1 = twin.status_ids()["twin-1"]
-    # 30 s to checkpoint into S3 before EC2 takes node1 (AWS gives 120): at 5 s a loaded machine lost the race and
-    # the run was recorded failed (no durable checkpoint), then restarted from step 0
-    said = twin.fab("local-notice", "node1", "--kind", "spot", "--after", "30", timeout=60)
-    assert said.returncode == 0 and node1 in said.stdout, said.stdout + said.stderr
-    after = twin.wait_replaced(node1, timeout=150)  # EC2 took it, the group launched another, which booted as a node
-    assert node1 in before and len(after - before) == 1
-    # from a second checkout (nothing of this one's state or runs), pointed at the twin by the printed line
+    # from a second checkout (nothing of this one's state or runs), pointed at the twin by the printed line; it
+    # follows the taken-over run's log from the store, through the restart below, to the chain's end
     elsewhere = {**twin.env, "XC_STATE_DIR": str(tmp_path / "state"), "XC_RUNS_DIR": str(tmp_path / "runs")}
-    chain = wait_until("the chain's end", lambda: (c := _chain(elsewhere, first)) and c[-1][1] in ("ok", "failed")
-                       and c, 600, poll=6)  # each look is a fab runs (~0.8 CPU-s)
-    assert [s.split(" -> ")[0] for _, s in chain] == ["preempted", "ok"], chain
+    with FabProcess("logs", first, "-f", env=elsewhere, merge=True) as follow:
+        # 30 s to checkpoint into S3 before EC2 takes node1 (AWS gives 120): at 5 s a loaded machine lost the race
+        # and the run was recorded failed (no durable checkpoint), then restarted from step 0
+        said = twin.fab("local-notice", "node1", "--kind", "spot", "--after", "30", timeout=60)
+        assert said.returncode == 0 and node1 in said.stdout, said.stdout + said.stderr
+        after = twin.wait_replaced(node1, timeout=150)  # EC2 took it, the group launched another, which booted
+        assert node1 in before and len(after - before) == 1
+        followed = follow.finish(600)
+    chain = _chain(elsewhere, first)
+    assert [s.split(" -> ")[0] for _, s in chain] == ["preempted", "ok"], (chain, followed.stdout[-3000:])
     resumed = chain[-1][0]
+    lines = followed.stdout.strip().splitlines()
+    assert followed.returncode == 0 and f"run {first} preempted; resumed as run {resumed}" in lines, lines[-30:]
+    assert lines[-1].startswith(f"run {resumed} finished in "), lines[-30:]
+    assert "[progress] step" in followed.stdout
     bucket, prefix = twin.env["XC_STORE"][5:].split("/", 1)
     keys = [o["Key"] for o in twin.client("s3").list_objects_v2(Bucket=bucket, Prefix=f"{prefix}/runs/{first}/")
             .get("Contents", [])]
