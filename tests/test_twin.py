@@ -174,7 +174,7 @@ def test_the_head_supervises_is_replaced_and_recovers_a_spot_notice_with_the_ope
         """pid -> network namespace of each process supervising the chain, each checked to run the shipped code."""
         found = {}
         for pid in processes_with_env(f"XC_SUPERVISOR={first}"):
-            ns = subprocess.run(["ip", "netns", "identify", str(pid)], capture_output=True, text=True)
+            ns = subprocess.run(["ip", "netns", "identify", str(pid)], check=False, capture_output=True, text=True)
             try:
                 cwd = os.readlink(f"/proc/{pid}/cwd")
             except FileNotFoundError:
@@ -199,12 +199,16 @@ def test_the_head_supervises_is_replaced_and_recovers_a_spot_notice_with_the_ope
     assert set(taken.values()) == {new_head}
     assert processes_with_env(f"XC_RUN_ID={first}")  # its ranks never stopped: node 0's wrapper holds them
     print(f"head killed -> its replacement supervises the chain: {took_s:.1f}s (heartbeat every 2 s, stale after 8 s)")
+    stored = _steps(twin, first)  # what the store has of its log now: the killed head's parts, maybe some of the new
     shutil.rmtree(twin.env["XC_RUNS_DIR"], ignore_errors=True)  # nothing of the run is kept on this machine
     node1 = twin.status_ids()["twin-1"]
     # from a second checkout (nothing of this one's state or runs), pointed at the twin by the printed line; it
     # follows the taken-over run's log from the store, through the restart below, to the chain's end
     elsewhere = {**twin.env, "XC_STATE_DIR": str(tmp_path / "state"), "XC_RUNS_DIR": str(tmp_path / "runs")}
     with FabProcess("logs", first, "-f", env=elsewhere, merge=True) as follow:
+        # the taken-over run's own progress, live: later steps than the store had reach it only from the new head
+        follow.wait_for(lambda line: (progress_step(line) or 0) > stored, 120)
+        assert _chain(elsewhere, first) == [(first, "running")]  # shown while it goes on, not at its end
         # 30 s to checkpoint into S3 before EC2 takes node1 (AWS gives 120): at 5 s a loaded machine lost the race
         # and the run was recorded failed (no durable checkpoint), then restarted from step 0
         said = twin.fab("local-notice", "node1", "--kind", "spot", "--after", "30", timeout=60)

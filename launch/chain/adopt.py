@@ -118,9 +118,14 @@ def pending_outcome(url: str, chain: str, runs_dir: Path, out) -> tuple[RunRecor
         out.write(f"run {rec.run_id}: taken over by this head's supervisor (pid {os.getpid()}); following it\n")
         out.flush()
         master = detach.master_node(rec)
-        while rec.status == Status.RUNNING:
-            time.sleep(POLL_S)
-            rec = detach.conclude(run_dir, master, out, follower=True)
+        mirror = detach.LogMirror(run_dir, rec)  # the log reaches the store as it grows, not only at the end
+        try:
+            while rec.status == Status.RUNNING:
+                time.sleep(POLL_S)
+                mirror.step(master)
+                rec = detach.conclude(run_dir, master, out, follower=True)
+        finally:
+            mirror.close()
     return rec, ids
 
 

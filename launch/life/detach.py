@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import io
 import logging
+import os
 import shlex
 import time
 from dataclasses import dataclass, field
@@ -168,6 +169,34 @@ def conclude(run_dir: Path, master: Node, out: TextIO | None, follower: bool = F
         log.debug("run %s ended: %s", rec.run_id, exc)
     lock.release(nodes, plan.run_id)
     return records.load(run_dir)
+
+
+class LogMirror:
+    """runs/<id>/log.txt of a run taken over while it goes on (launch.chain.adopt), appended from node 0's mpirun.log
+    as it grows: whole lines, routed as the first supervisor routed them, so the head's Beat publishes them to the
+    store for `fab logs -f` before the run ends. conclude() writes the whole log at the end."""
+
+    def __init__(self, run_dir: Path, rec: RunRecord):
+        self.path, self.remote, self.offset = run_dir / "log.txt", rec.remote_run, 0
+        self.file, self.shown = self.path.open("w"), open(os.devnull, "w")  # noqa: SIM115 - closed by close()
+        self.router = OutputRouter(log_plan(rec), self.shown, self.file)
+
+    def step(self, master: Node) -> None:
+        """What node 0's log gained since the last step; a node that does not answer now is asked next time."""
+        try:
+            with connect(master) as conn:
+                res = run(conn, f"tail -c +{self.offset + 1} {shlex.quote(self.remote)}/mpirun.log",
+                          purpose="the run's log", timeout=30)
+        except ClusterError as exc:
+            log.debug("the log of %s: %s", self.remote, exc)
+            return
+        text = res.stdout[:res.stdout.rfind("\n") + 1] if res.ok else ""
+        self.offset += len(text.encode())
+        self.router.write(text)
+
+    def close(self) -> None:
+        self.file.close()
+        self.shown.close()
 
 
 def _bring_home(master: Node, remote_out: str, run_dir: Path) -> None:
