@@ -156,13 +156,14 @@ def draw_loss(state_file: Path, png: Path) -> Path | None:
         history = json.loads(state_file.read_text()).get("log_history", [])
     except (OSError, ValueError):
         return None
+
     def points(key: str) -> list[tuple[float, float]]:  # a diverged run logs nan or inf: not drawable
         return [(h["step"], h[key]) for h in history if key in h and "step" in h and math.isfinite(h[key])]
 
-    train, evals = points("loss"), points("eval_loss")
-    if not train and not evals:
+    series = [(name, pts, style) for name, pts, style in (("train loss", points("loss"), "line"),
+                                                          ("eval loss", points("eval_loss"), "points")) if pts]
+    if not series:
         return None
     from launch.ship.chart import line_chart
 
-    series = [("train loss", train, "line")] if train else []
-    return line_chart(series + ([("eval loss", evals, "points")] if evals else []), png, "step", "loss")
+    return line_chart(series, png, "step", "loss")
