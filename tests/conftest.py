@@ -19,6 +19,9 @@ from typing import Self
 
 import pytest
 
+# the moto fixtures are defined here once: a session fixture that each module imported was one server per module
+from moto_fixture import aws_env, moto_server  # noqa: F401
+
 ROOT = Path(__file__).resolve().parent.parent
 FAB = [sys.executable, "-m", "fabric"]
 

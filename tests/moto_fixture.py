@@ -1,5 +1,6 @@
 """A real moto EC2 server on 127.0.0.1, started as a subprocess: boto3 talks HTTP to it exactly as
-it would to AWS. Import the fixtures into a test module: ``from moto_fixture import aws_env, moto_server``.
+it would to AWS. conftest.py registers the fixtures (aws_env, moto_server) for every module, so that each pytest
+worker starts one server: a session fixture imported into a module is that module's own, one server per module.
 """
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ def _free_port() -> int:
 
 @pytest.fixture(scope="session")
 def moto_server():
-    """URL of a moto server process, shared by the session and stopped at its end."""
+    """URL of a moto server process, shared by the worker's modules and stopped at the session's end."""
     port = _free_port()
     # a file, not a pipe: nobody reads moto's request log, and a full pipe would freeze the server
     # (a call moto lacks, e.g. Image Builder's, logs a whole traceback)

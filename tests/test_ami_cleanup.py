@@ -7,7 +7,6 @@ import pytest
 
 from infra.amis import AmiCleanupProvider, delete_ami
 
-moto_server, aws_env = moto_fixture.moto_server, moto_fixture.aws_env
 pytestmark = pytest.mark.filterwarnings("ignore:.*EncryptionControl has been deprecated:DeprecationWarning")
 
 

@@ -25,7 +25,6 @@ from infra import cost
 AMI = "ami-0123456789abcdef0"
 REGION = moto_fixture.REGION
 isolate_aws = moto_fixture.isolate_aws
-moto_server, aws_env = moto_fixture.moto_server, moto_fixture.aws_env  # fixtures, shared with other modules
 
 
 def ec2():

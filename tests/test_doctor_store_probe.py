@@ -17,7 +17,6 @@ from doctor import store as doctor_store
 from training.runtime import store as shared
 from training.runtime.store import S3Store, StoreError
 
-moto_server, aws_env = moto_fixture.moto_server, moto_fixture.aws_env
 BUCKET, PREFIX = "xc-doc-store", "doc"
 URL = f"s3://{BUCKET}/{PREFIX}"
 ACTION = {"HeadBucket": "s3:ListBucket", "ListObjectsV2": "s3:ListBucket", "ListObjects": "s3:ListBucket",

@@ -33,7 +33,6 @@ from core.constants import TAG_CLUSTER, TAG_HOST_KEY, TAG_ROLE
 from core.ec2 import ec2_client
 from core.errors import ClusterError
 
-moto_server, aws_env = moto_fixture.moto_server, moto_fixture.aws_env
 ROOT = Path(__file__).resolve().parent.parent
 
 # Real keys (ssh-keygen), as cloud-init prints them from /etc/ssh/ssh_host_*_key.pub.

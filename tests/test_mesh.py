@@ -20,7 +20,6 @@ from infra.policies import SECRETS_ROOT, mesh_key_parameter
 
 ROOT = Path(__file__).resolve().parent.parent
 PUBLISHER = ROOT / "node_setup" / "publish_host_keys.py"
-moto_server, aws_env = moto_fixture.moto_server, moto_fixture.aws_env
 
 
 def _key(folder: Path) -> Path:

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 from fake_imds import FakeIMDS
-from moto_fixture import aws_env, client, moto_server  # noqa: F401
+from moto_fixture import client
 
 from training.runtime import notice, preempt, publish, spot
 from training.runtime import store as shared
@@ -85,7 +85,7 @@ def _raise_at(step: int, action):
 
 
 @pytest.fixture
-def spot_env(aws_env, monkeypatch, tmp_path):  # noqa: F811
+def spot_env(aws_env, monkeypatch, tmp_path):
     imds = FakeIMDS()
     proxy = CutProxy(aws_env)
     client("s3").create_bucket(Bucket=BUCKET)

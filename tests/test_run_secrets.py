@@ -13,8 +13,6 @@ from launch.chain import adopt
 from launch.plan.request import TrainRequest
 from launch.ship import run_secrets
 
-moto_server, aws_env = moto_fixture.moto_server, moto_fixture.aws_env
-
 
 def test_put_then_a_head_reads_them_back_and_the_chains_end_deletes_them(aws_env):
     values = {f"KEY_{i}": f"value-{i}-hush" for i in range(12)}  # more than one GetParameters call takes

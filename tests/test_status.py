@@ -9,8 +9,6 @@ import pytest
 from conftest import fab, free_cluster_port
 from test_discovery_aws import fake_pulumi, launch
 
-moto_server, aws_env = moto_fixture.moto_server, moto_fixture.aws_env
-
 
 @pytest.mark.cluster
 def test_status_of_a_local_cluster_shows_each_node_and_a_down_one(tmp_path):

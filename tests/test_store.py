@@ -11,7 +11,7 @@ import time
 import urllib.request
 
 import pytest
-from moto_fixture import REGION, _free_port, aws_env, client, moto_server  # noqa: F401
+from moto_fixture import _free_port, client
 
 from cluster import store as store_lib
 from core.errors import ClusterError
@@ -22,7 +22,7 @@ BUCKET = "xc-test-store"
 
 
 @pytest.fixture
-def s3(aws_env, monkeypatch):  # noqa: F811
+def s3(aws_env, monkeypatch):
     """s3://BUCKET/cl1 on the moto server, reached the way the ranks reach it (XC_S3_ENDPOINT_URL)."""
     monkeypatch.setenv("XC_S3_ENDPOINT_URL", aws_env)
     client("s3").create_bucket(Bucket=BUCKET)
@@ -226,7 +226,7 @@ def strict_moto(tmp_path, monkeypatch):
     proc.wait()
 
 
-def test_access_denied_is_one_line_with_the_fix(aws_env, strict_moto, monkeypatch):  # noqa: F811
+def test_access_denied_is_one_line_with_the_fix(aws_env, strict_moto, monkeypatch):
     monkeypatch.setenv("XC_S3_ENDPOINT_URL", strict_moto)
     with pytest.raises(ClusterError, match=r"store s3://any-bucket/p: access denied \(\w+\); allow "
                                            "s3:GetObject"):

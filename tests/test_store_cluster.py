@@ -10,7 +10,7 @@ import shutil
 import pytest
 from conftest import progress_steps
 from fake_imds import FakeIMDS
-from moto_fixture import aws_env, client, moto_server  # noqa: F401
+from moto_fixture import client
 
 from training.runtime import spot
 
@@ -20,7 +20,7 @@ BUCKET = "xc-cluster-store"
 
 
 
-def test_preempted_to_s3_resumed_from_s3_and_pulled(cluster2, aws_env, small_model, monkeypatch, tmp_path):  # noqa: F811
+def test_preempted_to_s3_resumed_from_s3_and_pulled(cluster2, aws_env, small_model, monkeypatch, tmp_path):
     monkeypatch.setenv("XC_S3_ENDPOINT_URL", aws_env)
     s3 = client("s3")
     s3.create_bucket(Bucket=BUCKET)
@@ -83,7 +83,7 @@ def test_preempted_to_s3_resumed_from_s3_and_pulled(cluster2, aws_env, small_mod
 
 
 @pytest.mark.cluster
-def test_doctor_has_a_store_row_per_node(cluster2, aws_env, monkeypatch):  # noqa: F811
+def test_doctor_has_a_store_row_per_node(cluster2, aws_env, monkeypatch):
     monkeypatch.setenv("XC_S3_ENDPOINT_URL", aws_env)
     client("s3").create_bucket(Bucket="xc-doctor-store")
     ok = cluster2.fab("doctor", "--quick", "--store", "s3://xc-doctor-store/p", timeout=300)
@@ -109,7 +109,7 @@ raise SystemExit("rank 1 gives up")
 
 
 @pytest.mark.cluster
-def test_a_failed_runs_outputs_and_records_reach_the_store(cluster2, aws_env, monkeypatch, tmp_path):  # noqa: F811
+def test_a_failed_runs_outputs_and_records_reach_the_store(cluster2, aws_env, monkeypatch, tmp_path):
     """Outputs go to the store whatever the ending: what came home of a failed run goes beside its records."""
     monkeypatch.setenv("XC_S3_ENDPOINT_URL", aws_env)
     client("s3").create_bucket(Bucket="xc-failed-store")

@@ -9,7 +9,7 @@ import os
 from pathlib import Path
 
 import pytest
-from moto_fixture import aws_env, client, moto_server  # noqa: F401
+from moto_fixture import client
 
 from cluster import store as store_lib
 from infra.store import CHECKPOINT_TAG_KEY, NONCURRENT_LOG_DAYS
@@ -23,7 +23,7 @@ LINE = b"[0] [progress] step %05d/12000 loss 0.4321 lr 2.0e-05 samples/s 22.15 "
 
 
 @pytest.fixture
-def s3(aws_env, monkeypatch):  # noqa: F811
+def s3(aws_env, monkeypatch):
     monkeypatch.setenv("XC_S3_ENDPOINT_URL", aws_env)
     monkeypatch.setenv("XC_HEARTBEAT_S", str(HEARTBEAT_S))
     c = client("s3")

@@ -20,7 +20,6 @@ from core.errors import ClusterError
 
 REGION = moto_fixture.REGION
 AMI = "ami-0123456789abcdef0"
-moto_server, aws_env = moto_fixture.moto_server, moto_fixture.aws_env  # fixtures, shared with other modules
 
 
 def client(service: str):

@@ -22,7 +22,6 @@ from core.errors import ClusterError
 
 REGION = moto_fixture.REGION
 ROOT = Path(__file__).resolve().parent.parent
-moto_server, aws_env = moto_fixture.moto_server, moto_fixture.aws_env
 
 
 def buckets() -> set[str]:

@@ -8,7 +8,7 @@ import urllib.error
 import urllib.request
 
 import pytest
-from moto_fixture import aws_env, client, moto_server  # noqa: F401 - fixtures
+from moto_fixture import client
 
 from cluster import twin, twin_imds
 from core.errors import ClusterError
@@ -59,7 +59,7 @@ def test_aws_twin_needs_root_and_starts_nothing_without_it(tmp_path, monkeypatch
     assert not (tmp_path / "twin").exists()
 
 
-def test_the_pulumi_program_lands_on_moto_with_its_own_names(aws_env, tmp_path):  # noqa: F811
+def test_the_pulumi_program_lands_on_moto_with_its_own_names(aws_env, tmp_path):
     from cluster import twin_program
 
     key = tmp_path / "k"
