@@ -1,6 +1,12 @@
 # Two commands on a fresh machine: `make demo` and `make test`. Both build what they need.
 SHELL := /bin/bash
-PYTHON ?= python3
+# The interpreter the venv is made from: the distro's /usr/bin/python3 where it is 3.10+ with venv (python3-venv),
+# as on the nodes (templates/node_setup.sh.j2), else python3 on PATH; PYTHON=... picks another. Debian and Ubuntu
+# build theirs with PGO and LTO: a source build without them (pyenv's default) took 1.44 CPU-s for a pure-Python
+# loop that took it 1.04, and a rank's imports ~10% longer (docs/testing.md).
+ifeq ($(origin PYTHON),undefined)
+PYTHON := $(shell /usr/bin/python3 -c 'import sys, ensurepip; sys.exit(sys.version_info < (3, 10))' 2>/dev/null && echo /usr/bin/python3 || echo python3)
+endif
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
