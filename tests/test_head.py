@@ -263,6 +263,37 @@ def test_no_head_keeps_the_supervisor_here_even_where_the_cluster_has_a_head(mon
     assert started == ["head"]
 
 
+def test_a_taken_over_runs_log_is_mirrored_by_the_byte_whatever_a_rank_prints(cluster2, monkeypatch, tmp_path):
+    """launch.life.detach.LogMirror against a real node: node 0's mpirun.log grows in three goes, with a byte that is
+    not UTF-8 and a line still being written; log.txt gets whole lines, and nothing after the odd byte is
+    skipped (read as text, it counted 3 bytes for 1 and lost the next 2 of every later step)."""
+    from cluster import local
+    from launch.life import detach
+
+    for key, value in cluster2.env.items():
+        monkeypatch.setenv(key, value)
+    node0 = local.nodes(cluster2.state)[0]
+    remote = tmp_path / "remote"  # a local node sees this machine's folders
+    remote.mkdir()
+    log = remote / "mpirun.log"
+    rec = RunRecord(run_id="mirror-1", remote_run=str(remote), ppn=1, nodes=[{"name": "node0"}, {"name": "node1"}])
+    (tmp_path / "run").mkdir()
+    mirror = detach.LogMirror(tmp_path / "run", rec)
+    try:
+        log.write_bytes(b"[0] caf\xe9 au lait\n[1] step 1\n[0] half a li")
+        mirror.step(node0)
+        assert mirror.offset == len(b"[0] caf\xe9 au lait\n[1] step 1\n")  # the unfinished line waits
+        with log.open("ab") as f:
+            f.write(b"ne\n[1] step 2\n")
+        mirror.step(node0)
+        mirror.step(node0)  # nothing new: nothing written twice
+    finally:
+        mirror.close()
+    assert mirror.offset == log.stat().st_size
+    assert (tmp_path / "run" / "log.txt").read_text().splitlines() == [
+        "[0] caf\ufffd au lait", "[1] step 1", "[0] half a line", "[1] step 2"]  # as mpirun tagged them
+
+
 def test_an_aws_head_without_the_projects_venv_leaves_the_supervisor_here_and_says_why(cluster2, monkeypatch):
     """An AWS head boots stock Ubuntu: fab looks for the venv there (over SSH) before it starts a supervisor on it,
     and without one this machine supervises, with the line saying so. A local node stands in for the head."""

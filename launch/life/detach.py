@@ -9,6 +9,7 @@ wrapper.pid (the shell that waits for mpirun) and, once mpirun has ended, exit_c
 """
 from __future__ import annotations
 
+import base64
 import io
 import logging
 import os
@@ -185,14 +186,20 @@ class LogMirror:
         """What node 0's log gained since the last step; a node that does not answer now is asked next time."""
         try:
             with connect(master) as conn:
-                res = run(conn, f"tail -c +{self.offset + 1} {shlex.quote(self.remote)}/mpirun.log",
+                # base64: the offset counts the file's bytes, whatever a rank printed (text decoding would turn
+                # one byte that is not UTF-8 into three and skip what follows)
+                res = run(conn, f"tail -c +{self.offset + 1} {shlex.quote(self.remote)}/mpirun.log | base64 -w0",
                           purpose="the run's log", timeout=30)
         except ClusterError as exc:
             log.debug("the log of %s: %s", self.remote, exc)
             return
-        text = res.stdout[:res.stdout.rfind("\n") + 1] if res.ok else ""
-        self.offset += len(text.encode())
-        self.router.write(text)
+        try:
+            data = base64.b64decode(res.stdout.strip(), validate=True) if res.ok else b""
+        except ValueError:
+            return
+        lines = data[:data.rfind(b"\n") + 1]
+        self.offset += len(lines)
+        self.router.write(lines.decode(errors="replace"))
 
     def close(self) -> None:
         self.file.close()
