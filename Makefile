@@ -29,7 +29,7 @@ help:
 	@echo "make venv-ops - the venv alone (pulumi, fab against AWS): no sshd, no gcc"
 
 $(STAMP): pyproject.toml
-	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	@test -x $(BIN)/python || { echo "venv: $(VENV) from $$($(PYTHON) -c 'import sys; print(sys.executable, sys.version.split()[0])') (make venv PYTHON=... for another)"; $(PYTHON) -m venv $(VENV); }
 	$(BIN)/pip install -q --upgrade pip
 	@if [ "$(INSTALLER)" = uv ] && $(PIP) install -q 'uv==$(UV_VERSION)'; then \
 	  flags=$$($(BIN)/python -m core.pipconfig); \
