@@ -11,6 +11,7 @@ from __future__ import annotations
 from fabric.main import Fab, make_program
 from invoke.exceptions import CollectionNotFound
 from invoke.loader import FilesystemLoader
+from invoke.parser import parser as invoke_parser
 
 from core.constants import PROJECT_ROOT
 
@@ -27,9 +28,41 @@ class CheckoutLoader(FilesystemLoader):
         return FilesystemLoader(start=str(PROJECT_ROOT), config=self.config).find(name)
 
 
+HELP = ("--help", "-h")
+
+
+def help_anywhere() -> None:
+    """`fab TASK --help` shows the task's help even where the task takes a positional argument: invoke's parse
+    machine would take `--help` as its value (`fab local-notice --help`: "no local node '--help'"). Its machine is
+    a fluidity state machine, which cannot be subclassed, so its two methods are wrapped, once."""
+    machine = invoke_parser.ParseMachine
+    if getattr(machine, "_xc_help_anywhere", False):
+        return
+    handle, complete = machine.handle, machine.complete_context
+
+    def handle_help(self, token: str) -> None:
+        if (token in HELP and self.current_state != "unknown" and self.initial and token in self.initial.flags
+                and self.context is not None and self.context is not self.initial and self.context.name
+                and not self.waiting_for_flag_value):
+            self.initial.flags[token].value = self.context.name
+            return
+        handle(self, token)
+
+    def complete_for_help(self) -> None:
+        if (self.context is not None and self.context is not self.initial and self.initial
+                and self.context.name and self.initial.args.help.value == self.context.name):
+            if self.context not in self.result:  # only its help runs: no positional argument is needed
+                self.result.append(self.context)
+            return
+        complete(self)
+
+    machine.handle, machine.complete_context, machine._xc_help_anywhere = handle_help, complete_for_help, True
+
+
 def make_fab() -> Fab:
     program = make_program()
     program.loader_class = CheckoutLoader
+    help_anywhere()
     return program
 
 

@@ -7,6 +7,7 @@ These run the installed script itself (`.venv/bin/fab`, what the README puts on 
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -80,3 +81,20 @@ def test_status_and_a_workdir_run_from_the_users_own_repository(cluster2, tmp_pa
     assert "[0 node0] rank 0 sum 3 from-the-users-repo args ['--lr', '1']" in res.stdout
     assert "[1 node1] rank 1 sum 3 from-the-users-repo args ['--lr', '1']" in res.stdout
     assert len(cluster2.run_dirs() - before) == 1  # the run's record is where the checkout keeps them
+
+
+def test_every_task_answers_task_help_both_ways(capsys, monkeypatch):
+    """`fab TASK --help` shows the task's help, as `fab --help TASK` does, for every task: invoke's parser alone took
+    `--help` as the value of a task's positional argument (`fab local-notice --help`: "no local node '--help'")."""
+    from core.fabmain import make_fab
+
+    monkeypatch.chdir(ROOT)
+    names = [m.group(1) for line in fab("--list").stdout.splitlines() if (m := re.match(r"^  ([a-z][a-z-]*)(\s|$)", line))]
+    assert {"local-notice", "logs", "train", "local-down"} <= set(names)
+    for name in names:
+        for argv in (["fab", name, "--help"], ["fab", "--help", name], ["fab", name, "-h"]):
+            make_fab().run(argv, exit=False)
+            out = capsys.readouterr()
+            assert f"Usage: fab [--core-opts] {name} " in out.out, f"{' '.join(argv)}: {out.out[-300:]}{out.err[-300:]}"
+    make_fab().run(["fab", "local-notice"], exit=False)  # without --help the positional stays required
+    assert "did not receive required positional arguments: 'node'" in capsys.readouterr().err
