@@ -78,3 +78,6 @@ def lookup(name: str) -> InstanceType:
 # The head is never spot: it must outlive the nodes' reclaims to recover them.
 HEAD_USD_H = {"t3.small": 0.0208, "t3.medium": 0.0416, "t3.large": 0.0832, "t3.xlarge": 0.1664,
               "c6i.large": 0.085, "m6i.large": 0.096, "m7i.large": 0.1008, "r6i.xlarge": 0.252}
+# Their vCPUs, which count against the account's on-demand Standard quota (T, C, M and R alike).
+HEAD_VCPUS = {"t3.small": 2, "t3.medium": 2, "t3.large": 2, "t3.xlarge": 4,
+              "c6i.large": 2, "m6i.large": 2, "m7i.large": 2, "r6i.xlarge": 4}

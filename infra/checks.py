@@ -80,10 +80,17 @@ _DNS_SUFFIX = {"aws-cn": "amazonaws.com.cn"}
 
 
 def quota_line(settings: ClusterSettings) -> str:
+    """The vCPUs of quota the nodes and the on-demand head take, by quota code."""
     vcpus = max(catalog.lookup(t).vcpus for t in settings.instance_types) * settings.node_count
-    code, market = (SPOT_QUOTA, "spot") if settings.spot else (ON_DEMAND_QUOTA, "on-demand")
-    return (f"the nodes need {vcpus} {market} vCPUs of quota {code} in {settings.region}; see it with 'aws "
-            f"service-quotas get-service-quota --service-code ec2 --quota-code {code} --region {settings.region}'")
+    head = catalog.HEAD_VCPUS[settings.head_instance_type]
+    see = (f"see {{}} with 'aws service-quotas get-service-quota --service-code ec2 --quota-code {{}} "
+           f"--region {settings.region}'")
+    if settings.spot:
+        return (f"the nodes need {vcpus} spot vCPUs of quota {SPOT_QUOTA} and the head {head} on-demand vCPUs of "
+                f"quota {ON_DEMAND_QUOTA} in {settings.region}; " + see.format("each", "CODE") +
+                f" (CODE {SPOT_QUOTA}, then {ON_DEMAND_QUOTA})")
+    return (f"the nodes and the head need {vcpus + head} on-demand vCPUs ({vcpus} + {head}) of quota "
+            f"{ON_DEMAND_QUOTA} in {settings.region}; " + see.format("it", ON_DEMAND_QUOTA))
 
 
 def rolling_line(keys: tuple[str, ...], node_count: int, min_healthy: int) -> str:

@@ -223,7 +223,14 @@ def test_quota_and_rolling_lines_name_the_figures():
     settings = ClusterSettings(admin_cidr="203.0.113.7/32", ssh_public_key=KEY, node_count=4,
                                instance_type="c6i.16xlarge", fallback_instance_types="c7i.16xlarge")
     assert checks.quota_line(settings).startswith(
-        "the nodes need 256 spot vCPUs of quota L-34B43A08 in us-east-1;")
+        "the nodes need 256 spot vCPUs of quota L-34B43A08 and the head 2 on-demand vCPUs of quota L-1216C47A in "
+        "us-east-1;")
+    on_demand = ClusterSettings(admin_cidr="203.0.113.7/32", ssh_public_key=KEY, node_count=2, spot=False,
+                                instance_type="c6i.2xlarge", head_instance_type="t3.xlarge")
+    assert checks.quota_line(on_demand).startswith(
+        "the nodes and the head need 20 on-demand vCPUs (16 + 4) of quota L-1216C47A in us-east-1;")
+    from core import catalog
+    assert set(catalog.HEAD_VCPUS) == set(catalog.HEAD_USD_H)  # every head type a stack may take has its vCPUs
     assert checks.rolling_line(("image",), 4, 50).startswith(
         "changing any of image rolls the nodes (instance refresh: 2 of 4 at a time, never more than 4 running)")
     # a run on rolled nodes checkpoints at the termination hook (issue 41 item 11: the line said it fails)
