@@ -5,9 +5,11 @@ import dataclasses
 import os
 import re
 import subprocess
+import sys
 import textwrap
 
 import pytest
+from conftest import ROOT
 
 from core.errors import ClusterError
 from node_setup import profiles as P
@@ -338,8 +340,9 @@ def test_the_build_changes_the_hash_and_other_profiles_keep_theirs(profiles):
     changed = dataclasses.replace(p, packages=tuple(other if x is ccl else x for x in p.packages))
     assert changed.hash != p.hash
     # hashes nodes already carry: adding source builds must not make them reinstall (boto3, for the cluster's
-    # store, and gcc, for the jobs' own kernels, changed upstream's on purpose: nodes need them installed)
-    assert profiles["oneccl"].hash == "5f57b70987e47e40" and profiles["upstream"].hash == "35652205a2c325bb"
+    # store, gcc, for the jobs' own kernels, and the supervisor's packages, for the head that boots the nodes' image,
+    # changed upstream's on purpose: nodes need them installed)
+    assert profiles["oneccl"].hash == "5f57b70987e47e40" and profiles["upstream"].hash == "ad7b5cfe71da589c"
 
 
 @pytest.mark.parametrize("extra, needle", [
@@ -375,3 +378,29 @@ def test_setup_keeps_the_profile_the_nodes_carry_and_never_switches_a_venv_silen
     assert choose_profile("test", baked, venv, "upstream") == ("test", "--profile")  # another venv: no clash
     with pytest.raises(ClusterError, match=r"different profiles \(node0: oneccl, node1: upstream\)"):
         choose_profile(None, {"node0": "oneccl", "node1": "upstream"}, venv, "upstream")
+
+
+@pytest.mark.parametrize("name", ["upstream", "upstream-ccl"])
+def test_the_baked_venv_holds_what_the_heads_supervisor_imports(name):
+    """An AWS head boots the nodes' baked image and runs supervisors with its venv: every package a supervisor imports
+    is in the profile (without them every detached run on AWS would end in ModuleNotFoundError)."""
+    from launch.life.head import SUPERVISOR_IMPORTS
+
+    modules = {m.strip() for m in SUPERVISOR_IMPORTS.removeprefix("import ").split(",")}
+    dist = {"yaml": "pyyaml"}
+    have = {P.normalize(p.name) for p in P.load_profile(name).packages}
+    assert {P.normalize(dist.get(m, m)) for m in modules} <= have
+
+
+def test_supervisor_imports_names_what_a_supervisor_loads():
+    code = ("import sys; b = set(sys.modules); import launch.chain.supervisor, launch.life.head, node_setup.head_boot; "
+            "print(' '.join(sorted({m.split('.')[0] for m in set(sys.modules) - b})))")
+    loaded = set(subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
+                                check=True).stdout.split())
+    from launch.life.head import SUPERVISOR_IMPORTS
+
+    named = {m.strip() for m in SUPERVISOR_IMPORTS.removeprefix("import ").split(",")}
+    theirs = {"bcrypt", "cryptography", "nacl", "markupsafe", "decorator", "cython_runtime"}  # named ones' own
+    ours = {"launch", "cluster", "core", "training", "node_setup", "doctor", "reports", "infra"}
+    third = {m for m in loaded if m not in sys.stdlib_module_names and not m.startswith("_")} - ours - theirs
+    assert third <= named, f"a supervisor imports {sorted(third - named)}: add them to SUPERVISOR_IMPORTS and profiles"

@@ -58,6 +58,10 @@ def runs_on_head(head: Node | None) -> bool:
     return head is not None and bool(head.labels.get("local") or head.labels.get("aws_head"))
 
 
+# What a supervisor imports beyond the standard library (node_setup/profiles.toml gives the baked venv all of them).
+SUPERVISOR_IMPORTS = "import boto3, fabric, invoke, jinja2, paramiko, yaml"
+
+
 def lacks_venv(node: Node) -> bool:
     """An AWS head boots the nodes' baked AMI with image=bake (infra/head.py), stock Ubuntu otherwise: without a venv
     at node.python (the twin's head has this machine's), it cannot run a supervisor, and this machine keeps the role. A head that does not answer is not judged here: starting
@@ -66,7 +70,8 @@ def lacks_venv(node: Node) -> bool:
         return False
     try:
         with connect(node) as conn:
-            return not run(conn, f"test -x {shlex.quote(node.python)}", purpose="the head's venv").ok
+            return not run(conn, f"{shlex.quote(node.python)} -c {shlex.quote(SUPERVISOR_IMPORTS)}",
+                           purpose="the head's venv").ok
     except ClusterError:
         return False
 
