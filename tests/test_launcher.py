@@ -168,6 +168,30 @@ def test_rank_script_sets_no_ccl_variables_for_gloo(tmp_path):
     assert not any(k.startswith("CCL_") for k in env)
 
 
+def _own_address() -> tuple[str, str] | None:
+    """(address, interface) of this machine's first non-loopback IPv4 interface."""
+    out = subprocess.run(["ip", "-o", "-4", "addr", "show"], capture_output=True, text=True).stdout
+    for line in out.splitlines():
+        fields = line.split()
+        if fields[1] != "lo":
+            return fields[3].split("/")[0], fields[1]
+    return None
+
+
+def test_rank_script_names_gloos_interface_where_node_0_is_reached(tmp_path):
+    """On AWS a node's host name resolves to 127.0.1.1 (cloud-init's hosts line), so gloo would bind and advertise
+    loopback: rank.sh names the interface that holds the route to MASTER_ADDR (here node 0 is this machine, as on
+    node 0 itself, whose route is `local ... dev lo`). A loopback master (the local cluster) and a user's own value
+    are left alone."""
+    own = _own_address()
+    if own is None:
+        pytest.skip("this machine has no non-loopback IPv4 interface to route to")
+    address, iface = own
+    assert _run_rank_sh(tmp_path / "a", {"MASTER_ADDR": address})["GLOO_SOCKET_IFNAME"] == iface
+    assert "GLOO_SOCKET_IFNAME" not in _run_rank_sh(tmp_path / "b", {"MASTER_ADDR": "127.0.0.2"})
+    assert _run_rank_sh(tmp_path / "c", {"MASTER_ADDR": address, "GLOO_SOCKET_IFNAME": "x0"})["GLOO_SOCKET_IFNAME"] == "x0"
+
+
 def test_ccl_plan_sends_the_local_size_for_rank_sh_to_pair():
     p = plan(backend="ccl", ppn=2)
     env = genv(launcher.mpirun_argv(p, ssh_config="c"))
