@@ -119,7 +119,7 @@ def aws_head(cluster: str = "", region: str | None = None) -> Node | None:
             return None
         inst, tags = running[-1], _tags(running[-1])
         private = inst.get("PrivateIpAddress", "")
-        head = Node(name=head_group(name), host=inst.get("PublicIpAddress") or private, private_host=private,
+        head = Node(name=head_group(name), host=dial(inst), private_host=private,
                     user=tags.get(TAG_SSH_USER, DEFAULT_USER), index=-1, python=REMOTE_PYTHON,
                     labels={"instance_id": inst["InstanceId"], "aws_head": name, "cluster": name,
                             "instance_type": inst.get("InstanceType", ""),
@@ -142,12 +142,25 @@ def starting_nodes(cluster: str, region: str | None = None, group: str | None = 
     return members(found, cluster, group or node_group(cluster), warn=False)
 
 
+# Set on a head inside the cluster's VPC: its SSH to the nodes goes to their private addresses, the only ones the
+# nodes' security-group rule for the head's group admits (a group reference matches private addresses alone).
+ADDRESS_ENV = "XC_AWS_ADDRESS"
+
+
+def dial(inst: dict) -> str:
+    """The address fab connects to: the public one from outside the VPC, the private one inside it (or where none)."""
+    private = inst.get("PrivateIpAddress", "")
+    if os.environ.get(ADDRESS_ENV) == "private":
+        return private or inst.get("PublicIpAddress", "")
+    return inst.get("PublicIpAddress") or private
+
+
 def _aws_node(inst: dict, position: int, cluster: str) -> Node:
     tags = _tags(inst)
     private = inst.get("PrivateIpAddress", "")
     return Node(
         name=f"{cluster}-{position}",
-        host=inst.get("PublicIpAddress") or private,
+        host=dial(inst),
         private_host=private,
         user=tags.get(TAG_SSH_USER, DEFAULT_USER),
         index=position,

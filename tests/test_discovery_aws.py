@@ -78,6 +78,20 @@ def test_aws_source_lists_the_master_first_then_the_others_oldest_first(aws_env)
         select(nodes, 4, "aws:bert")
 
 
+def test_a_head_inside_the_vpc_dials_the_nodes_private_addresses(aws_env, monkeypatch):
+    """The nodes' SSH rule admits the head's security group, which matches private addresses only: the head's
+    supervisor (which sets XC_AWS_ADDRESS=private) must dial those; the operator outside dials the public ones."""
+    from cluster.aws import ADDRESS_ENV
+
+    launch("bert", "master", user="ubuntu")
+    launch("bert", user="ubuntu")
+    outside = load_nodes("aws:bert")
+    assert all(n.host != n.private_host and n.private_host for n in outside)  # moto gives both, distinct
+    monkeypatch.setenv(ADDRESS_ENV, "private")
+    inside = load_nodes("aws:bert")
+    assert [n.host for n in inside] == [n.private_host for n in outside]
+
+
 def test_a_lost_master_hands_its_tag_to_the_oldest_survivor(aws_env, caplog):
     master, older, newer = launch("bert", "master"), launch("bert"), launch("bert")
     ec2().terminate_instances(InstanceIds=[master])  # node 0 reclaimed

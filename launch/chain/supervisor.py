@@ -124,13 +124,14 @@ def _mesh_key_to_ssm(cluster) -> None:
 def _aws_head_env(spec: str) -> None:
     """On an AWS head: boto3's region from the head's cluster.env (cloud-init's), and the mesh key from SSM as this
     cluster's key in the head's own state folder (XC_SSH_KEY): what fab's SSH to the nodes uses."""
-    from cluster import local, mesh
+    from cluster import aws, local, mesh
     from cluster.resolve import Cluster, aws_state_name
     from training.runtime.spot import cluster_env
 
     conf = cluster_env()
     if conf.get("XC_REGION"):
         os.environ.setdefault("AWS_REGION", conf["XC_REGION"])
+    os.environ[aws.ADDRESS_ENV] = "private"  # inside the VPC: the nodes admit the head's group on private addresses
     name = spec.partition(":")[2] or conf.get("XC_CLUSTER", "")
     state = local.state_dir().parent / aws_state_name(name)
     comment = f"xeon-cluster {Cluster(spec=spec, nodes=(), state=state).name}"  # as cluster.keys.cluster_key writes it
