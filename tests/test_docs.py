@@ -77,6 +77,33 @@ def test_readme_names_the_test_command_ci_runs():
     assert "make test" in (ROOT / ".ci" / "run").read_text()
 
 
+# Words about how the docs came to be, which a user cannot know: a working session, an issue number, an issue's
+# "Done when", the borrowed benchmark machine, and "the seeds" (in-house for the manual recipe the product replaces).
+IN_HOUSE = re.compile(r"\b(?:this|that|these|last|next|earlier|previous|each|every|one|the) sessions?\b"
+                      r"|(?<!SSH )\bsessions\b(?! fixtures)|\bissues? #?\d+|\bdone when\b"
+                      r"|\bdevice machine\b|\bthe seeds\b|\bseeds'", re.IGNORECASE)
+
+
+def in_house_words(text: str) -> list[str]:
+    return [m.group(0) for m in IN_HOUSE.finditer(text)]
+
+
+def test_in_house_words_are_found():
+    assert in_house_words("as measured this session (issue 52, item 3; Done when) on the device machine, "
+                          "against the seeds' recipe; the last session") == \
+        ["this session", "issue 52", "Done when", "device machine", "the seeds", "last session"]
+    assert in_house_words("over its SSH session (its SSH sessions); pytest's session fixtures; mpirun in a session of its own; an SSO "
+                          "session expires; the manual recipe") == []
+    assert in_house_words("figures differ between sessions; the session before") == ["sessions", "the session"]
+
+
+def test_docs_speak_to_users_only():
+    found = [f"{doc.relative_to(ROOT)}:{n}: {', '.join(words)}"
+             for doc in DOCS for n, line in enumerate(doc.read_text().splitlines(), 1)
+             if (words := in_house_words(line))]
+    assert not found, "words about how the docs were written, not about the product:\n" + "\n".join(found)
+
+
 def test_ops_names_every_profile_a_stack_can_take():
     """docs/ops.md's `profile` row lists what node_setup/profiles.toml offers real nodes (the `test` profile is
     the local cluster's own); it once listed two of three."""
@@ -192,6 +219,52 @@ def test_every_fab_command_and_flag_a_doc_shows_exists(fab_flags):
                 wrong += [f"{where}: fab {task} has no {flag}" for flag in flags
                           if flag not in fab_flags[task] and flag not in CORE_OPTIONS]
     assert not wrong, "\n".join(wrong)
+
+
+def synopses(path: Path) -> dict[str, set[str]]:
+    """The long flags each task's synopsis lines show (code lines that start with `fab TASK`; a wrapped synopsis
+    continues on the indented lines below it), and a positional NAME as --name."""
+    shown: dict[str, set[str]] = {}
+    task = None
+    for line in _code_segments(path):
+        m = re.match(r"^\s*fab ([a-z][a-z-]*)\b(.*)$", line)
+        if m:
+            task, rest = m.group(1), m.group(2)
+            shown.setdefault(task, set())
+        elif task and line.startswith("           ") and line.strip().startswith("["):
+            rest = line
+        else:
+            task = None
+            continue
+        body = rest.split(" -- ")[0]
+        shown[task] |= set(re.findall(r"(?<![\w-])--[a-z][a-z-]*", body))
+        if m and (first := body.split()[:1]) and re.fullmatch(r"[A-Z]+", first[0]):
+            shown[task].add(f"--{first[0].lower()}")  # fab logs RUN: the positional argument
+    return shown
+
+
+def test_commands_md_synopses_are_each_tasks_flags(fab_flags):
+    """docs/commands.md lists every task with exactly the long flags its parser has."""
+    shown = synopses(ROOT / "docs" / "commands.md")
+    wrong = []
+    for task, flags in fab_flags.items():
+        real = {f for f in flags if f.startswith("--")} - CORE_OPTIONS
+        if task not in shown:
+            wrong.append(f"fab {task}: no synopsis")
+            continue
+        if missing := real - shown[task]:
+            wrong.append(f"fab {task}: the synopsis leaves out {sorted(missing)}")
+        if extra := shown[task] - real:
+            wrong.append(f"fab {task}: the synopsis shows {sorted(extra)}, which it does not take")
+    assert not wrong, "docs/commands.md:\n" + "\n".join(wrong)
+
+
+def test_synopses_are_read_as_a_reader_would(tmp_path):
+    doc = tmp_path / "x.md"
+    doc.write_text("    fab logs RUN [--follow] [--cluster C]\n"
+                   "    fab train [--nodes N] [--job glue|qa]\n"
+                   "              [--detach] [-- job flags]\n\ntext\n")
+    assert synopses(doc) == {"logs": {"--run", "--follow", "--cluster"}, "train": {"--nodes", "--job", "--detach"}}
 
 
 # ---- no reference to a file the project does not have -------------------------------------------------------
