@@ -149,11 +149,13 @@ class Run:
 def make_program():
     """run(mocks=None, **config) -> Run: __main__.py's main() with REQUIRED plus ``config`` as stack config."""
 
-    def run(mocks: Recorder | None = None, **config) -> Run:
+    def run(mocks: Recorder | None = None, required: dict | None = None, **config) -> Run:
+        """``required`` replaces REQUIRED (an empty dict: only ``config``, as a fresh stack has)."""
         mocks = mocks or Recorder()
         monitor = OptionRecorder(mocks)
         pulumi.runtime.set_mocks(mocks, project="xeon-cluster", stack="dev", preview=False, monitor=monitor)
-        pulumi.runtime.set_all_config({f"xeon-cluster:{k}": str(v) for k, v in {**REQUIRED, **config}.items()})
+        base = REQUIRED if required is None else required
+        pulumi.runtime.set_all_config({f"xeon-cluster:{k}": str(v) for k, v in {**base, **config}.items()})
         result = Run(mocks, monitor)
 
         @pulumi.runtime.test

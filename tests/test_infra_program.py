@@ -540,3 +540,36 @@ def test_spot_price_and_ssh_user_changes_reach_the_launch_template_so_the_nodes_
         return json.dumps(lt["tagSpecifications"], sort_keys=True)
 
     assert template(**change) != template()
+
+
+def readme_aws_commands() -> list[str]:
+    """The README's AWS block: the indented lines from the one that makes the ops venv to `pulumi destroy`."""
+    lines = (ROOT / "README.md").read_text().splitlines()
+    start = next(i for i, line in enumerate(lines) if line.strip().startswith("make venv-ops"))
+    block = []
+    for line in lines[start:]:
+        if not line.startswith("    "):
+            break
+        block.append(line.split("  #")[0].strip())
+    return block
+
+
+def test_the_readmes_aws_commands_get_a_fresh_stack_past_configuration(program):
+    """The README's first AWS commands, in order, on a fresh stack: its `pulumi config set` lines are the only
+    settings, and the program under mocks plans every piece (a missing required setting raises RunError)."""
+    commands = readme_aws_commands()
+    order = ["pulumi stack init", "pulumi up", "fab train --nodes 4", "pulumi destroy"]
+    at = [next(i for i, c in enumerate(commands) if c.startswith(o)) for o in order]
+    assert at == sorted(at), commands
+    shell = {'"$(curl -s https://checkip.amazonaws.com)/32"': "203.0.113.7/32",  # what each substitution prints
+             '"$(cat ~/.ssh/id_ed25519.pub)"': KEY}
+    config = {}
+    for c in commands:
+        if c.startswith("pulumi config set "):
+            key, value = c.removeprefix("pulumi config set ").split(" ", 1)
+            config[key] = shell.get(value, value)
+    assert set(config) >= {"adminCidr", "sshPublicKey"}, commands
+    run = program(required={}, **config)
+    assert run.mocks.of(GROUP) and run.outputs["nodeCount"] == 4
+    with pytest.raises(pulumi.RunError, match="adminCidr"):  # and the same stack without them would stop here
+        program(required={})
