@@ -8,7 +8,9 @@ for a node.
 Its image: with image=bake, the nodes' baked AMI (Ubuntu with the project's venv at /opt/xeon-cluster/venv, so the
 supervisors run there); otherwise stock Ubuntu (Canonical's SSM parameter, pinned like image=base), which has no
 venv: the operator's machine then keeps the supervisor role and says so (launch.life.head.lacks_venv). Either way
-the AMI a head booted stays until the head is replaced: a new bake does not restart a running head.
+with image=bake the head follows each new bake (the group replaces it, and the new head takes over the chains),
+because the clean-up deregisters the superseded AMI: a template left on it could never replace a lost head. Stock
+Ubuntu's newer AMIs do not replace a running head.
 """
 from __future__ import annotations
 
@@ -27,6 +29,12 @@ from infra.policies import ROLE_PATH, ec2_trust_policy, head_policy, secrets_pat
 from infra.settings import ClusterSettings
 
 TAG_HEAD = TAG_PREFIX + "head"  # on the head instance: the cluster it heads
+
+
+def template_ignores(settings: ClusterSettings) -> list[str]:
+    """What a 'pulumi up' leaves alone in the head's launch template: a new Canonical AMI (image=base or an explicit
+    AMI's head), never a new bake, whose predecessor infra/image.py deregisters."""
+    return [] if settings.image == "bake" else ["imageId"]
 HEAD_USER = "ubuntu"  # the head always boots Ubuntu, whatever image the nodes run
 UBUNTU_ROOT_DEVICE = "/dev/sda1"
 
@@ -97,8 +105,7 @@ class Head(pulumi.ComponentResource):
             tag_specifications=[{"resource_type": "volume", "tags": tags},
                                 {"resource_type": "instance", "tags": head_tags(settings)}],
             update_default_version=True, tags=tags,
-            # a new Ubuntu AMI or bake does not replace a running head on an unrelated 'pulumi up'
-            opts=pulumi.ResourceOptions(parent=self, ignore_changes=["imageId"]))
+            opts=pulumi.ResourceOptions(parent=self, ignore_changes=template_ignores(settings)))
         # A group of one: a head that dies (or fails its EC2 health check) is replaced. On-demand only: a plain
         # launch template with no market options. A changed template replaces the head, the old one first.
         self.group = aws.autoscaling.Group(

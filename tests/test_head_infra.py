@@ -11,7 +11,7 @@ import pulumi
 import pytest
 import yaml
 from moto_fixture import isolate_aws
-from pulumi_mocks import ACCOUNT, BAKED_AMI, BASE_AMI, Recorder, make_program
+from pulumi_mocks import ACCOUNT, BAKED_AMI, BASE_AMI, KEY, Recorder, make_program
 
 from core.constants import PROJECT_ROOT as ROOT
 from core.constants import TAG_ROLE
@@ -222,3 +222,16 @@ def test_the_head_takes_over_its_predecessors_chains_at_every_boot_through_a_rea
                  "ExecStart=/usr/local/sbin/xc-head-boot", "WantedBy=multi-user.target"):
         assert line in unit, line
     assert cloud["runcmd"][-1] == ["systemctl", "enable", "--now", "xc-head.service"]
+
+
+def test_the_heads_template_follows_a_new_bake_but_not_a_new_canonical_ami():
+    """A re-bake deregisters the old AMI (infra/image.py): a head template that ignored the new image would name a
+    deregistered AMI, and the head's replacement would fail with InvalidAMIID.NotFound for good."""
+    from infra.head import template_ignores
+    from infra.settings import ClusterSettings
+
+    def ignores(image: str) -> list[str]:
+        return template_ignores(ClusterSettings(admin_cidr="203.0.113.7/32", ssh_public_key=KEY, image=image))
+
+    assert ignores("bake") == []
+    assert ignores("base") == ["imageId"] and ignores("ami-0123456789abcdef0") == ["imageId"]
