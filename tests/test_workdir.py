@@ -254,3 +254,25 @@ def test_an_accelerate_launched_script_sees_every_rank(cluster2, tmp_path):
     assert "[0 node0] accelerate 0/2 DistributedType.MULTI_CPU sum 3 args ['--a', 'b']" in res.stdout
     assert "[1 node1] accelerate 1/2 DistributedType.MULTI_CPU sum 3" in res.stdout
     assert _summary(cluster2, before)["launcher"] == "accelerate"
+
+
+def test_relative_paths_reach_the_supervisor_absolute(tmp_path, monkeypatch):
+    """`fab train --workdir . --script train.py --detach --max-restarts 1` from the user's folder: the supervisor (on
+    the head, or a restart later) runs in another directory, so the request names the folder, a lone script and the
+    data files as absolute paths (it said `--script train.py does not exist in --workdir .`)."""
+    from launch.chain import train_flags
+
+    proj = tmp_path / "proj"
+    proj.mkdir()
+    (proj / "train.py").write_text("print('hi')\n")
+    (proj / "train.csv").write_text("a,b\n1,2\n")
+    monkeypatch.chdir(proj)
+    runs = tmp_path / "runs"
+    flags = train_flags.TrainFlags(workdir=".", script="train.py", detach=True, max_restarts="1",
+                                   job_args=("--train_file", "train.csv", "--validation_file=train.csv", "--lr", "3"))
+    req = train_flags.resolve(flags, runs).req
+    assert req.workdir == str(proj) and req.script == "train.py"  # the script stays relative to the folder
+    assert req.args == ["--train_file", str(proj / "train.csv"), f"--validation_file={proj / 'train.csv'}",
+                        "--lr", "3"]
+    lone = train_flags.resolve(train_flags.TrainFlags(script="train.py"), runs).req
+    assert lone.script == str(proj / "train.py") and lone.workdir is None

@@ -12,7 +12,7 @@ from pathlib import Path
 from core.cli import as_int, env_pairs, job_args, valueless_keys
 from core.errors import ClusterError
 from launch.life import resume as resume_lib
-from launch.plan.request import TrainRequest
+from launch.plan.request import TrainRequest, absolute_files
 
 
 def _flag(help_text: str, default=None):
@@ -119,9 +119,12 @@ def resolve(f: TrainFlags, runs_dir: Path, store: str | None = None) -> Resolved
         env, valueless = {**req.env, **env_pairs(f.env)}, req.valueless | valueless_keys(f.env)
         pin = req.pin and not f.no_pin
     else:
-        req = TrainRequest(nodes=n, job=f.job or "glue", script=f.script, workdir=f.workdir, module=f.module,
-                           launcher=f.launcher or "python", args=list(f.job_args), fetch_model=not f.no_fetch_model,
-                           runs_dir=runs_dir)
+        # paths as fab's current directory names them, absolute: the supervisor resolves them from its own
+        here = (lambda p: str(Path(p).expanduser().resolve()))
+        req = TrainRequest(nodes=n, job=f.job or "glue", workdir=f.workdir and here(f.workdir), module=f.module,
+                           script=f.script and (f.script if f.workdir else here(f.script)),
+                           launcher=f.launcher or "python", args=absolute_files(list(f.job_args)),
+                           fetch_model=not f.no_fetch_model, runs_dir=runs_dir)
         env, valueless, pin = env_pairs(f.env), valueless_keys(f.env), not f.no_pin
     restarts = as_int(f.max_restarts if f.max_restarts is not None else 0, "--max-restarts", 0)
     wait = as_int(f.restart_wait if f.restart_wait is not None else 600, "--restart-wait", 0)

@@ -224,6 +224,17 @@ def local_files(args: list[str]) -> list[tuple[str, str]]:
     return out
 
 
+def absolute_files(args: list[str]) -> list[str]:
+    """The job arguments with every data-file path made absolute against fab's current directory: a supervisor (on
+    the head, or a restart later) reads them from another directory."""
+    out = list(args)
+    for f in jobflags.parse(args):
+        if f.name in FILE_FLAGS and f.value:
+            path = str(Path(f.value).expanduser().resolve())
+            out[f.value_at] = f"{f.name}={path}" if f.joined else path
+    return out
+
+
 def rewrite_files(args: list[str], base: str = "data") -> tuple[list[str], dict[str, Path]]:
     """Point data-file flags at <base>/<name>, the run folder's data/ as the rank sees it from its current
     directory (the run folder, or its work/ with --workdir: base '../data'); returns new args and name -> local
