@@ -1,9 +1,9 @@
-"""Single-node samples/s of the glue job's default path against the seeds' recipe.
+"""Single-node samples/s of the glue job's default path against the manual recipe.
 
-Same model (MiniLM-L6 by default; --model-shape bert-base or gpt2, the seeds' own, from a config with random
+Same model (MiniLM-L6 by default; --model-shape bert-base or gpt2, the manual recipe's own, from a config with random
 weights: bench/model_shapes.py), same data (the bundled paraphrase set; gpt2: the clm job on the bundled
 corpus in blocks of 1024 tokens), same machine, run side by side:
-  seeds       pad every example to 128 tokens, fp32, torch's default threads
+  manual      pad every example to 128 tokens, fp32, torch's default threads, torch's dropout: the blog recipe
   dynamic     per-batch padding to the longest example, length grouping, fp32
   default     the job's default: dynamic padding, precision auto (bf16 on AMX; with AVX512-BF16 alone, or
               oneDNN capped below AMX, bf16 only where its matmuls time faster than fp32's)
@@ -11,11 +11,11 @@ corpus in blocks of 1024 tokens), same machine, run side by side:
 Prints, for every config: samples/s, real tokens/s, MFU (model FLOPs per second of the real tokens
 over this machine's matmul throughput at the model's shapes and the config's precision, measured in
 the same run: the best one-second window before and after the runs), eval accuracy and F1 after the
-same epochs on the same data (mean over --seeds), the ratios to the seeds' recipe; then the bound on
+same epochs on the same data (mean over --seeds), the ratios to the manual recipe; then the bound on
 what padding alone can give (padded tokens / real tokens) and the CPU model and flags, and the matmul
 ceiling: the MFU of the model's own matmuls alone at the default's shapes (what the step would reach
 if nothing else took time). Last line:
-    mfu=<default's MFU> ratio=<default vs seeds samples/s> acc_delta=<default minus seeds eval accuracy>
+    mfu=<default's MFU> ratio=<default vs manual samples/s> acc_delta=<default minus manual eval accuracy>
     (gpt2: then loss_delta=<|step-1 loss of the default minus the previous path|>, exit 1 above 1e-3)
 Writes bench/results/glue_single_node.json (-<shape> and -<isa> added to the name for --model-shape and
 --onednn-max-isa). Every figure line carries the machine's load (uptime): the machine may be shared.
@@ -23,8 +23,8 @@ Accuracy means something only on minilm (real weights); the other shapes time th
 
     .venv/bin/python bench/glue_single_node.py [--samples 800] [--epochs 2] [--batch 16] [--levers fused-adamw,...]
         [--onednn-max-isa AVX512_CORE_BF16]     # matmuls without AMX on a Sapphire Rapids: the no-AMX target
-        [--model-shape bert-base|gpt2]          # the seeds' models (gpt2: 16 samples, 1 epoch, the largest batch up
-                                                # to 16 that fits memory)
+        [--model-shape bert-base|gpt2]          # the manual recipe's models (gpt2: 16 samples, 1 epoch, the
+                                                # largest batch up to 16 that fits memory)
 """
 from __future__ import annotations
 
@@ -44,8 +44,8 @@ import memory_fit
 import model_shapes
 
 CONFIGS = {
-    # torch's dropout and every weight trained, as the seeds had
-    "seeds": (["--pad_to_max_length", "True", "--fast_dropout", "False", "--freeze_embeddings", "False"], "fp32"),
+    # torch's dropout and every weight trained, as the manual recipe has
+    "manual": (["--pad_to_max_length", "True", "--fast_dropout", "False", "--freeze_embeddings", "False"], "fp32"),
     "dynamic": ([], "fp32"),
     "default": ([], "auto"),
     "default-16": (["--pad_to_multiple_of", "16"], "auto"),
@@ -110,15 +110,16 @@ def load_line() -> str:
     return f"load {one:.2f} {five:.2f} on {os.cpu_count()} cpus"
 
 
-def matmul_peak(dtype_name: str, rows: int = 2048, d: int = 384, ffn: int = 1536, windows: int = 3) -> float:
+def matmul_peak(dtype_name: str, rows: int = 2048, d: int = 384, ffn: int = 1536, windows: int = 3,
+                seconds: float = 1.0) -> float:
     """FLOP/s of torch's matmul at the model's FFN shape (rows = batch x tokens), this process's threads: the
-    best of `windows` one-second windows (the VM's neighbours only ever slow a window down)."""
+    best of `windows` windows of `seconds` each (the VM's neighbours only ever slow a window down)."""
     import torch
 
     from training.speed.mfu import matmul_flops
 
     dt = {"bf16": torch.bfloat16, "fp32": torch.float32}[dtype_name]
-    return max(matmul_flops(dt, rows, d, ffn, 1.0) for _ in range(windows))
+    return max(matmul_flops(dt, rows, d, ffn, seconds) for _ in range(windows))
 
 
 def model_peak(dtype_name: str, shape) -> float:
@@ -193,12 +194,12 @@ def shape_args(shape: str, model_dir: Path | None, out: Path) -> list[str]:
 
 # gpt2 runs the clm job. "previous" is its path before the levers of training/speed/levers.py (causal_lm): sdpa with
 # GPT-2's attention dropout (torch's unfused math attention), the full fp32 logits and transformers' loss,
-# torch's dropout, gelu_new. The seeds' recipe is that path in fp32 with the unfused AdamW of their transformers.
+# torch's dropout, gelu_new. The manual recipe is that path in fp32 with the unfused AdamW of their transformers.
 # The check: one step of each path with every dropout at 0 (else the two draw different masks: 1.3e-3 apart in
 # one run), the same seed, batch and precision, step-1 losses within LOSS_TOLERANCE.
 PREVIOUS_CLM = ["--attention_dropout", "0.1", "--chunked_loss", "False", "--fast_dropout", "False",
                 "--fused_gelu", "False", "--block_attention", "False"]
-CLM_CONFIGS = {"seeds": ([*PREVIOUS_CLM, "--optim", "adamw_torch"], "fp32"), "default": ([], "auto")}
+CLM_CONFIGS = {"manual": ([*PREVIOUS_CLM, "--optim", "adamw_torch"], "fp32"), "default": ([], "auto")}
 CLM_LEVERS = {"fp32": ([], "fp32"), "bf16": ([], "bf16"), "eager": (["--attn_implementation", "eager"], "auto"),
               "full-logits": (["--chunked_loss", "False"], "auto"),
               "flash-attention": (["--block_attention", "False"], "auto"),
@@ -267,14 +268,14 @@ def main() -> None:
                    "machine's memory (bench/memory_fit.py), and a --batch that does not fit is refused")
     p.add_argument("--rounds", type=int, default=1)
     p.add_argument("--seeds", default="42", help="comma-separated; eval accuracy and F1 are the mean over them")
-    p.add_argument("--configs", default=",".join(CONFIGS), help="comma-separated subset; 'seeds' is always run")
+    p.add_argument("--configs", default=",".join(CONFIGS), help="comma-separated subset; 'manual' is always run")
     p.add_argument("--levers", default="", help=f"also these levers on the default path: {','.join(LEVERS)}")
     p.add_argument("--onednn-max-isa", metavar="ISA", type=str.upper, choices=ONEDNN_ISAS,
                    help="cap oneDNN's instruction set for the peak and every run, e.g. AVX512_CORE_BF16: bf16 "
                         "matmuls without AMX, as on a CPU with AVX512-BF16 only")
     p.add_argument("--model-shape", choices=model_shapes.SHAPES, default="minilm",
-                   help="minilm (real weights, accuracy measured), or the seeds' bert-base / gpt2 from a config "
-                        "with random weights (gpt2 runs the clm job at 1024 tokens)")
+                   help="minilm (real weights, accuracy measured), or the manual recipe's bert-base / gpt2 from a "
+                        "config with random weights (gpt2 runs the clm job at 1024 tokens)")
     a = p.parse_args()
     gpt2 = a.model_shape == "gpt2"
     a.samples, a.epochs = a.samples or (16 if gpt2 else 800), a.epochs or (1 if gpt2 else 2)
@@ -314,7 +315,7 @@ def main() -> None:
         for round_, seed in enumerate(seed for _ in range(a.rounds) for seed in seeds):
             chosen = {k: v for k, v in levers.items() if k in a.levers.split(",")}
             for name, (extra, precision) in {**configs, **chosen}.items():
-                if name != "seeds" and name not in a.configs.split(",") and name not in chosen:
+                if name != "manual" and name not in a.configs.split(",") and name not in chosen:
                     continue
                 print(f"round {round_ + 1}/{a.rounds * len(seeds)} (seed {seed}): {name} ...", flush=True)
                 r = run(name, extra, precision, a.samples, a.batch, Path(tmp), a.epochs, seed, a.model_shape, model_dir)
@@ -334,15 +335,15 @@ def main() -> None:
     # measured before the runs and after them, the best of both: a peak measured in a slow minute would flatter MFU
     peaks = {p: max(before.get(p, 0.0), model_peak(p, shape))
              for p in sorted({r["precision"] for r in rows.values()})}
-    default_row = rows.get("default", rows["seeds"])
+    default_row = rows.get("default", rows["manual"])
     ceiling = max(ceiling_before.get(default_row["precision"], 0.0),
                   matmul_ceiling(default_row["precision"], a.batch, tokens, shape=a.model_shape))
-    base = rows["seeds"]["samples_per_second"]
+    base = rows["manual"]["samples_per_second"]
     what = ("clm job, GPT-2 small shape (random weights), {n} blocks of 1024 tokens" if a.model_shape == "gpt2" else
             "glue job, " + ("MiniLM-L6" if a.model_shape == "minilm" else "bert-base shape (random weights)")
             + ", {n} paraphrase pairs")
     print(f"\n{what.format(n=a.samples)}, {a.epochs} epoch(s), batch {a.batch}, one process, "
-          f"{rows['seeds']['threads']} threads; {load_line()} at the end")
+          f"{rows['manual']['threads']} threads; {load_line()} at the end")
     print(cpu_line())
     print(f"allocator: {os.environ.get('LD_PRELOAD') or rank_malloc() or 'glibc malloc'} (what fab train preloads "
           f"for a rank here; lever glibc-malloc: none)")
@@ -350,15 +351,15 @@ def main() -> None:
           + ", ".join(f"{p} {v / 1e9:.0f} GFLOP/s" for p, v in peaks.items())
           + f"; model FLOPs per real token {per_token / 1e6:.1f} M ({real / a.samples:.0f} tokens/sample)")
     print(f"{'config':<20}{'padding':<12}{'precision':<11}{'samples/s':>10}{'tokens/s':>10}{'MFU':>7}"
-          f"{'eval acc':>9}{'f1':>7}{'vs seeds':>10}{'train s':>9}{'job MFU':>8}   all rounds   load during")
+          f"{'eval acc':>9}{'f1':>7}{'vs manual':>10}{'train s':>9}{'job MFU':>8}   all rounds   load during")
     for name, r in rows.items():
-        r["ratio_vs_seeds"] = r["samples_per_second"] / base
+        r["ratio_vs_manual"] = r["samples_per_second"] / base
         r["tokens_per_second"] = r["samples_per_second"] * real / a.samples
         r["mfu"] = r["tokens_per_second"] * per_token / peaks[r["precision"]]
         rounds = " ".join(f"{x:.2f}" for x in r["all_samples_per_second"])
         acc, f1 = r.get("eval_accuracy") or float("nan"), r.get("eval_f1") or float("nan")
         print(f"{name:<20}{r['padding']:<12}{r['precision']:<11}{r['samples_per_second']:>10.2f}"
-              f"{r['tokens_per_second']:>10.0f}{r['mfu']:>7.3f}{acc:>9.3f}{f1:>7.3f}{r['ratio_vs_seeds']:>9.2f}x"
+              f"{r['tokens_per_second']:>10.0f}{r['mfu']:>7.3f}{acc:>9.3f}{f1:>7.3f}{r['ratio_vs_manual']:>9.2f}x"
               f"{r['train_s']:>9.1f}{r.get('job_mfu') or float('nan'):>8.3f}   "
               f"{rounds}   {r['load']}")
     if len(seeds) > 1 or a.rounds > 1:
@@ -384,7 +385,7 @@ def main() -> None:
     (out / name).write_text(json.dumps(result, indent=2))
     print(f"written to {out / name}")
     default = default_row
-    acc_delta = (default.get("eval_accuracy") or 0.0) - (rows["seeds"].get("eval_accuracy") or 0.0)
+    acc_delta = (default.get("eval_accuracy") or 0.0) - (rows["manual"].get("eval_accuracy") or 0.0)
     check = ""
     if a.model_shape == "gpt2":
         with tempfile.TemporaryDirectory() as tmp:
@@ -400,7 +401,7 @@ def main() -> None:
         check = f" loss_delta={delta:.5f}"
         result["loss_check"] = {"default": new, "previous": old, "delta": delta, "tolerance": LOSS_TOLERANCE}
         (out / name).write_text(json.dumps(result, indent=2))
-    print(f"mfu={default['mfu']:.3f} ratio={default['ratio_vs_seeds']:.2f} acc_delta={acc_delta:.3f}{check}")
+    print(f"mfu={default['mfu']:.3f} ratio={default['ratio_vs_manual']:.2f} acc_delta={acc_delta:.3f}{check}")
     if check and delta > LOSS_TOLERANCE:
         raise SystemExit(1)
 

@@ -1,4 +1,4 @@
-"""The seeds' model shapes for the bench, built from a config with random weights (no download).
+"""The manual recipe's model shapes for the bench, built from a config with random weights (no download).
 
     minilm      the offline MiniLM-L6 the jobs default to (real weights; accuracy is measured on it)
     bert-base   bert-base-cased's shape: 12 layers, width 768, 12 heads, FFN 3072, 512 positions

@@ -215,8 +215,8 @@ def report_md(bench_id: str, runs: list[RunRecord], rows: list[dict], command: s
         "",
         (f"- Speed-up: train samples/s against the {rows[0]['nodes']}-node run (each run's results.json); "
          "ideal = node ratio; scaling efficiency = speed-up / ideal."),
-        ("- The per-process batch is fixed, so the global batch grows with the processes (as in the seeds' "
-         f"blogs): {', '.join(str(r['global_batch']) for r in rows)}. Compare the {metric_title} "
+        ("- The per-process batch is fixed, so the global batch grows with the processes (as in the blog "
+         f"posts' manual recipe): {', '.join(str(r['global_batch']) for r in rows)}. Compare the {metric_title} "
          f"({'higher' if higher else 'lower'} is better) with that in mind."),
         ("- MFU (model FLOPs utilisation): the Trainer's count of model FLOPs (6 x non-embedding parameters x "
          "tokens, padding included) per second of training, over the matmul FLOP/s every process measured on its "
@@ -272,7 +272,7 @@ BERT_BASE_BENCH = Path(__file__).resolve().parent.parent / "bench" / "results" /
 
 
 def seeds_prediction(runs: list[RunRecord], bench_json: Path = BERT_BASE_BENCH) -> tuple[predict.Measured | None, list]:
-    """The seeds' MRPC fine-tune predicted from bert-base measured on one node here (bench/glue_single_node.py
+    """The manual recipe's MRPC fine-tune predicted from bert-base measured on one node here (bench/glue_single_node.py
     --model-shape bert-base) or, without that, from this bench's 1-node run (reports/predict.py)."""
     one = next((r for r in runs if r.nodes == 1), None)
     measured = predict.from_bench_json(bench_json) or (predict.from_run(one.results) if one else None)
@@ -364,7 +364,8 @@ def summary_line(result: BenchResult) -> str:
     line = f"bench {result.bench_id}: " + "; ".join(parts) + f" -> {result.bench_dir / 'report.md'}"
     _, prediction = seeds_prediction(result.runs)
     if prediction:
-        line += "\nPREDICTION, seeds' MRPC fine-tune (bert-base, 3 epochs, batch 32), training time and on-demand cost: " + \
+        line += ("\nPREDICTION, the manual recipe's MRPC fine-tune (bert-base, 3 epochs, batch 32), training time "
+                 "and on-demand cost: ") + \
             "; ".join(f"{p['nodes']}x {p['instance_type']} {p['wall_s'] / 60:.1f} min {p['on_demand_usd']:.3f} USD"
                       for p in prediction) + " (report.md)"
     return line

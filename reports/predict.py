@@ -1,4 +1,4 @@
-"""A PREDICTION, not a measurement: wall time and cost of the seeds' MRPC fine-tune (bert-base-cased, 3 epochs,
+"""A PREDICTION, not a measurement: wall time and cost of the manual recipe's MRPC fine-tune (bert-base-cased, 3 epochs,
 batch 32, 3668 training pairs = 345 steps) on 1, 2 and 4 nodes of an instance type, spot and on-demand.
 
     node samples/s  = measured single-node bert-base samples/s x the type's published cores / the cores measured,
@@ -128,8 +128,8 @@ def from_run(results: dict) -> Measured | None:
 
 def report_lines(measured: Measured, rows: list[dict]) -> list[str]:
     lines = [
-        (f"## PREDICTION: the seeds' MRPC fine-tune (bert-base, {EPOCHS} epochs, batch {BATCH}, {MRPC_TRAIN} pairs, "
-        f"{steps()} steps)"),
+        (f"## PREDICTION: the manual recipe's MRPC fine-tune (bert-base, {EPOCHS} epochs, batch {BATCH}, "
+         f"{MRPC_TRAIN} pairs, {steps()} steps)"),
         "",
         (f"Predicted, not measured: {measured.samples_per_s:.2f} samples/s ({measured.precision})"
          + (f" and {measured.fp32_samples_per_s:.2f} (fp32)" if measured.fp32_samples_per_s else "")

@@ -1,4 +1,4 @@
-"""The seeds' MRPC fine-tune prediction (reports/predict.py): its arithmetic, worked by hand here, and where
+"""The manual recipe's MRPC fine-tune prediction (reports/predict.py): its arithmetic, worked by hand here, and where
 `fab bench`'s report takes its measured figure from."""
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 from reports import bench, predict
 
 
-def test_steps_are_the_seeds_345():
+def test_steps_are_the_manual_recipes_345():
     assert predict.steps() == 3 * 115 == 345  # ceil(3668 / 32) = 115 a epoch
 
 
