@@ -15,6 +15,7 @@ from invoke import Collection
 from cluster import keys as keys_lib
 from cluster import local as local_lib
 from cluster import netns as netns_lib
+from cluster import ssh as ssh_lib
 from cluster import store as store_lib
 from cluster import sweep as sweep_lib
 from cluster import twin as twin_lib
@@ -222,6 +223,17 @@ def stop(c, run, cluster=None):
     print(stop_lib.stop(open_cluster(_cluster(c, cluster)), run, request_lib.RUNS, store=where))
 
 
+@task(help={"node": "node0..nodeN-1 (node 0 first, as 'fab status' lists them), head, or a node's own name",
+            "cluster": "local | hosts:PATH | aws[:NAME] | pulumi[:STACK]"})
+@cli
+def ssh(c, node, cluster=None):
+    """SSH to one node with the cluster's key, user and verified host keys; 'fab ssh node1 -- nproc' runs one command
+    there and exits with its exit code."""
+    code = ssh_lib.run(open_cluster(_cluster(c, cluster)), node, job_args())
+    if code:
+        sys.exit(code)
+
+
 @task(help={"cluster": "aws[:NAME] | pulumi[:STACK] (default: the selected stack's cluster and region, else aws: "
                        "the only cluster with tagged resources in the region)",
             "yes": "delete everything listed, in dependency order, but the store",
@@ -338,7 +350,8 @@ def kube(c, nodes=None, job="glue", out=None, image="xeon-cluster-train:latest",
           f"docker build -t {image} {paths['manifest'].parent} && kubectl create -f {paths['manifest']}")
 
 
-ns = Collection(local_up, local_down, local_kill, local_link, local_notice, keys, setup, doctor, train, logs, runs, stop, status, sweep, demo, bench, kube)
+ns = Collection(local_up, local_down, local_kill, local_link, local_notice, keys, setup, doctor, train, logs, runs, stop, status, ssh,
+                sweep, demo, bench, kube)
 
 
 # -- the cluster's store: tasks appended here, one resolver for all of them ------------------------------------------

@@ -11,6 +11,7 @@ import logging
 import shlex
 import subprocess
 from dataclasses import dataclass
+from pathlib import Path
 
 from cluster.node import Node
 from cluster.remote import connect, fan_out, remote_home, run
@@ -29,8 +30,12 @@ class KeysResult:
     host_keys: dict[str, str]  # node -> "type base64"
 
 
+def cluster_key_path(cluster: Cluster) -> Path:
+    return cluster.state / "cluster_ed25519"
+
+
 def cluster_key(cluster: Cluster):
-    key = cluster.state / "cluster_ed25519"
+    key = cluster_key_path(cluster)
     if not key.exists():
         subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", f"xeon-cluster {cluster.name}",
                         "-f", str(key)], check=True, stdout=subprocess.DEVNULL)
