@@ -43,6 +43,23 @@ from reports import kube as kube_lib
 one_line_parse_errors()  # an unknown flag or a missing value: one 'error:' line too
 
 
+def _twin_by_default() -> None:
+    """After 'fab local-up --aws' this checkout uses the twin, as after 'fab local-up' it uses the local cluster, until
+    'fab local-down': its cluster, endpoints, store and credentials (never AWS's). XC_CLUSTER or --cluster choose
+    otherwise."""
+    if os.environ.get("XC_CLUSTER") or any(a == "--cluster" or a.startswith("--cluster=") for a in sys.argv):
+        return
+    try:
+        record = twin_lib.read()
+    except (ClusterError, OSError):  # a corrupt or unreadable record: the tasks that need the twin say so
+        return
+    if record:
+        twin_lib.use(record)
+
+
+_twin_by_default()
+
+
 def task(*args, **kwargs):
     """Fabric's @task without invoke's automatic short flags: -e or -f meant different things in different
     tasks, and -i is fab's own identity file. Long flags only, one meaning each."""

@@ -41,6 +41,7 @@ KEEP_OUT = ("XC_CLUSTER", "XC_STORE", "XC_AWS_ENDPOINT_URL", "XC_S3_ENDPOINT_URL
 class Twin:
     def __init__(self, env: dict, up_s: float, out: str):
         self.env, self.up_s, self.out = env, up_s, out
+        self.plain = dict(env)  # as the checkout that started it has it: without the export line
         self.export = next(line for line in out.splitlines() if line.startswith("export "))
         self.env.update(dict(kv.split("=", 1) for kv in self.export.split()[1:]))
 
@@ -106,6 +107,10 @@ def test_up_in_a_minute_and_status_lists_the_instances_from_the_ec2_api(twin):
     assert re.match(r"http://198\.1[89]\.\d+\.1:\d+$", twin.env["XC_AWS_ENDPOINT_URL"])  # the twin's own range
     shown = twin.status_ids()
     assert set(shown) == {"twin-0", "twin-1", "twin-head"}
+    # the checkout that started it uses it without the export line, as after 'fab local-up'
+    same = fab("status", "--no-runs", env=twin.plain, timeout=60)
+    assert same.returncode == 0 and same.stdout.startswith("cluster: aws:twin"), same.stdout + same.stderr
+    assert dict(re.findall(r"^(twin-(?:\d+|head))\s+(i-[0-9a-f]+)", same.stdout, re.MULTILINE)) == shown
     assert {shown["twin-0"], shown["twin-1"]} == twin.group_ids("twin-nodes")
     assert {shown["twin-head"]} == twin.group_ids("twin-head")
     # what the Pulumi program made, as pulumi up leaves it: the group's termination hook, the bucket, the roles
@@ -188,6 +193,9 @@ def test_the_head_supervises_is_replaced_and_recovers_a_spot_notice_with_the_ope
     assert set(supervisors().values()) == {old_head}
     wait_until("step 8", lambda: _steps(twin, first) >= 8, 300, poll=2)  # each look is a fab logs
     at_kill = _steps(twin, first)
+    # what a node may write (its role: runs/*/output/*), newer than the chain's own: not a chain, and no stop to one
+    twin.client("s3").put_object(Bucket=twin.env["XC_STORE"][5:].split("/", 1)[0], Body=b'{"code": "../../../x"}',
+                                 Key=f"{twin.env['XC_STORE'][5:].split('/', 1)[1]}/runs/{first}/output/supervisor.json")
     killed = twin.fab("local-kill", "head", timeout=60)
     assert killed.returncode == 0, killed.stdout + killed.stderr
     gone_at = time.monotonic()
