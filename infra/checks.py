@@ -19,10 +19,11 @@ ON_DEMAND_QUOTA = "L-1216C47A"  # Running On-Demand Standard (A, C, D, H, I, M, 
 
 
 def check_zone(settings: ClusterSettings, provider: pulumi.ProviderResource) -> None:
-    """Refuse a zone that does not offer instanceType, a fallback type or (image=bake) buildInstanceType, naming
-    the zones that do: Image Builder would otherwise fail there after minutes, not at preview."""
+    """Refuse a zone that does not offer instanceType, a fallback type, headInstanceType or (image=bake)
+    buildInstanceType, naming the zones that do: Image Builder or the head's group would otherwise fail there after
+    minutes (the group's capacity wait), not at preview."""
     build = (settings.build_instance_type,) if settings.image == "bake" else ()
-    kinds = list(dict.fromkeys([*settings.instance_types, *build]))
+    kinds = list(dict.fromkeys([*settings.instance_types, *build, settings.head_instance_type]))
     found = aws.ec2.get_instance_type_offerings(
         location_type="availability-zone", filters=[{"name": "instance-type", "values": kinds}],
         opts=pulumi.InvokeOptions(provider=provider))
@@ -34,6 +35,10 @@ def check_zone(settings: ClusterSettings, provider: pulumi.ProviderResource) -> 
         if settings.availability_zone in zones:
             continue
         where = ", ".join(zones) if zones else f"no zone of {settings.region}"
+        if kind == settings.head_instance_type and kind not in settings.instance_types:
+            raise ClusterError(f"headInstanceType {kind} is not offered in {settings.availability_zone} (offered in: "
+                               f"{where})", fix="run 'pulumi config set headInstanceType' with a type offered there "
+                               "(e.g. t3.medium or m6i.large)")
         if kind not in settings.instance_types:  # the build instance only: another build type is the fix
             raise ClusterError(f"buildInstanceType {kind} is not offered in {settings.availability_zone} (offered in: "
                                f"{where})", fix="run 'pulumi config set buildInstanceType' with a type offered there "

@@ -210,6 +210,16 @@ def test_a_zone_without_the_build_instance_type_is_refused_at_preview(program):
     program(Recorder(zones_of={"c6i.2xlarge": ("us-east-1b",)}), image="base")  # no build instance: no check
 
 
+def test_a_zone_without_the_head_type_is_refused_at_preview(program):
+    """The head's group of one launches headInstanceType in the zone: without it `pulumi up` failed only after the
+    group's capacity wait (10 minutes)."""
+    with pytest.raises(pulumi.RunError) as err:
+        program(Recorder(zones_of={"t3.medium": ("us-east-1b",)}))
+    assert str(err.value).startswith("headInstanceType t3.medium is not offered in us-east-1a (offered in: "
+                                     "us-east-1b); run 'pulumi config set headInstanceType'")
+    program(Recorder(zones_of={"t3.medium": ("us-east-1b",)}), headInstanceType="m6i.large")
+
+
 def test_policy_arns_follow_the_partition(program):
     run = program(Recorder(offered_zones=("us-gov-west-1a",), partition="aws-us-gov"), region="us-gov-west-1")
     arns = sorted(a.inputs["policyArn"] for a in run.mocks.of("aws:iam/rolePolicyAttachment:RolePolicyAttachment"))
