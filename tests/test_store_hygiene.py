@@ -123,3 +123,33 @@ def test_a_restarted_supervisor_goes_on_after_the_parts_already_sent(s3, tmp_pat
 
 def test_a_run_the_store_has_no_log_of_reads_as_none(s3):
     assert store_lib.read_log(f"s3://{BUCKET}/cl", "nope") is None
+
+
+def test_an_ended_runs_parts_go_and_its_log_reads_without_them(s3, tmp_path, monkeypatch):
+    """A run's log parts (one object every ~5 s) are deleted once its whole log.txt is published at its end, and a
+    reader fetches no part that log.txt already covers; parts a running run's log.txt does not yet cover stay."""
+    from training.runtime import store as runtime_store
+
+    url = f"s3://{BUCKET}/cl"
+    run_dir = _running(tmp_path, "r4")
+    publisher = store_lib.LivePublisher(url)
+    for n in range(3):
+        with (run_dir / "log.txt").open("ab") as f:
+            f.write(b"line %d\n" % n)
+        publisher.publish(run_dir)
+    store_lib.publish_records(run_dir, url)  # a transition while it runs: the parts stay
+    with (run_dir / "log.txt").open("ab") as f:
+        f.write(b"line 3\n")
+    publisher.publish(run_dir)
+    assert len(_versions(s3, "cl/runs/r4/log.parts/")) == 4
+    fetched = []
+    get = runtime_store.S3Store.get_bytes
+    monkeypatch.setattr(runtime_store.S3Store, "get_bytes", lambda self, key: fetched.append(key) or get(self, key))
+    assert store_lib.read_log(url, "r4") == "line 0\nline 1\nline 2\nline 3\n"  # parts longer than log.txt
+    assert sum("/log.parts/" in k for k in fetched) == 4
+    store_lib.publish_records(run_dir, url, ended=True)  # its end
+    live = [o["Key"] for o in s3.list_objects_v2(Bucket=BUCKET, Prefix="cl/runs/r4/log.parts/").get("Contents", [])]
+    assert live == []
+    fetched.clear()
+    assert store_lib.read_log(url, "r4") == "line 0\nline 1\nline 2\nline 3\n"
+    assert fetched == ["runs/r4/log.txt"]  # keys under the store's prefix

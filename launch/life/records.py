@@ -298,7 +298,7 @@ def _commit(run_dir: Path, record: RunRecord) -> RunRecord:
     record._save(run_dir)
     from cluster import store  # [store] the records beside the run's checkpoints; never raises
 
-    store.publish_records(run_dir, record.store)
+    store.publish_records(run_dir, record.store, ended=record.status != Status.RUNNING)
     return record
 
 
