@@ -16,7 +16,7 @@ import pytest
 from cluster import store as store_lib
 from core.errors import NodeFailure, Preempted
 from launch.chain import adopt
-from launch.life import head
+from launch.life import detach, head
 from launch.life.records import RunRecord, Status
 
 
@@ -133,3 +133,209 @@ def test_a_chain_this_machine_already_supervises_is_seen_as_such():
         proc.kill()
         proc.wait()
     assert not adopt.supervised_here(chain)
+
+
+def test_the_boot_script_takes_over_only_chains_and_only_code_that_hashes_to_its_digest(aws_env, monkeypatch,
+                                                                                        tmp_path):
+    """On S3 (moto): beside a real chain, a `supervisor.json` a node may write (under runs/<id>/output/) with a bogus
+    digest, a chain whose digest is not one, and a chain whose tarball is not what its digest says: each skipped
+    with one line, and the real chain's code (verified as cluster.shipping hashes it) runs launch.chain.adopt. The
+    planted file is no chain to launch.chain.adopt either."""
+    from pathlib import Path
+
+    import boto3
+
+    from cluster import shipping
+
+    def tree(name: str, text: str) -> tuple[str, bytes]:
+        root = tmp_path / name
+        for rel, body in {"launch/__init__.py": "", "launch/chain/__init__.py": "", "launch/chain/adopt.py": text}.items():
+            (root / rel).parent.mkdir(parents=True, exist_ok=True)
+            (root / rel).write_text(body)
+        return shipping.code_hash(root, ("launch",)), shipping.code_tarball(root, ("launch",))
+
+    adopt_py = "import os, sys; print('adopted from', os.getcwd(), os.environ['XC_STORE'], flush=True)\n"
+    real, real_tar = tree("real", adopt_py)
+    other, _ = tree("other", adopt_py.replace("adopted", "other"))
+    _, tampered = tree("tampered", adopt_py.replace("adopted", "tampered"))
+    s3 = boto3.client("s3", region_name="us-east-1", endpoint_url=aws_env)
+    s3.create_bucket(Bucket="xc-boot")
+    chain = "20260101-000000-glue-abcd"
+
+    def put(key: str, body: bytes) -> None:
+        s3.put_object(Bucket="xc-boot", Key=f"dev/{key}", Body=body)
+
+    put(f"code/{real}.tar.gz", real_tar)
+    put(f"runs/{chain}/supervisor.json", json.dumps({"chain": chain, "code": real}).encode())
+    put(f"code/{other}.tar.gz", tampered)  # not the tree `other` hashes
+    put("runs/t-1/supervisor.json", json.dumps({"chain": "t-1", "code": other}).encode())
+    put("runs/b-1/supervisor.json", json.dumps({"chain": "b-1", "code": "zz"}).encode())
+    put(f"runs/{chain}/output/supervisor.json", b'{"code": "../../../planted"}')  # a node's role may write there
+    env_file = tmp_path / "cluster.env"
+    env_file.write_text("XC_CLUSTER=dev\nXC_REGION=us-east-1\nXC_STORE=s3://xc-boot/dev\n")
+    home = tmp_path / "home"
+    script = Path(__file__).resolve().parent.parent / "node_setup" / "head_boot.py"
+    res = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, check=False, timeout=120,
+                         env={**os.environ, "HOME": str(home), "XC_CLUSTER_ENV": str(env_file),
+                              "XC_S3_ENDPOINT_URL": aws_env})
+    lines = res.stdout.splitlines()
+    code = home / ".xeon-cluster" / "code"
+    assert res.returncode == 0 and lines[-1] == f"adopted from {code / real} s3://xc-boot/dev", res.stdout + res.stderr
+    skipped = sorted(line.removeprefix("xc-head-boot: skipped dev/runs/") for line in lines
+                     if line.startswith("xc-head-boot: skipped "))
+    planted = f"{chain}/output/supervisor.json: not a chain's (only <prefix>/runs/<id>/supervisor.json is)"
+    bad = "b-1/supervisor.json: its code 'zz' is not a 16-hex digest"
+    hashed = shipping.code_hash(tmp_path / "tampered", ("launch",))
+    tampered_line = f"t-1/supervisor.json: its code tarball hashes to {hashed}, not {other}: refused"
+    assert skipped == [planted, bad, tampered_line], res.stdout
+    assert sorted(p.name for p in code.iterdir()) == [real]  # the refused tarball was never unpacked
+    assert (code / real / "launch" / "chain" / "adopt.py").read_text() == adopt_py
+    # the real code's own tarball, as fab puts it into the store, passes the check the boot script makes
+    import runpy
+
+    boot = runpy.run_path(str(script), run_name="boot")
+    assert boot["tarball_digest"](shipping.code_tarball(tops=shipping.HEAD_SHIPPED)) == \
+        shipping.code_hash(tops=shipping.HEAD_SHIPPED)
+    # launch.chain.adopt lists the real chain only, the planted file beside it
+    monkeypatch.setenv("XC_S3_ENDPOINT_URL", aws_env)
+    url = "s3://xc-boot/dev"
+    _run(url, chain, Status.RUNNING)
+    assert adopt.live_chains(url) == [chain]
+
+
+def _orphan(tmp_path, monkeypatch, *fakes) -> str:
+    """A chain `c1` whose run goes on under node 0's wrapper with no head (its record in a file store, running),
+    on fake nodes at the SSH boundary (tests/fake_node.py); returns the store's URL."""
+    from fake_node import FakeCluster
+
+    from launch.life import cleanup, lifecycle
+    from launch.ship import outputs, userscript
+
+    fc = FakeCluster(*fakes)
+    fc.install(monkeypatch, detach, cleanup, lifecycle, outputs, userscript)
+    monkeypatch.setattr(adopt, "POLL_S", 0.0)
+    url = (tmp_path / "store").as_uri()
+    _run(url, "c1", Status.RUNNING, nodes=[n.to_dict() for n in fc.nodes], job="glue", ppn=1, world_size=len(fakes),
+         detached=True, remote_run="/h/runs/c1", remote_output="/h/runs/c1/output", started_at=time.time() - 60,
+         env={"XC_STORE": url})
+    return url
+
+
+def test_node_0_gone_at_takeover_ends_the_run_as_a_lost_node_for_the_restart_loop(tmp_path, monkeypatch):
+    """A reclaim between two heads: node 0 does not answer the new head. After GONE_LOOKS looks in a row the run
+    gets the ending the first supervisor gives a run whose node 0 went away (lifecycle.end: the other nodes swept,
+    failed as node lost), and that is an ending the restart loop restarts (as_exception), not an error that drops
+    the chain with its record left running."""
+    from fake_node import FakeNode
+
+    n0, n1 = FakeNode("node0", reachable=False), FakeNode("node1", procs={"c1": 2})
+    url = _orphan(tmp_path, monkeypatch, n0, n1)
+    out = io.StringIO()
+    rec, ids = adopt.pending_outcome(url, "c1", tmp_path / "runs", out)
+    assert ids == ["c1"] and rec.status == Status.FAILED, out.getvalue()
+    assert rec.lost_nodes == ["node0"] and rec.failed_node == "node0" and rec.cause == "node lost"
+    assert n1.procs == {} and any("kill -9" in c for c in n1.commands)  # its ranks on the nodes left: swept
+    assert store_lib.read_summary(url, "c1")["status"] == "failed"  # concluded where every checkout reads it
+    assert f"did not answer {adopt.GONE_LOOKS} looks in a row" in out.getvalue()
+    ended = adopt.as_exception(rec)
+    assert isinstance(ended, NodeFailure) and ended.lost == ["node0"] and ended.run_id == "c1"
+
+
+def test_node_0_missing_fewer_looks_than_that_is_followed_on(tmp_path, monkeypatch):
+    from fake_node import FakeNode
+
+    from core.errors import Unreachable
+
+    url = _orphan(tmp_path, monkeypatch, FakeNode("node0"), FakeNode("node1"))
+    looks = []
+
+    def conclude(run_dir, master, out, follower=False):  # a blip, then the run's own ending
+        looks.append(master.name)
+        if len(looks) < adopt.GONE_LOOKS:
+            raise Unreachable("node0 is unreachable (timed out)", node="node0")
+        return RunRecord(run_id="c1", status=Status.OK)
+
+    monkeypatch.setattr(detach, "conclude", conclude)
+    rec, _ = adopt.pending_outcome(url, "c1", tmp_path / "runs", io.StringIO())
+    assert rec.status == Status.OK and looks == ["node0"] * adopt.GONE_LOOKS
+
+
+def test_node_0_no_longer_in_the_clusters_discovery_is_lost_at_the_first_look(tmp_path, monkeypatch):
+    """On AWS a node 0 reclaimed before this head recorded its host key fails the look before any dial (not
+    Unreachable): discovery no longer listing its instance makes it a lost node at once. Listed, the same failure
+    is raised as before (a node that is there and refuses is no lost node)."""
+    from fake_node import FakeNode
+
+    from core.errors import ClusterError
+
+    def conclude(run_dir, master, out, follower=False):
+        raise ClusterError(f"{master.name} (10.0.0.5:22): host key not yet known", fix="retry in a minute")
+
+    url = _orphan(tmp_path, monkeypatch, FakeNode("node0", reachable=False), n1 := FakeNode("node1", procs={"c1": 1}))
+    monkeypatch.setattr(detach, "conclude", conclude)
+    with pytest.raises(ClusterError, match="host key not yet known"):
+        adopt.pending_outcome(url, "c1", tmp_path / "runs", io.StringIO(), lambda: {"node0", "node1"})
+    out = io.StringIO()
+    rec, _ = adopt.pending_outcome(url, "c1", tmp_path / "runs2", out, lambda: {"node1"})
+    assert rec.status == Status.FAILED and rec.lost_nodes == ["node0"] and n1.procs == {}
+    assert "node 0 (node0) is no longer in the cluster (node0 (10.0.0.5:22): host key not yet known)" in out.getvalue()
+    assert adopt.node_id(detach.master_node(rec)) == "node0"  # a node without an instance: its name
+
+
+@pytest.mark.parametrize("max_restarts", [0, 2])
+def test_an_adopted_chain_whose_node_0_is_gone_restarts_or_is_concluded(tmp_path, monkeypatch, max_restarts):
+    """supervisor --adopt with node 0 gone: with restarts left, the chain's restart loop is handed the lost node (and
+    the restarts already done); with none, the chain ends with its record concluded (failed, not running), and its
+    job and secrets are deleted either way. The restart loop itself is replaced here (tests/test_restarts.py and the
+    twin run it)."""
+    from fake_node import FakeNode
+
+    from cluster import resolve
+    from launch.chain import restarts, supervisor
+    from launch.life.records import RunResult
+    from launch.ship import run_secrets
+
+    url = _orphan(tmp_path, monkeypatch, FakeNode("node0", reachable=False), FakeNode("node1", procs={"c1": 1}))
+    job = {"chain": "c1", "spec": "aws:dev", "max_restarts": max_restarts, "restart_wait": 60, "min_nodes": None,
+           "grow_back": True, "secrets": ["HF_TOKEN"], "secrets_at": "dev", "code": "0123456789abcdef"}
+    store_lib.put_record(url, "c1", adopt.JOB, json.dumps(job).encode())
+
+    class Beat:
+        def __init__(self, *a):
+            pass
+
+        def start(self):
+            pass
+
+    handed, deleted = [], []
+    monkeypatch.setattr(adopt, "head_store", lambda: url)
+    monkeypatch.setattr(supervisor, "_aws_head_env", lambda spec: None)
+    monkeypatch.setattr(head, "runs_here", lambda: tmp_path / "runs")
+    monkeypatch.setattr(head, "Beat", Beat)
+    from types import SimpleNamespace
+
+    from cluster.node import Node
+
+    # the cluster's discovery on this head: node 0 reclaimed, node 1 still there
+    discovered = SimpleNamespace(nodes=[Node(**n) for n in store_lib.read_summary(url, "c1")["nodes"][1:]])
+    monkeypatch.setattr(resolve, "open_cluster", lambda spec, require_running=None: discovered)
+    monkeypatch.setattr(adopt, "kept_secrets", lambda job: {"HF_TOKEN": "x"})
+    monkeypatch.setattr(adopt, "adopted_request", lambda url, job, rec, runs_dir, values: "the request")
+    monkeypatch.setattr(run_secrets, "delete", lambda at, chain, names: deleted.append((at, chain, list(names))))
+
+    def train_with_restarts(cluster, req, max_restarts, restart_wait, ended=None, restarts_done=0):
+        handed.append((req, max_restarts, ended, restarts_done))
+        return RunResult(run_id="c1-2", run_dir=tmp_path / "runs" / "c1-2", exit_code=0, wall_s=1.0, results=None)
+
+    monkeypatch.setattr(restarts, "train_with_restarts", train_with_restarts)
+    monkeypatch.setenv("XC_RUNS_DIR", str(tmp_path / "runs"))
+    got = supervisor.adopted("c1")
+    assert store_lib.read_summary(url, "c1")["status"] == "failed"  # concluded, never left running
+    assert adopt.load_job(url, "c1") is None and deleted == [("dev", "c1", ["HF_TOKEN"])]
+    if max_restarts:
+        assert got == 0 and len(handed) == 1
+        req, of, ended, done = handed[0]
+        assert (req, of, done) == ("the request", max_restarts, 0)
+        assert isinstance(ended, NodeFailure) and ended.lost == ["node0"] and ended.run_id == "c1"
+    else:
+        assert got == 1 and handed == []

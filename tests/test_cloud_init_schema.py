@@ -92,3 +92,36 @@ def test_the_installed_cloud_init_accepts_the_user_data(kind, tmp_path):
     run = subprocess.run(["cloud-init", "schema", "--config-file", str(path)], capture_output=True, text=True,
                          timeout=120, check=False)
     assert run.returncode == 0 and "Valid cloud-config" in run.stdout, run.stdout + run.stderr
+
+
+def test_the_heads_boot_script_says_why_in_one_line_and_ends_0_without_a_venv(tmp_path):
+    """The head's xc-head-boot, as its user data writes it, run as its unit runs it (its #! line): on a head without
+    the project's venv (image=base, or an AMI of one's own) one line says why and it ends 0, where a #! naming the
+    venv's python failed the unit with 203/EXEC; with a venv it goes on in that venv's python. The unit sends its
+    lines to the console output too."""
+    import os
+    import sys
+
+    config = yaml.safe_load(RENDERED["head"]())
+    files = {f["path"]: f for f in config["write_files"]}
+    script = tmp_path / "xc-head-boot"
+    script.write_text(files["/usr/local/sbin/xc-head-boot"]["content"])
+    script.chmod(int(files["/usr/local/sbin/xc-head-boot"]["permissions"], 8))
+    assert script.read_text().startswith("#!/bin/sh\n")
+    missing = tmp_path / "no-venv"
+    env = {"PATH": os.defpath, "HOME": str(tmp_path), "XC_HEAD_VENV": str(missing)}
+    res = subprocess.run([str(script)], capture_output=True, text=True, timeout=30, check=False, env=env)
+    assert (res.returncode, res.stderr) == (0, "")
+    assert res.stdout == (f"xc-head-boot: no venv at {missing} (image=base): detached runs are supervised from the "
+                          "operator's machine; nothing to take over\n")
+    (tmp_path / "venv" / "bin").mkdir(parents=True)
+    # a venv's python (this one's interpreter, without this venv's packages): the script goes on in it, as Python
+    (tmp_path / "venv" / "bin" / "python").symlink_to(Path(sys.executable).resolve())
+    (tmp_path / "cluster.env").write_text("XC_CLUSTER=dev\nXC_STORE=file:///nowhere\n")
+    env.update(XC_HEAD_VENV=str(tmp_path / "venv"), XC_CLUSTER_ENV=str(tmp_path / "cluster.env"))
+    res = subprocess.run([str(script)], capture_output=True, text=True, timeout=60, check=False, env=env)
+    assert res.returncode == 0 and res.stdout in (  # main's lines: without boto3, or with it
+        "xc-head-boot: no venv with the project's packages here: no supervisor can be taken over\n",
+        "xc-head-boot: no S3 store in cluster.env (file:///nowhere): nothing to take over\n"), res.stdout + res.stderr
+    unit = files["/etc/systemd/system/xc-head.service"]["content"].splitlines()
+    assert "ExecStart=/usr/local/sbin/xc-head-boot" in unit and "StandardOutput=journal+console" in unit

@@ -6,7 +6,8 @@ value). fab puts the supervisor's code into the store too (`code/<digest>.tar.gz
 (`node_setup/head_boot.py`, from its user data) fetches that code and runs `python -m launch.chain.adopt`, which
 starts a supervisor `--adopt CHAIN` for every chain whose newest run is not over and whose heartbeat is stale, and
 never a second one for a chain a live process here already supervises. The adopted supervisor follows the run the
-ranks still run (under node 0's wrapper), concludes it, and restarts it as the first supervisor would have.
+ranks still run (under node 0's wrapper), concludes it, and restarts it as the first supervisor would have; node 0
+gone by then (reclaimed between two heads) is a lost node, as it would have been to the first supervisor.
 A run given secrets (`--env KEY`) is restarted by another head with their values from SSM, where fab kept them
 (launch.ship.run_secrets); where they are gone, it is not, and the record says so.
 """
@@ -14,21 +15,28 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import os
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from cluster import store as store_lib
-from core.errors import ClusterError, NodeFailure, Preempted
+from cluster.node import Node
+from core.errors import ClusterError, NodeFailure, Preempted, Unreachable
 from launch.life import detach, head, records
+from launch.life.lifecycle import Outcome, Run, end
 from launch.life.records import RunRecord, Status
-from training.runtime.paths import RunPaths
+from training.runtime.paths import RunPaths, node_run_of
+
+log = logging.getLogger(__name__)
 
 JOB = head.JOB
 CODE = "code"  # the store's folder of supervisor code tarballs, by digest
 POLL_S = 5.0
+GONE_LOOKS = 3  # node 0 unreachable this many looks in a row (POLL_S apart) is gone: reclaimed while no head ran
 MAX_WAIT_S = 900.0  # a chain whose heartbeat stays fresh this long has a live supervisor elsewhere
 
 
@@ -101,9 +109,30 @@ def supervised_here(chain: str) -> bool:
     return bool(res.stdout.split())
 
 
-def pending_outcome(url: str, chain: str, runs_dir: Path, out) -> tuple[RunRecord, list[str]]:
+def node_id(node: Node) -> str:
+    """What names a node across discoveries: its instance (an AWS node's name is its position), else its name."""
+    return node.labels.get("instance_id") or node.name
+
+
+def listed(node: Node, members: Callable[[], set[str]] | None) -> bool | None:
+    """Whether the cluster's discovery lists the node now (by node_id); None when there is none or it failed."""
+    if members is None:
+        return None
+    try:
+        return node_id(node) in members()
+    except ClusterError as exc:
+        log.debug("discovery: %s", exc.what)
+        return None
+
+
+def pending_outcome(url: str, chain: str, runs_dir: Path, out, members: Callable[[], set[str]] | None = None
+                    ) -> tuple[RunRecord, list[str]]:
     """The chain's records brought here from the store, and its newest run followed to its end (its ranks go on
-    under node 0's wrapper while no head supervises them): that run's record once concluded, and the chain's ids."""
+    under node 0's wrapper while no head supervises them): that run's record once concluded, and the chain's ids.
+    Node 0 gone (the likely case after a reclaim between two heads) ends the run as one that lost a node
+    (master_lost): at once when the cluster's discovery (`members`: node_id of each node it lists) no longer lists
+    it; after GONE_LOOKS failed looks in a row when it does not answer, or when discovery cannot say. Any other
+    failure of a look at a node 0 that discovery lists is raised, as before."""
     ids, _ = newest(url, chain)
     if not ids:
         raise ClusterError(f"chain {chain}: no record of it in the store", fix="'fab runs' lists what the store holds")
@@ -119,14 +148,47 @@ def pending_outcome(url: str, chain: str, runs_dir: Path, out) -> tuple[RunRecor
         out.flush()
         master = detach.master_node(rec)
         mirror = detach.LogMirror(run_dir, rec)  # the log reaches the store as it grows, not only at the end
+        missed = 0
         try:
             while rec.status == Status.RUNNING:
                 time.sleep(POLL_S)
-                mirror.step(master)
-                rec = detach.conclude(run_dir, master, out, follower=True)
+                if not missed:  # a node 0 that did not answer the last look is not asked for its log
+                    mirror.step(master)
+                try:
+                    rec = detach.conclude(run_dir, master, out, follower=True)
+                    missed = 0
+                except ClusterError as exc:  # for a node gone before this head recorded its host key: no dial
+                    there = listed(master, members)
+                    if there and not isinstance(exc, Unreachable):
+                        raise
+                    missed = GONE_LOOKS if there is False else missed + 1
+                    if missed >= GONE_LOOKS:
+                        rec = master_lost(run_dir, mirror, out, exc, "is no longer in the cluster" if there is False
+                                          else f"did not answer {GONE_LOOKS} looks in a row")
         finally:
             mirror.close()
     return rec, ids
+
+
+def master_lost(run_dir: Path, mirror: detach.LogMirror, out, exc: ClusterError, how: str) -> RunRecord:
+    """Node 0 is gone (after a reclaim between two heads, the likely case): the ending the first supervisor gives a
+    run whose node 0 went away under it (launch.run: mpirun's session lost, exit -1), through the one ending every
+    run has: its other nodes swept, the run failed as node lost (or preempted, if rank 0's notice is in the log
+    mirrored here), so that the chain's restart loop goes on as it would have. Returns the concluded record."""
+    rec = records.load(run_dir)
+    out.write(f"run {rec.run_id}: node 0 ({detach.master_node(rec).name}) {how} ({exc.what}): ending it as a run "
+              "that lost a node\n")
+    out.flush()
+    home, _ = node_run_of(rec.remote_run)
+    r = Run(rec.run_id, run_dir.parent, home, [Node(**n) for n in rec.nodes], detach.log_plan(rec), rec,
+            remote_output=rec.remote_output or RunPaths(rec.run_id, home).node_output, is_job=bool(rec.job))
+    wall = max(0.0, time.time() - float(rec.started_at or time.time()))
+    try:
+        end(r, Outcome(-1, mirror.router.lines, mirror.router.finished, wall), lambda msg: out.write(msg + "\n"))
+    except ClusterError as ended:  # how it ended is in its record: the caller goes on from there
+        out.write(f"{ended.what}\n")
+    out.flush()
+    return records.load(run_dir)
 
 
 def as_exception(rec: RunRecord) -> ClusterError | None:

@@ -278,7 +278,11 @@ def adopted(chain: str) -> int:
     head.Beat(chain, runs_dir, url).start()
     try:
         cluster = open_cluster(job["spec"], require_running=None)  # the nodes' host keys, recorded on this head
-        rec, ids = adopt.pending_outcome(url, chain, runs_dir, sys.stdout)
+
+        def members() -> set[str]:  # node 0 no longer among them: gone, a lost node for the restart loop
+            return {adopt.node_id(n) for n in open_cluster(job["spec"], require_running=None).nodes}
+
+        rec, ids = adopt.pending_outcome(url, chain, runs_dir, sys.stdout, members)
         ended = adopt.as_exception(rec)
         left = int(job["max_restarts"]) - (len(ids) - 1)
         if ended is None or left <= 0:
