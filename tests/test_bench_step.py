@@ -140,3 +140,19 @@ def test_the_glue_bench_calls_the_blog_recipe_manual():
     assert "seeds" not in glue_single_node.CONFIGS and "seeds" not in glue_single_node.CLM_CONFIGS
     text = (ROOT / "bench" / "glue_single_node.py").read_text()
     assert "vs manual" in text and "ratio_vs_manual" in text and "ratio_vs_seeds" not in text
+
+
+def test_the_profile_puts_each_op_in_its_family():
+    import profile_step
+
+    cases = {"aten::mm": "matmul", "aten::addmm": "matmul", "aten::bmm": "matmul", "aten::_softmax": "attention",
+             "aten::_softmax_backward_data": "attention", "aten::_log_softmax": "loss", "aten::nll_loss_backward": "loss",
+             "aten::native_layer_norm_backward": "layer norm", "aten::gelu_backward": "gelu",
+             "aten::native_dropout": "dropout", "aten::bernoulli_": "dropout", "aten::_fused_adamw_": "optimizer",
+             "aten::copy_": "casts", "aten::add": "adds and sums", "aten::sum": "adds and sums",
+             "aten::index_select": "embedding", "aten::empty_strided": "other aten",
+             "xc::xc_dropout_bf16_forward": "dropout", "xc::xc_adamw_bf16": "optimizer", "xc::xc_sumsq_bf16": "optimizer",
+             "xc::xc_dense_out_bf16_backward": "output block",
+             "phase::forward": None, "AddmmBackward0": None, "autograd::engine::evaluate_function: X": None}
+    assert {name: profile_step.family(name) for name in cases} == cases
+    assert set(cases.values()) - {None} <= set(profile_step.FAMILIES)
