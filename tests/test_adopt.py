@@ -48,6 +48,32 @@ def test_a_head_adopts_only_chains_with_a_job_that_go_on_and_only_once_their_hea
     assert adopt.live_chains(url) == []  # a chain that ended drops its job
 
 
+def test_a_heartbeat_from_an_instance_ec2_has_taken_is_stale_at_once(tmp_path, aws_env, monkeypatch):
+    """At the default 30 s heartbeat a replaced head waited up to two minutes (4 intervals) for its predecessor's beat
+    to go stale. The beat names its instance: once EC2 says that instance is gone, the new head takes over at once;
+    a running one (a live supervisor elsewhere), this head's own, or one EC2 cannot answer for, still waits."""
+    from moto_fixture import client
+
+    url = (tmp_path / "store").as_uri()
+    ec2 = client("ec2")
+    image = ec2.describe_images()["Images"][0]["ImageId"]
+    old, live, mine = (i["InstanceId"] for i in ec2.run_instances(ImageId=image, MinCount=3, MaxCount=3)["Instances"])
+    ec2.terminate_instances(InstanceIds=[old])
+    env_file = tmp_path / "cluster.env"
+    env_file.write_text(f"XC_REGION=us-east-1\nXC_INSTANCE_ID={mine}\n")
+    monkeypatch.setenv("XC_CLUSTER_ENV", str(env_file))
+    now = time.time()
+    for chain, instance in (("a", old), ("b", live), ("c", mine), ("d", "i-0123456789abcdef0")):
+        store_lib.put_record(url, chain, head.HEARTBEAT, json.dumps({"at": now - 3, "interval_s": 30,
+                                                                      "instance": instance}).encode())
+    assert adopt.stale(url, "a", now) == 0  # terminated: no two-minute wait
+    assert 110 <= adopt.stale(url, "b", now) <= 120 and 110 <= adopt.stale(url, "c", now) <= 120
+    assert adopt.stale(url, "d", now) == 0  # EC2 knows it no more
+    monkeypatch.setenv("XC_AWS_ENDPOINT_URL", "http://127.0.0.1:9")  # EC2 unreachable: the beat's own clock decides
+    assert 110 <= adopt.stale(url, "a", now) <= 120
+    assert head.own_instance() == mine
+
+
 def test_the_ending_a_first_supervisor_would_have_caught():
     pre = RunRecord(run_id="r", status=Status.PREEMPTED, preempted={"node": "dev-1", "step": 40})
     exc = adopt.as_exception(pre)

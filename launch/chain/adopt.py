@@ -25,11 +25,13 @@ from pathlib import Path
 
 from cluster import store as store_lib
 from cluster.node import Node
+from core.ec2 import ec2_client
 from core.errors import ClusterError, NodeFailure, Preempted, Unreachable
 from launch.life import detach, head, records
 from launch.life.lifecycle import Outcome, Run, end
 from launch.life.records import RunRecord, Status
 from training.runtime.paths import RunPaths, node_run_of
+from training.runtime.spot import cluster_env
 
 log = logging.getLogger(__name__)
 
@@ -95,12 +97,30 @@ def live_chains(url: str) -> list[str]:
 
 
 def stale(url: str, chain: str, now: float | None = None) -> float:
-    """Seconds until the chain's heartbeat is stale (0: it is, or there is none)."""
+    """Seconds until the chain's heartbeat is stale (0: it is, or there is none, or the instance that beat is gone:
+    a replaced head's successor need not wait STALE_BEATS intervals, two minutes at the default 30 s, for it)."""
     beat = head.heartbeat(url, chain)
     if not beat:
         return 0.0
+    if beat.get("instance") and beat["instance"] != head.own_instance() and instance_gone(beat["instance"]):
+        return 0.0
     interval = float(beat.get("interval_s", head.heartbeat_s()))
     return max(0.0, float(beat["at"]) + head.STALE_BEATS * interval - (now or time.time()))
+
+
+GONE = ("shutting-down", "terminated", "stopping", "stopped")
+
+
+def instance_gone(instance: str) -> bool:
+    """EC2 says the instance is gone or going (or knows it no more); False where it cannot tell (then the stale
+    wait decides)."""
+    try:
+        found = ec2_client(cluster_env().get("XC_REGION") or None).describe_instances(InstanceIds=[instance])
+    except Exception as exc:  # noqa: BLE001
+        code = getattr(exc, "response", {}).get("Error", {}).get("Code", "")
+        return code == "InvalidInstanceID.NotFound"
+    states = [i["State"]["Name"] for r in found["Reservations"] for i in r["Instances"]]
+    return not states or all(s in GONE for s in states)
 
 
 def supervised_here(chain: str) -> bool:

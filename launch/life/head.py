@@ -26,6 +26,7 @@ from core.errors import ClusterError
 from launch.life import records
 from launch.life.records import RunRecord, Status
 from training.runtime.paths import RunPaths, runs_under
+from training.runtime.spot import cluster_env
 
 log = logging.getLogger(__name__)
 
@@ -116,6 +117,12 @@ def no_head_line(spec: str, head: Node | None, supervised: bool = False, why: st
 
 
 # -- on the head: the heartbeat and the log, published while the supervisor lives -------------------------------
+def own_instance() -> str | None:
+    """This head's EC2 instance id (cloud-init's cluster.env), None off AWS: a new head that sees the heartbeat's
+    instance gone takes the chain over at once instead of waiting for the beat to go stale."""
+    return cluster_env().get("XC_INSTANCE_ID") or None
+
+
 class Beat(threading.Thread):
     """Every publish_s: what changed of the records and log.txt of every run this process supervises that still
     goes on (store_lib.LivePublisher: the log in appended parts); every heartbeat_s: runs/<id>/heartbeat.json for
@@ -138,8 +145,8 @@ class Beat(threading.Thread):
 
     def beat(self, current: list[RunRecord]) -> None:
         data = json.dumps({"at": time.time(), "pid": os.getpid(), "host": socket.gethostname(),
-                           "head": os.environ.get(HEAD_ENV), "chain": self.chain, "interval_s": heartbeat_s(),
-                           "current": [r.run_id for r in current]}).encode()
+                           "head": os.environ.get(HEAD_ENV), "instance": own_instance(), "chain": self.chain,
+                           "interval_s": heartbeat_s(), "current": [r.run_id for r in current]}).encode()
         for run_id in {self.chain, *(r.run_id for r in current)}:
             store_lib.put_record(self.url, run_id, HEARTBEAT, data)
 
