@@ -12,8 +12,8 @@ from infra import checks, cost
 from infra.head import HEAD_USER, Head
 from infra.image import Image
 from infra.network import Network
-from infra.nodes import MIN_HEALTHY_PERCENT, ROLLING_KEYS, Nodes
-from infra.policies import secrets_path
+from infra.nodes import MIN_HEALTHY_PERCENT, ROLLING_KEYS, Nodes, group_name
+from infra.policies import ROLE_PATH, boundary_name, boundary_policy, secrets_path
 from infra.settings import CONFIG_KEYS, ClusterSettings
 from infra.store import Store
 
@@ -33,11 +33,14 @@ def main() -> dict:
         checks.check_zone(settings, provider)
         ctx = checks.aws_context(provider, settings.region)  # partition, DNS suffix, account: ARNs built here
         network = Network(settings.cluster_name, settings, opts)
-        image = Image(settings.cluster_name, settings, network, ctx.partition, opts, ec2_principal=ctx.ec2_principal)
         store = Store(settings.cluster_name, settings, opts)
-        nodes = Nodes(settings.cluster_name, settings, network, image.ami_id, opts, store=store, ctx=ctx)
+        boundary = permissions_boundary(settings, store, ctx, opts)
+        image = Image(settings.cluster_name, settings, network, ctx.partition, opts, ec2_principal=ctx.ec2_principal,
+                      boundary=boundary.arn)
+        nodes = Nodes(settings.cluster_name, settings, network, image.ami_id, opts, store=store, ctx=ctx,
+                      boundary=boundary.arn)
         head = Head(settings.cluster_name, settings, network, store, nodes.key.key_name, ctx, opts,
-                    baked_ami=image.ami_id)
+                    baked_ami=image.ami_id, boundary=boundary.arn)
     except ClusterError as exc:
         raise pulumi.RunError(str(exc)) from None  # one line, no traceback
     pulumi.log.info(checks.quota_line(settings))
@@ -68,6 +71,11 @@ def main() -> dict:
         "headInstanceType": settings.head_instance_type,
         "headSshUser": HEAD_USER,
         "secretsPath": secrets_path(settings.cluster_name),
+        # the customer-managed key of the SecureStrings under secretsPath (fab finds it by the alias)
+        "secretsKeyAlias": head.key_alias.name,
+        "secretsKeyArn": head.key.arn,
+        # the permissions boundary on every role of the stack (docs/iam-policy-pulumi.json requires it)
+        "permissionsBoundary": boundary.arn,
         "hourlyCostUsd": estimate.total_usd_h,
         "costEstimate": estimate.summary(),
     }
@@ -77,6 +85,18 @@ def main() -> dict:
     for key, value in outputs.items():
         pulumi.export(key, value)
     return outputs
+
+
+def permissions_boundary(settings: ClusterSettings, store: Store, ctx: checks.AwsContext,
+                         opts: pulumi.ResourceOptions) -> aws.iam.Policy:
+    """The managed policy every role of the program carries as its permissions boundary: what the nodes, the head
+    and the image build may do at most (infra.policies.boundary_policy), under the roles' path."""
+    document = store.bucket.arn.apply(lambda arn: boundary_policy(ctx, settings.cluster_name, group_name(settings),
+                                                                  arn, store.prefix))
+    return aws.iam.Policy(f"{settings.cluster_name}-boundary", name=boundary_name(settings.cluster_name,
+                          settings.region), path=ROLE_PATH, policy=document, tags=settings.tags,
+                          description=f"xeon-cluster {settings.cluster_name}: the most any role of the cluster may do",
+                          opts=opts)
 
 
 def _pinned_note(pinned: str | None, latest: str | None) -> None:

@@ -3,6 +3,10 @@
 for mpirun. fab puts it there and authorizes it on the nodes before a supervisor starts on the head; the head
 reads it into its own state folder. Only the head's role may read it (infra.policies.head_policy); nodes, which
 run user code, may not.
+
+It is encrypted with the cluster's own KMS key (infra/head.py), not the account's aws/ssm key, which anyone allowed
+ssm:GetParameter may decrypt with: the key's policy lets only the head's role decrypt. fab finds the key by its
+alias (secrets_key), so an aws:NAME cluster needs no Pulumi CLI; the run secrets use it too (launch.ship.run_secrets).
 """
 from __future__ import annotations
 
@@ -17,6 +21,7 @@ from core.errors import ClusterError
 log = logging.getLogger(__name__)
 
 ROOT = "/xeon-cluster"  # infra.policies.SECRETS_ROOT (tests/test_mesh.py keeps the two equal)
+KEY_ALIAS_ROOT = "alias/xeon-cluster"  # infra.policies.KEY_ALIAS_ROOT (likewise)
 KEY_FILE = "cluster_ed25519"  # cluster.keys.cluster_key's file in a cluster's state folder
 
 
@@ -24,14 +29,37 @@ def parameter(cluster: str) -> str:
     return f"{ROOT}/{cluster}/mesh-key"
 
 
+def key_alias(cluster: str) -> str:
+    """The alias of the cluster's secrets key, which 'pulumi up' makes (infra.policies.key_alias)."""
+    return f"{KEY_ALIAS_ROOT}/{cluster}"
+
+
+def secrets_key(cluster: str, region: str | None = None) -> str:
+    """The ARN of the KMS key the cluster's SecureStrings are encrypted with, found by its alias. A stack made before
+    the key existed has none: that is an error naming the fix, never a silent fall-back to the aws/ssm key (which
+    every principal allowed ssm:GetParameter may decrypt with)."""
+    with aws_errors("kms"):
+        client = aws_client("kms", region)
+        try:
+            meta = client.describe_key(KeyId=key_alias(cluster))["KeyMetadata"]
+        except client.exceptions.NotFoundException:
+            raise ClusterError(f"cluster {cluster} has no KMS key {key_alias(cluster)} for its secrets (a stack made "
+                               "before it)", fix="run 'pulumi up' in the cluster's stack: it makes the key") from None
+    if not meta.get("Enabled", True):
+        raise ClusterError(f"the KMS key {key_alias(cluster)} of cluster {cluster} is {meta.get('KeyState', 'disabled')}",
+                           fix="run 'pulumi up' in the cluster's stack (or enable the key)")
+    return meta["Arn"]
+
+
 def publish(cluster: str, key: Path, region: str | None = None) -> None:
-    """Operator side: the private key as a SecureString (encrypted with the account's aws/ssm key). Put again on
+    """Operator side: the private key as a SecureString encrypted with the cluster's key (secrets_key). Put again on
     every call, with its public half beside it: the operator may not read them back, and an unchanged value only
     adds a version."""
+    key_id = secrets_key(cluster, region)
     with aws_errors("ssm"):
         client = aws_client("ssm", region)
         client.put_parameter(Name=parameter(cluster), Value=key.read_text(), Type="SecureString", Overwrite=True,
-                             Description=f"xeon-cluster {cluster}: the mesh key (the head reads it)")
+                             KeyId=key_id, Description=f"xeon-cluster {cluster}: the mesh key (the head reads it)")
         client.put_parameter(Name=parameter(cluster) + ".pub", Value=key.with_suffix(".pub").read_text().strip(),
                              Type="String", Overwrite=True, Description=f"xeon-cluster {cluster}: the mesh key's "
                              "public half (a node the group launches authorizes it at boot)")

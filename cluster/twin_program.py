@@ -186,8 +186,10 @@ class Twin:
 
     def role(self, name, i):
         role_name = i.get("name") or _auto(name)
+        boundary = {"PermissionsBoundary": i["permissionsBoundary"]} if i.get("permissionsBoundary") else {}
         role = self.client("iam").create_role(RoleName=role_name, Path=i.get("path") or "/",
-                                              AssumeRolePolicyDocument=i["assumeRolePolicy"], Tags=_tags(i.get("tags")))
+                                              AssumeRolePolicyDocument=i["assumeRolePolicy"], Tags=_tags(i.get("tags")),
+                                              **boundary)
         return role_name, {"name": role_name, "arn": role["Role"]["Arn"], "uniqueId": role["Role"]["RoleId"]}
 
     def role_policy(self, name, i):
@@ -276,13 +278,32 @@ class Twin:
         self.client("logs").create_log_group(logGroupName=group)
         return group, {"name": group, "arn": f"arn:aws:logs:::log-group:{group}"}
 
+    def policy(self, name, i):
+        made = self.client("iam").create_policy(PolicyName=i.get("name") or _auto(name), Path=i.get("path") or "/",
+                                                PolicyDocument=i["policy"], Description=i.get("description") or "")
+        return made["Policy"]["Arn"], {"arn": made["Policy"]["Arn"], "name": made["Policy"]["PolicyName"]}
+
+    def kms_key(self, name, i):
+        kms = self.client("kms")
+        meta = kms.create_key(Description=i.get("description") or name, Policy=i.get("policy") or "",
+                              Tags=[{"TagKey": k, "TagValue": str(v)} for k, v in (i.get("tags") or {}).items()]
+                              )["KeyMetadata"]
+        if _bool(i.get("enableKeyRotation")):
+            kms.enable_key_rotation(KeyId=meta["KeyId"])
+        return meta["KeyId"], {"arn": meta["Arn"], "keyId": meta["KeyId"]}
+
+    def kms_alias(self, name, i):
+        self.client("kms").create_alias(AliasName=i["name"], TargetKeyId=i["targetKeyId"])
+        return i["name"], {"arn": f"arn:aws:kms:::{i['name']}"}
+
     MAKERS: ClassVar[dict[str, Callable]] = {}
 
 
-# What the nodes, the head and the store stand on: the twin does not come up without them.
+# What the nodes, the head, the store and the secrets stand on: the twin does not come up without them.
 ESSENTIAL = {"aws:ec2/vpc:Vpc", "aws:ec2/subnet:Subnet", "aws:ec2/securityGroup:SecurityGroup", "aws:ec2/keyPair:KeyPair",
              "aws:iam/role:Role", "aws:iam/instanceProfile:InstanceProfile", "aws:ec2/launchTemplate:LaunchTemplate",
-             "aws:autoscaling/group:Group", "aws:s3/bucket:Bucket"}
+             "aws:autoscaling/group:Group", "aws:s3/bucket:Bucket", "aws:kms/key:Key", "aws:kms/alias:Alias",
+             "aws:iam/policy:Policy"}
 
 
 def _bucket_part(put: str, shape: Callable[[dict], dict]) -> Callable:
@@ -314,6 +335,9 @@ Twin.MAKERS = {
     "aws:ec2/placementGroup:PlacementGroup": Twin.placement_group,
     "aws:ec2/keyPair:KeyPair": Twin.key_pair,
     "aws:iam/role:Role": Twin.role,
+    "aws:iam/policy:Policy": Twin.policy,
+    "aws:kms/key:Key": Twin.kms_key,
+    "aws:kms/alias:Alias": Twin.kms_alias,
     "aws:iam/rolePolicy:RolePolicy": Twin.role_policy,
     "aws:iam/instanceProfile:InstanceProfile": Twin.instance_profile,
     "aws:ec2/launchTemplate:LaunchTemplate": Twin.launch_template,

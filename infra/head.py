@@ -5,6 +5,11 @@ subnet in a security group of its own (SSH from adminCidr only: nodes run user c
 its own role (infra/policies.py head_policy). It carries the cluster tag but no role tag: discovery never takes it
 for a node.
 
+The cluster's secrets key is the head's too: a customer-managed KMS key (rotated yearly, alias
+alias/xeon-cluster/<cluster>) that the mesh key and the run secrets in SSM are encrypted with (cluster.mesh,
+launch.ship.run_secrets) and that only the head's role may decrypt with (infra/policies.py key_policy): the nodes and
+the image build, whatever SSM parameters they may read, cannot read those values.
+
 Its image: with image=bake, the nodes' baked AMI (Ubuntu with the project's venv at /opt/xeon-cluster/venv, so the
 supervisors run there); otherwise stock Ubuntu (Canonical's SSM parameter, pinned like image=base), which has no
 venv: the operator's machine then keeps the supervisor role and says so (launch.life.head.lacks_venv). Either way
@@ -25,10 +30,11 @@ from core.render import render
 from infra.checks import AwsContext
 from infra.cost import HEAD_ROOT_GIB
 from infra.nodes import TERMINATION_HOOK, group_name, store_tag
-from infra.policies import ROLE_PATH, ec2_trust_policy, head_policy, secrets_path
+from infra.policies import ROLE_PATH, ec2_trust_policy, head_policy, key_alias, key_arn, key_policy, secrets_path
 from infra.settings import ClusterSettings
 
 TAG_HEAD = TAG_PREFIX + "head"  # on the head instance: the cluster it heads
+KEY_DELETION_DAYS = 7  # a destroyed stack's key is deleted after the shortest wait KMS allows
 
 
 def template_ignores(settings: ClusterSettings) -> list[str]:
@@ -70,16 +76,25 @@ def head_tags(settings: ClusterSettings) -> dict[str, str]:
 class Head(pulumi.ComponentResource):
     def __init__(self, name: str, settings: ClusterSettings, network, store, key_name: pulumi.Input[str],
                  ctx: AwsContext | None = None, opts: pulumi.ResourceOptions | None = None,
-                 baked_ami: pulumi.Input[str] | None = None):
+                 baked_ami: pulumi.Input[str] | None = None, boundary: pulumi.Input[str] | None = None):
         super().__init__("xeon-cluster:infra:Head", name, None, opts)
         ctx = ctx or AwsContext(region=settings.region)
         child = pulumi.ResourceOptions(parent=self)
         tags = settings.tags
 
         self.role = aws.iam.Role(f"{name}-head", path=ROLE_PATH, tags=tags, opts=child,
-                                 assume_role_policy=ec2_trust_policy(ctx.ec2_principal))
-        policy = store.bucket.arn.apply(
-            lambda arn: head_policy(ctx, settings.cluster_name, group_name(settings), arn, store.prefix))
+                                 assume_role_policy=ec2_trust_policy(ctx.ec2_principal), permissions_boundary=boundary)
+        # the secrets key names the head's role in its policy, and the role's policy names the key
+        self.key = aws.kms.Key(
+            f"{name}-secrets", description=f"xeon-cluster {settings.cluster_name}: the mesh key and run secrets in "
+            "SSM (only the head's role decrypts)", enable_key_rotation=True, deletion_window_in_days=KEY_DELETION_DAYS,
+            policy=self.role.arn.apply(lambda arn: key_policy(ctx, settings.cluster_name, arn)), tags=tags,
+            opts=child)
+        self.key_alias = aws.kms.Alias(f"{name}-secrets", name=key_alias(settings.cluster_name),
+                                       target_key_id=self.key.id, opts=child)
+        policy = pulumi.Output.all(store.bucket.arn, self.key.id).apply(
+            lambda a: head_policy(ctx, settings.cluster_name, group_name(settings), a[0], store.prefix,
+                                  key=key_arn(ctx, a[1])))
         self.policy = aws.iam.RolePolicy(f"{name}-head", role=self.role.id, policy=policy, opts=child)
         self.instance_profile = aws.iam.InstanceProfile(f"{name}-head", path=ROLE_PATH,
                                                         role=self.role.name, tags=tags, opts=child)
@@ -120,6 +135,6 @@ class Head(pulumi.ComponentResource):
             + store_tag(store),
             # its rights are in place before it boots; a zone move replaces it (old one first) so that nothing
             # is left in the old subnet when Pulumi deletes it
-            opts=pulumi.ResourceOptions(parent=self, depends_on=[self.policy], delete_before_replace=True,
+            opts=pulumi.ResourceOptions(parent=self, depends_on=[self.policy, self.key_alias], delete_before_replace=True,
                                         replace_on_changes=["vpcZoneIdentifiers"]))
         self.register_outputs({"group": self.group.name})

@@ -48,9 +48,10 @@ class Image(pulumi.ComponentResource):
     ami_id: pulumi.Output[str]
 
     def __init__(self, name: str, settings: ClusterSettings, network, partition: str = "aws",
-                 opts: pulumi.ResourceOptions | None = None, ec2_principal: str = "ec2.amazonaws.com"):
+                 opts: pulumi.ResourceOptions | None = None, ec2_principal: str = "ec2.amazonaws.com",
+                 boundary: pulumi.Input[str] | None = None):
         super().__init__("xeon-cluster:infra:Image", name, None, opts)
-        self.partition, self.ec2_principal = partition, ec2_principal
+        self.partition, self.ec2_principal, self.boundary = partition, ec2_principal, boundary
         if settings.image == "bake":
             self.ami_id = self._bake(name, settings, network)
             AmiCleanup(f"{name}-ami", self.ami_id, settings.region, opts=pulumi.ResourceOptions(parent=self))
@@ -83,9 +84,11 @@ class Image(pulumi.ComponentResource):
             ami_tags={**tags, "Name": f"{settings.cluster_name}-{settings.profile}"}, tags=tags, opts=child)
 
         # The build instance may use SSM (how Image Builder drives it) and Image Builder's own
-        # artefacts; nothing else.
+        # artefacts; nothing else. The boundary caps the managed policies' ssm:GetParameter on '*' to AWS's
+        # public parameters, and the cluster's secrets are encrypted with a key only the head may use.
         role = aws.iam.Role(f"{name}-build", path=ROLE_PATH, tags=tags, opts=child,
-                            assume_role_policy=ec2_trust_policy(self.ec2_principal))
+                            assume_role_policy=ec2_trust_policy(self.ec2_principal),
+                            permissions_boundary=self.boundary)
         attachments = [aws.iam.RolePolicyAttachment(f"{name}-build-{policy}", role=role.name, opts=child,
                                                     policy_arn=f"arn:{self.partition}:iam::aws:policy/{policy}")
                        for policy in BUILD_POLICIES]
@@ -94,7 +97,8 @@ class Image(pulumi.ComponentResource):
         infrastructure = aws.imagebuilder.InfrastructureConfiguration(
             f"{name}-build", instance_profile_name=instance_profile.name,
             instance_types=[settings.build_instance_type], subnet_id=network.subnet.id,
-            security_group_ids=[network.security_group.id], terminate_instance_on_failure=True,
+            # its own group, egress only: it runs pip and git downloads, and is no member of the nodes' group
+            security_group_ids=[network.build_security_group.id], terminate_instance_on_failure=True,
             instance_metadata_options={"http_tokens": "required", "http_put_response_hop_limit": 1},
             # not the cluster tag: discovery must never take the build instance for a node
             resource_tags={f"{TAG_PREFIX}image-build": settings.cluster_name}, tags=tags,

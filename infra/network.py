@@ -1,7 +1,7 @@
 """The cluster's network: its own VPC with one public subnet in one zone, the nodes' security group that
 admits SSH from the operator and the head and everything else only from its own members, the head's own
-security group (SSH from the operator only), and a cluster placement group (10 Gbit/s single flows instead
-of 5, lowest latency between nodes).
+security group (SSH from the operator only), the image build's own (image=bake: egress only, nothing admitted),
+and a cluster placement group (10 Gbit/s single flows instead of 5, lowest latency between nodes).
 """
 from __future__ import annotations
 
@@ -63,6 +63,12 @@ class Network(pulumi.ComponentResource):
             ],
             egress=egress,
         )
+        # The image build instance runs pip and git downloads: no member of the nodes' group (open on every port
+        # between members), nothing admitted at all (Image Builder drives it through SSM, outbound).
+        self.build_security_group = aws.ec2.SecurityGroup(
+            f"{name}-build-sg", vpc_id=vpc.id, tags={**tags, "Name": f"{settings.cluster_name}-build"}, opts=child,
+            description=f"xeon-cluster {settings.cluster_name} image build: egress only", ingress=[],
+            egress=egress) if settings.image == "bake" else None
         # A cluster placement group lives in one zone: its name carries the zone so that a move replaces it.
         self.placement_group = aws.ec2.PlacementGroup(f"{name}-pg", name=f"{settings.cluster_name}-{settings.availability_zone}",
                                                       strategy="cluster", tags=tags, opts=child)

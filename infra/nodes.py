@@ -95,7 +95,8 @@ REPLACING_CHANGES = ["vpcZoneIdentifiers", "placementGroup", "initialLifecycleHo
 
 class Nodes(pulumi.ComponentResource):
     def __init__(self, name: str, settings: ClusterSettings, network, ami_id: pulumi.Input[str],
-                 opts: pulumi.ResourceOptions | None = None, store=None, ctx: AwsContext | None = None):
+                 opts: pulumi.ResourceOptions | None = None, store=None, ctx: AwsContext | None = None,
+                 boundary: pulumi.Input[str] | None = None):
         super().__init__("xeon-cluster:infra:Nodes", name, None, opts)
         ctx = ctx or AwsContext(region=settings.region)
         child = pulumi.ResourceOptions(parent=self)
@@ -105,7 +106,7 @@ class Nodes(pulumi.ComponentResource):
         # The nodes' own identity (IMDSv2, hop limit 1). Its policy names the group by the ARN its name gives, so
         # the policy is in place before the group launches anything: a node's first boot finds its rights.
         self.role = aws.iam.Role(f"{name}-node", path=ROLE_PATH, tags=tags, opts=child,
-                                 assume_role_policy=ec2_trust_policy(ctx.ec2_principal))
+                                 assume_role_policy=ec2_trust_policy(ctx.ec2_principal), permissions_boundary=boundary)
         bucket_arn = store.bucket.arn if store is not None else None
         prefix = store.prefix if store is not None else None
         policy = pulumi.Output.from_input(bucket_arn).apply(

@@ -1,7 +1,8 @@
 """Every IAM policy document this project ships or writes, for the scanners (tests/test_iam_lint.py runs parliament,
 tests/test_iam_scan.py cloudsplaining): docs/iam-policy.json (fab), docs/iam-policy-pulumi.json (the deployer), and
 what the Pulumi program renders under mocks in each partition: the nodes' and the head's role policies, the three
-EC2 trust policies and the store's bucket policy. Import after pulumi_mocks (it installs the mocks first).
+EC2 trust policies, the store's bucket policy, the permissions boundary of every role and the secrets key's key
+policy. Import after pulumi_mocks (it installs the mocks first).
 """
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from pathlib import Path
 
 import pytest
 from moto_fixture import isolate_aws
-from pulumi_mocks import Recorder, make_program
+from pulumi_mocks import ACCOUNT, Recorder, make_program
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = {"fab": "docs/iam-policy.json", "pulumi": "docs/iam-policy-pulumi.json"}
@@ -19,7 +20,7 @@ PARTITIONS = (("aws", "us-east-1"), ("aws-cn", "cn-north-1"), ("aws-us-gov", "us
 
 @dataclass
 class Rendered:
-    kind: str  # fab, pulumi, node, head, trust, bucket
+    kind: str  # fab, pulumi, node, head, trust, bucket, boundary, key
     where: str  # the file, or the resource and partition it was rendered for: what a failure names
     text: str
     resource: object = None  # the mocked resource it came from (a role's path, a trust's role)
@@ -43,6 +44,16 @@ def rendered(tmp_path_factory) -> list[Rendered]:
                                       role.inputs["assumeRolePolicy"], role))
             for res in m.of("aws:s3/bucketPolicy:BucketPolicy"):
                 found.append(Rendered("bucket", f"bucket policy {res.name} ({partition})", res.inputs["policy"], res))
+            for res in m.of("aws:iam/policy:Policy"):
+                found.append(Rendered("boundary", f"permissions boundary {res.name} ({partition})",
+                                      res.inputs["policy"], res))
+            roles = {f"arn:{partition}:mock:::{r.name}": f"arn:{partition}:iam::{ACCOUNT}:role{r.inputs['path']}{r.name}"
+                     for r in m.of("aws:iam/role:Role")}  # the role ARNs AWS returns, where the mocks make up their own
+            for res in m.of("aws:kms/key:Key"):
+                text = res.inputs["policy"]
+                for mocked, real in roles.items():
+                    text = text.replace(f'"{mocked}"', f'"{real}"')
+                found.append(Rendered("key", f"key policy of {res.name} ({partition})", text, res))
             if partition != "aws":
                 for kind, path in DOCS.items():
                     text = (ROOT / path).read_text().replace('"arn:aws:', f'"arn:{partition}:')

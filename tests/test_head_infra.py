@@ -110,7 +110,14 @@ def test_the_heads_role_does_only_what_the_supervisor_needs(program):
     found = {s["Sid"]: s for s in statements(m, "dev-head")}
     assert set(found) == {"DescribeCluster", "ReadClusterHostKeys", "CompleteClusterGroupsLifecycleAction",
                           "HeadStoreRead", "HeadStoreWrite", "HeadStoreDelete", "HeadStoreList", "ReadRunSecrets",
-                          "DeleteEndedRunSecrets", "MoveMasterTag", "PublishOwnHostKeys"}
+                          "DecryptSecretsWithTheClustersKey", "DeleteEndedRunSecrets", "MoveMasterTag",
+                          "PublishOwnHostKeys"}
+    # the SecureStrings it reads are encrypted with the cluster's own key: Decrypt on that key, through SSM only
+    key = m.named("aws:kms/key:Key", "dev-secrets")
+    assert found["DecryptSecretsWithTheClustersKey"]["Action"] == ["kms:Decrypt"]
+    assert found["DecryptSecretsWithTheClustersKey"]["Resource"] == [f"arn:aws:kms:us-east-1:{ACCOUNT}:key/{key.id}"]
+    assert found["DecryptSecretsWithTheClustersKey"]["Condition"] == {
+        "StringEquals": {"kms:ViaService": "ssm.us-east-1.amazonaws.com"}}
     assert found["DescribeCluster"]["Action"] == ["ec2:DescribeInstances", "autoscaling:DescribeAutoScalingGroups"]
     assert found["CompleteClusterGroupsLifecycleAction"]["Resource"] == [
         f"arn:aws:autoscaling:us-east-1:{ACCOUNT}:autoScalingGroup:*:autoScalingGroupName/dev-nodes"]
@@ -144,6 +151,47 @@ def test_the_heads_role_does_only_what_the_supervisor_needs(program):
     actions = [a for sid, s in found.items() for a in s["Action"] if sid != "DeleteEndedRunSecrets"]
     assert not [a for a in actions if "*" in a or "Version" in a or a.startswith(("iam:", "ssm:Put", "ssm:Delete"))]
     assert all(s["Resource"] != "*" for sid, s in found.items() if sid != "DescribeCluster")
+
+
+def test_the_secrets_key_is_the_clusters_own_and_only_the_heads_role_decrypts_with_it(program):
+    """The mesh key and the run secrets are SecureStrings encrypted with a customer-managed key (not the account's
+    aws/ssm key, which every principal allowed ssm:GetParameter may decrypt with): rotated, found by its alias, and
+    its policy lets the account administer it and encrypt through SSM, and only the head's role decrypt."""
+    run = program(clusterName="bert")
+    m = run.mocks
+    key = m.named("aws:kms/key:Key", "bert-secrets")
+    assert key.inputs["enableKeyRotation"] is True and key.inputs["deletionWindowInDays"] == 7
+    alias = m.named("aws:kms/alias:Alias", "bert-secrets")
+    assert alias.inputs["name"] == "alias/xeon-cluster/bert" == run.outputs["secretsKeyAlias"]
+    assert alias.inputs["targetKeyId"] == key.id
+    assert run.outputs["secretsKeyArn"] == f"arn:aws:mock:::{key.name}"
+    assert run.depends_on(("aws:kms/alias:Alias", "bert-secrets"), ("aws:kms/key:Key", "bert-secrets"))
+    head_role = f"arn:aws:mock:::{m.named('aws:iam/role:Role', 'bert-head').name}"
+    policy = {s["Sid"]: s for s in json.loads(key.inputs["policy"])["Statement"]}
+    assert set(policy) == {"AccountAdministersTheKey", "AccountEncryptsTheClustersSecretsThroughSsm",
+                           "OnlyTheHeadDecrypts"}
+    root = {"AWS": f"arn:aws:iam::{ACCOUNT}:root"}
+    parameters = f"arn:aws:ssm:us-east-1:{ACCOUNT}:parameter/xeon-cluster/bert/*"
+    admin = policy["AccountAdministersTheKey"]
+    assert admin["Principal"] == root and "kms:PutKeyPolicy" in admin["Action"]
+    # administering is not using: no Decrypt, no Encrypt, no grant that could hand Decrypt on, no wildcard
+    assert not [a for a in admin["Action"] if "crypt" in a or "GenerateDataKey" in a or "*" in a or
+                a in ("kms:CreateGrant", "kms:ReEncryptFrom", "kms:ReEncryptTo")]
+    encrypt = policy["AccountEncryptsTheClustersSecretsThroughSsm"]
+    assert encrypt["Principal"] == root and encrypt["Action"] == ["kms:Encrypt"]
+    assert encrypt["Condition"] == {"StringEquals": {"kms:ViaService": "ssm.us-east-1.amazonaws.com"},
+                                    "StringLike": {"kms:EncryptionContext:PARAMETER_ARN": parameters}}
+    decrypt = policy["OnlyTheHeadDecrypts"]
+    assert decrypt["Principal"] == {"AWS": head_role} and decrypt["Action"] == ["kms:Decrypt"]
+    assert decrypt["Condition"] == encrypt["Condition"]
+    # no other statement lets anyone decrypt
+    assert [sid for sid, s in policy.items() if "kms:Decrypt" in s["Action"]] == ["OnlyTheHeadDecrypts"]
+    # the nodes, which run user code, are given nothing of KMS
+    nodes = statements(m, "bert-node")
+    assert not [a for s in nodes for a in s["Action"] if a.startswith("kms:")]
+    from cluster import mesh
+
+    assert mesh.key_alias("bert") == alias.inputs["name"]  # where fab looks it up
 
 
 def test_the_heads_user_data_says_where_the_group_store_and_secrets_are(program):
@@ -188,7 +236,9 @@ def test_china_regions_get_aws_cn_arns_and_principals_everywhere(program):
     documents = [p.inputs["policy"] for p in m.of("aws:iam/rolePolicy:RolePolicy")]
     documents += [r.inputs["assumeRolePolicy"] for r in m.of("aws:iam/role:Role")]
     documents += [p.inputs["policy"] for p in m.of("aws:s3/bucketPolicy:BucketPolicy")]
-    assert len(documents) == 6  # node and head policies; node, head and build trusts; the bucket policy
+    documents += [p.inputs["policy"] for p in m.of("aws:iam/policy:Policy") + m.of("aws:kms/key:Key")]
+    # node and head policies; node, head and build trusts; the bucket policy; the boundary; the key policy
+    assert len(documents) == 8
     arns = [a for d in documents for a in _strings(json.loads(d)) if a.startswith("arn:")]
     assert arns and all(a.startswith("arn:aws-cn:") for a in arns), arns
     trusts = [json.loads(r.inputs["assumeRolePolicy"])["Statement"][0]["Principal"] for r in m.of("aws:iam/role:Role")]

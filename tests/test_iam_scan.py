@@ -1,21 +1,24 @@
 """Issue 53: the policies a security review reads first, through a scanner we did not write. cloudsplaining (the
 least-privilege scanner a reviewer pastes policies into) runs over docs/iam-policy.json, docs/iam-policy-pulumi.json
-and every role, trust and bucket policy the Pulumi program renders under mocks, in each partition.
+and every role, trust, bucket, boundary and key policy the Pulumi program renders under mocks, in each partition.
 
 - No high-priority finding anywhere: what `cloudsplaining scan-policy-file --high-priority-only` prints (Privilege
   Escalation, Data Exfiltration, Resource Exposure, Service Wildcard, Credentials Exposure), through the same
-  scan_policy() the command calls, with its default exclusions; for trust and bucket policies, its resource-policy
-  checks (assumable by anyone or from another account; open to the internet).
-- No "Unrestricted Infrastructure Modification" either, but for the deployer's creates listed in ACCEPTED.
+  scan_policy() the command calls, with its default exclusions; for trust, bucket and key policies, its
+  resource-policy checks (assumable by anyone or from another account; open to the internet).
+- No "Unrestricted Infrastructure Modification" either, but for the deployer's creates and what the permissions
+  boundary lets the image build's SSM agent do, listed in ACCEPTED.
 - A finding names the document and the statement (Sid) that allows it, so a policy edit that breaks a rule fails
   here with the statement to fix. Accepted findings are in ACCEPTED, each with its reason, and one that no longer
   occurs fails too (the list stays true).
 
 And the rules the scanner does not know: roles and instance profiles under /xeon-cluster/, the deployer's iam:
-rights only there, iam:PassRole only there and only to EC2, fab's deletes only of what carries the cluster's tag.
+rights only there, iam:PassRole only there and only to EC2, every role it writes only with a cluster's permissions
+boundary, fab's deletes only of what carries the cluster's tag.
 """
 from __future__ import annotations
 
+import fnmatch
 import json
 
 import pytest
@@ -32,7 +35,7 @@ from cloudsplaining.shared.constants import DEFAULT_EXCLUSIONS_CONFIG
 from cloudsplaining.shared.exclusions import Exclusions
 
 from core.constants import TAG_CLUSTER
-from infra.policies import ROLE_PATH
+from infra.policies import BOUNDARY_PREFIX, ROLE_PATH, boundary_name
 
 # cloudsplaining's result key -> the name its report prints; the first five are --high-priority-only's
 CATEGORIES = {"PrivilegeEscalation": "Privilege Escalation", "DataExfiltration": "Data Exfiltration",
@@ -68,6 +71,12 @@ ACCEPTED = {
             "imagebuilder:UntagResource", "imagebuilder:UpdateInfrastructureConfiguration", "logs:CreateLogGroup",
             "logs:DeleteLogGroup", "logs:DeleteRetentionPolicy", "logs:PutRetentionPolicy", "logs:TagLogGroup",
             "logs:TagResource", "logs:UntagLogGroup", "logs:UntagResource"})),
+    ("boundary", INFRA): (
+        ("the permissions boundary grants nothing: it caps what the program's roles may do at what they are given. "
+         "It lets through what AmazonSSMManagedInstanceCore gives the image build instance, whose SSM agent reports "
+         "its own state with these calls on '*' (as AWS's managed policy writes them)"),
+        frozenset({"ssm:PutComplianceItems", "ssm:UpdateAssociationStatus", "ssm:UpdateInstanceAssociationStatus",
+                   "ssm:UpdateInstanceInformation"})),
 }
 EXCLUSIONS = Exclusions(DEFAULT_EXCLUSIONS_CONFIG)  # what the command uses by default
 
@@ -100,7 +109,7 @@ def findings(kind: str, where: str, text: str) -> list[tuple[str, str, str, str]
             for principal in s.role_assumable_by_any_principal + s.role_assumable_by_cross_account_principals:
                 add("Assumable by others", [principal], [s.statement.get("Sid") or f"#{i}"])
         return out
-    if kind == "bucket":
+    if kind in ("bucket", "key"):  # resource policies: the store's bucket, the secrets key
         for i, s in enumerate(ResourcePolicyDocument(policy).statements):
             add("Internet accessible", s.internet_accessible_actions, [s.statement.get("Sid") or f"#{i}"])
         return out
@@ -134,7 +143,7 @@ def unaccepted(documents) -> tuple[list[str], set]:
 
 def test_cloudsplaining_finds_nothing_in_any_policy_but_the_accepted(documents):
     kinds = {d.kind for d in documents}
-    assert kinds == {"fab", "pulumi", "node", "head", "trust", "bucket"}
+    assert kinds == {"fab", "pulumi", "node", "head", "trust", "bucket", "boundary", "key"}
     assert len([d for d in documents if d.kind == "trust"]) == 9  # node, head, build role in three partitions
     bad, seen = unaccepted(documents)
     assert not bad, "cloudsplaining: " + "; ".join(bad)
@@ -210,7 +219,8 @@ def _as_list(value) -> list[str]:
 
 def test_the_deployers_iam_rights_reach_only_the_cluster_path_and_pass_roles_only_to_ec2():
     path = ROLE_PATH.strip("/")
-    on_path = {f"arn:aws:iam::*:role/{path}/*", f"arn:aws:iam::*:instance-profile/{path}/*"}
+    boundary = f"arn:aws:iam::*:policy/{path}/{BOUNDARY_PREFIX}*"
+    on_path = {f"arn:aws:iam::*:role/{path}/*", f"arn:aws:iam::*:instance-profile/{path}/*", boundary}
     iam = [s for s in _statements("docs/iam-policy-pulumi.json") if any(a.startswith("iam:") for a in
                                                                          _as_list(s["Action"]))]
     assert iam
@@ -222,6 +232,25 @@ def test_the_deployers_iam_rights_reach_only_the_cluster_path_and_pass_roles_onl
             continue
         assert set(_as_list(s["Resource"])) <= on_path, f"{s['Sid']} reaches {s['Resource']}"
         assert "*" not in "".join(_as_list(s["Action"])), s["Sid"]
+        # managed policies: the clusters' boundaries only, and nothing else there
+        assert (boundary in _as_list(s["Resource"])) == any("Policy" in a and "Role" not in a
+                                                            for a in _as_list(s["Action"])), s["Sid"]
+        if boundary in _as_list(s["Resource"]):
+            assert _as_list(s["Resource"]) == [boundary], s["Sid"]
+    # every role-writing right requires the cluster's permissions boundary, which no right takes off a role
+    allowed = [s for s in iam if s["Effect"] == "Allow"]
+    writes = {"iam:CreateRole", "iam:PutRolePolicy", "iam:DeleteRolePolicy", "iam:AttachRolePolicy",
+              "iam:DetachRolePolicy", "iam:PutRolePermissionsBoundary"}
+    for s in allowed:
+        if writes & set(_as_list(s["Action"])):
+            assert s["Condition"]["ArnLike"] == {"iam:PermissionsBoundary": boundary}, s["Sid"]
+    assert writes <= {a for s in allowed for a in _as_list(s["Action"])}
+    assert not [s for s in allowed if "iam:DeleteRolePermissionsBoundary" in _as_list(s["Action"])]
+    (never,) = [s for s in iam if s["Effect"] == "Deny"]
+    assert never["Action"] == "iam:DeleteRolePermissionsBoundary"
+    # the boundary the program makes is one the condition admits: under the roles' path, named so
+    assert fnmatch.fnmatchcase(f"arn:aws:iam::123456789012:policy{ROLE_PATH}{boundary_name('dev', 'us-east-1')}",
+                               boundary)
     (passing,) = [s for s in iam if "iam:PassRole" in _as_list(s["Action"])]
     assert _as_list(passing["Action"]) == ["iam:PassRole"]
     assert _as_list(passing["Resource"]) == [f"arn:aws:iam::*:role/{path}/*"]

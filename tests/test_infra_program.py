@@ -79,9 +79,76 @@ def test_security_group_admits_ssh_from_admin_only_and_the_rest_from_itself(prog
 
 def test_world_ssh_only_when_explicitly_allowed_and_nothing_else_opens(program):
     run = program(adminCidr="0.0.0.0/0", allowWorldSsh="true")
-    for group in run.mocks.of(SG):  # the nodes' and the head's
+    for group in run.mocks.of(SG):  # the nodes' and the head's; the image build's admits nothing at all
         open_rules = [r for r in group.inputs["ingress"] if "0.0.0.0/0" in r.get("cidrBlocks", [])]
-        assert [(r["fromPort"], r["toPort"], r["protocol"]) for r in open_rules] == [(22, 22, "tcp")]
+        expected = [] if group.name == "dev-build-sg" else [(22, 22, "tcp")]
+        assert [(r["fromPort"], r["toPort"], r["protocol"]) for r in open_rules] == expected, group.name
+
+
+def test_the_image_build_has_an_egress_only_group_of_its_own(program):
+    """It runs pip and git downloads: no member of the nodes' group (every port open between members), no ingress."""
+    m = program().mocks
+    infra = m.one("aws:imagebuilder/infrastructureConfiguration:InfrastructureConfiguration")
+    build = m.named(SG, "dev-build-sg")
+    assert infra.inputs["securityGroupIds"] == [build.id]
+    assert build.inputs["ingress"] == [] and build.inputs["vpcId"] == m.named(SG, "dev-sg").inputs["vpcId"]
+    assert [(e["protocol"], e["cidrBlocks"]) for e in build.inputs["egress"]] == [("-1", ["0.0.0.0/0"])]
+    # nobody admits it either: the nodes' and the head's rules name only themselves and the head
+    for group in (m.named(SG, "dev-sg"), m.named(SG, "dev-head-sg")):
+        assert not [r for r in group.inputs["ingress"] if build.id in r.get("securityGroups", [])]
+    # no bake, no build instance: no group for it
+    assert not [g for g in program(image="base").mocks.of(SG) if g.name == "dev-build-sg"]
+
+
+def test_every_role_the_program_makes_carries_the_permissions_boundary(program):
+    """The deployer may write roles only with the boundary (docs/iam-policy-pulumi.json); the boundary holds what
+    every role of the program is given (a node's, the head's, the build's) and nothing beyond the cluster's own."""
+    from infra.policies import SSM_AGENT
+
+    run = program()
+    m = run.mocks
+    boundary = m.one("aws:iam/policy:Policy")
+    assert boundary.inputs["name"] == "xc-boundary-dev-us-east-1" and boundary.inputs["path"] == "/xeon-cluster/"
+    arn = f"arn:aws:mock:::{boundary.name}"
+    roles = m.of("aws:iam/role:Role")
+    assert {r.name for r in roles} == {"dev-node", "dev-head", "dev-build"}
+    assert all(r.inputs["permissionsBoundary"] == arn for r in roles), [r.inputs.get("permissionsBoundary")
+                                                                        for r in roles]
+    assert run.outputs["permissionsBoundary"] == arn
+    assert all(run.depends_on(("aws:iam/role:Role", r.name), ("aws:iam/policy:Policy", boundary.name)) for r in roles)
+    document = json.loads(boundary.inputs["policy"])
+    allowed = document["Statement"]
+    sids = [s["Sid"] for s in allowed]
+    assert len(sids) == len(set(sids))
+    assert len(boundary.inputs["policy"]) <= 6144  # a managed policy's limit (whitespace aside)
+
+    def within(statement: dict) -> bool:
+        def listed(v):
+            return [v] if isinstance(v, str) else v
+        return any(set(listed(statement["Action"])) <= set(listed(b["Action"])) and b.get("Condition") ==
+                   statement.get("Condition") and all(any(fnmatch.fnmatchcase(r, w) for w in listed(b["Resource"]))
+                                                      for r in listed(statement["Resource"])) for b in allowed)
+
+    for role in ("dev-node", "dev-head"):
+        for statement in role_policy(m, role):
+            if statement["Sid"] == "DecryptSecretsWithTheClustersKey":  # by the key's ARN; the boundary: its alias
+                (cap,) = [b for b in allowed if b["Sid"] == statement["Sid"]]
+                assert cap["Condition"]["ForAnyValue:StringEquals"] == {"kms:ResourceAliases": [
+                    "alias/xeon-cluster/dev"]} and fnmatch.fnmatchcase(statement["Resource"][0], cap["Resource"][0])
+                continue
+            assert within(statement), (role, statement["Sid"])
+    # the build's managed policies pass but for ssm:GetParameter(s) on '*': AWS's public parameters only
+    actions = {a for b in allowed for a in b["Action"]}
+    assert set(SSM_AGENT) <= actions and {"imagebuilder:GetComponent", "logs:PutLogEvents"} <= actions
+    gets = [b for b in allowed if "ssm:GetParameters" in b["Action"]]
+    mine = f"arn:aws:ssm:us-east-1:{ACCOUNT}:parameter/xeon-cluster/dev"
+    assert all(r.startswith(("arn:aws:ssm:*:*:parameter/aws/service/", mine)) for b in gets for r in b["Resource"])
+    # nothing of IAM, nothing that launches or passes a role, no '*' action
+    assert not [a for a in actions if a.startswith(("iam:", "sts:")) or "*" in a or a == "ec2:RunInstances"]
+    # no boundary-less role: image=base makes no build role, the other two carry it all the same
+    base = program(image="base").mocks
+    assert {r.name for r in base.of("aws:iam/role:Role")} == {"dev-node", "dev-head"}
+    assert all(r.inputs["permissionsBoundary"] for r in base.of("aws:iam/role:Role"))
 
 
 
@@ -508,6 +575,7 @@ def test_outputs_name_the_cluster_and_its_group_and_cost(program):
     assert out["autoScalingGroup"] == "bert-nodes" and out["sshUser"] == "ubuntu"
     assert out["headAutoScalingGroup"] == "bert-head" and out["headSshUser"] == "ubuntu"
     assert out["instanceTypes"] == ["c6i.16xlarge"] and out["secretsPath"] == "/xeon-cluster/bert"
+    assert out["secretsKeyAlias"] == "alias/xeon-cluster/bert" and out["secretsKeyArn"]
     # no AWS credentials here: the estimate falls back to the catalog's on-demand price; the head is on-demand
     extras = 2 * (100 * cost.GP3_USD_PER_GIB_MONTH / cost.HOURS_PER_MONTH + cost.PUBLIC_IPV4_USD_H)
     head = 0.0416 + cost.HEAD_ROOT_GIB * cost.GP3_USD_PER_GIB_MONTH / cost.HOURS_PER_MONTH + cost.PUBLIC_IPV4_USD_H

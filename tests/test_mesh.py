@@ -1,8 +1,9 @@
 """The mesh key on AWS (cluster.mesh), against a moto server over HTTP: fab puts the cluster key in SSM as a
-SecureString with its public half beside it; the head reads it back into its state folder, private to it; a node
-booting authorizes the public half (node_setup/publish_host_keys.py, SigV4 by hand), once, and does nothing when
-no run has put a key yet. The whole flow, head and replacement node included, runs on the AWS twin
-(tests/test_twin.py)."""
+SecureString encrypted with the cluster's own KMS key (found by its alias, as 'pulumi up' makes it), with its public
+half beside it; the head reads it back into its state folder, private to it; a node booting authorizes the public
+half (node_setup/publish_host_keys.py, SigV4 by hand), once, and does nothing when no run has put a key yet. A cluster
+without the key (a stack made before it) is an error naming 'pulumi up', never the account's aws/ssm key. The whole
+flow, head and replacement node included, runs on the AWS twin (tests/test_twin.py)."""
 from __future__ import annotations
 
 import os
@@ -16,7 +17,7 @@ import moto_fixture
 from fake_imds import FakeIMDS
 
 from cluster import mesh
-from infra.policies import SECRETS_ROOT, mesh_key_parameter
+from infra.policies import KEY_ALIAS_ROOT, SECRETS_ROOT, key_alias, mesh_key_parameter
 
 ROOT = Path(__file__).resolve().parent.parent
 PUBLISHER = ROOT / "node_setup" / "publish_host_keys.py"
@@ -29,16 +30,39 @@ def _key(folder: Path) -> Path:
     return key
 
 
+def cluster_key(cluster: str) -> str:
+    """What 'pulumi up' makes (infra/head.py): the cluster's KMS key under its alias, and one of another cluster
+    beside it; returns the cluster's key's ARN."""
+    kms = moto_fixture.client("kms")
+    arns = []
+    for name in (cluster, f"{cluster}-other"):
+        meta = kms.create_key(Description=f"xeon-cluster {name}")["KeyMetadata"]
+        kms.create_alias(AliasName=key_alias(name), TargetKeyId=meta["KeyId"])
+        arns.append(meta["Arn"])
+    return arns[0]
+
+
+def key_of(name: str) -> str | None:
+    """The KeyId SSM keeps for a parameter (DescribeParameters; GetParameter does not say)."""
+    found = moto_fixture.client("ssm").describe_parameters(
+        ParameterFilters=[{"Key": "Name", "Values": [name]}])["Parameters"]
+    return found[0].get("KeyId") if found else None
+
+
 def test_the_parameters_are_where_the_policies_allow():
     assert mesh.ROOT == SECRETS_ROOT and mesh.parameter("bert") == mesh_key_parameter("bert")
+    assert mesh.KEY_ALIAS_ROOT == KEY_ALIAS_ROOT and mesh.key_alias("bert") == key_alias("bert")
 
 
 def test_fab_puts_the_key_as_a_secure_string_and_the_head_reads_it_back_private(aws_env, tmp_path):
     key = _key(tmp_path)
+    arn = cluster_key("bert")
     mesh.publish("bert", key)
     ssm = moto_fixture.client("ssm")
     secret = ssm.get_parameter(Name="/xeon-cluster/bert/mesh-key")["Parameter"]
     assert secret["Type"] == "SecureString" and secret["Value"] != key.read_text()  # encrypted at rest
+    # with the cluster's own key, not the account's aws/ssm key (which anyone allowed GetParameter decrypts with)
+    assert key_of("/xeon-cluster/bert/mesh-key") == arn and arn.startswith("arn:aws:kms:")
     public = ssm.get_parameter(Name="/xeon-cluster/bert/mesh-key.pub")["Parameter"]
     assert public["Type"] == "String" and public["Value"] == key.with_suffix(".pub").read_text().strip()
 
@@ -50,6 +74,27 @@ def test_fab_puts_the_key_as_a_secure_string_and_the_head_reads_it_back_private(
     assert got.with_suffix(".pub").read_text() == key.with_suffix(".pub").read_text()
     mesh.publish("bert", key)  # again, unchanged: put again, nothing else
     assert mesh.fetch("bert", state, "xeon-cluster aws-bert").read_text() == key.read_text()
+    assert key_of("/xeon-cluster/bert/mesh-key") == arn
+
+
+def test_a_cluster_without_its_key_is_told_to_run_pulumi_up_and_nothing_is_put(aws_env, tmp_path):
+    """A stack made before the key existed: one line naming the fix, and no SecureString under the aws/ssm key."""
+    import pytest
+
+    from core.errors import ClusterError
+
+    key = _key(tmp_path)
+    cluster_key("other")  # another cluster's key is not this one's
+    with pytest.raises(ClusterError) as info:
+        mesh.publish("bert", key)
+    assert str(info.value).startswith("cluster bert has no KMS key alias/xeon-cluster/bert for its secrets")
+    assert "pulumi up" in info.value.fix and "\n" not in str(info.value)
+    assert key_of("/xeon-cluster/bert/mesh-key") is None and key_of("/xeon-cluster/bert/mesh-key.pub") is None
+    # a disabled key is no key either
+    kms = moto_fixture.client("kms")
+    kms.disable_key(KeyId=cluster_key("bert").rsplit("/", 1)[1])
+    with pytest.raises(ClusterError, match="is Disabled.*pulumi up"):
+        mesh.publish("bert", key)
 
 
 def test_a_head_with_no_key_in_ssm_says_who_puts_it(aws_env, tmp_path):
@@ -91,6 +136,7 @@ def test_a_booting_node_authorizes_the_mesh_key_once_and_waits_for_none(aws_env,
     assert "no mesh key at /xeon-cluster/bert/mesh-key.pub yet" in first.stdout and not keys.exists()
 
     key = _key(tmp_path)
+    cluster_key("bert")
     mesh.publish("bert", key)
     keys.parent.mkdir()
     keys.write_text("ssh-ed25519 AAAAoperator operator@laptop\n")  # the launch template's key pair

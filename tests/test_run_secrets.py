@@ -8,6 +8,7 @@ from __future__ import annotations
 import types
 
 import moto_fixture
+from test_mesh import cluster_key, key_of
 
 from launch.chain import adopt
 from launch.plan.request import TrainRequest
@@ -16,10 +17,13 @@ from launch.ship import run_secrets
 
 def test_put_then_a_head_reads_them_back_and_the_chains_end_deletes_them(aws_env):
     values = {f"KEY_{i}": f"value-{i}-hush" for i in range(12)}  # more than one GetParameters call takes
+    arn = cluster_key("bert")
     run_secrets.put("bert", "c1", values)
     ssm = moto_fixture.client("ssm")
     stored = ssm.get_parameter(Name="/xeon-cluster/bert/runs/c1/KEY_0")["Parameter"]
     assert stored["Type"] == "SecureString" and stored["Value"] != "value-0-hush"  # encrypted at rest
+    # each with the cluster's own key, which only the head's role may decrypt with (infra/policies.py key_policy)
+    assert {key_of(f"/xeon-cluster/bert/runs/c1/{k}") for k in values} == {arn}
     assert run_secrets.fetch("bert", "c1", sorted(values)) == values
     assert run_secrets.fetch("bert", "c1", ["KEY_0", "NOT_PUT"]) is None  # one gone: lost, not half a set
     assert run_secrets.fetch("bert", "other-chain", ["KEY_0"]) is None
@@ -32,6 +36,7 @@ def test_put_then_a_head_reads_them_back_and_the_chains_end_deletes_them(aws_env
 
 def test_fab_stop_deletes_a_chains_secrets_by_their_path_without_reading_them(aws_env):
     """A supervisor ended by SIGTERM deletes nothing: fab stop lists the chain's folder and deletes it."""
+    cluster_key("bert")
     run_secrets.put("bert", "c1", {f"KEY_{i}": f"value-{i}" for i in range(12)})
     run_secrets.put("bert", "c2", {"KEEP": "other chain"})
     run_secrets.delete_chain("bert", "c1")
@@ -57,10 +62,23 @@ def test_the_store_keeps_the_names_and_a_replacement_head_gets_the_values_back(a
     job = adopt.load_job(store, "c1")
     assert job["secrets"] == sorted(kept) and job["secrets_at"] == "bert"
     assert adopt.kept_secrets(job) is None  # fab has not put them: lost
+    cluster_key("bert")
     run_secrets.put("bert", "c1", kept)
     assert adopt.kept_secrets(job) == kept
     assert adopt.kept_secrets({**job, "secrets_at": None}) is None  # kept nowhere (an older fab): lost
     assert adopt.kept_secrets({**job, "secrets": []}) == {}  # a chain without secrets needs none
+
+
+def test_secrets_of_a_cluster_without_its_key_are_not_put_and_the_fix_is_named(aws_env):
+    """A stack made before the key existed: 'pulumi up' makes it; nothing goes to SSM under the aws/ssm key."""
+    import pytest
+
+    from core.errors import ClusterError
+
+    with pytest.raises(ClusterError, match="no KMS key alias/xeon-cluster/bert.*pulumi up"):
+        run_secrets.put("bert", "c1", {"HF_TOKEN": "hush"})
+    assert key_of("/xeon-cluster/bert/runs/c1/HF_TOKEN") is None
+    run_secrets.put("bert", "c1", {})  # nothing to put: no key needed
 
 
 def test_the_adopted_request_has_the_values_the_record_masks(aws_env, tmp_path):

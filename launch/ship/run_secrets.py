@@ -2,8 +2,8 @@
 
 fab puts each secret `--env` value of the chain (a bare `--env KEY`, or a name that reads as a secret:
 launch.ship.secrets.is_secret) and each secret job argument's (of_request) as an SSM SecureString at
-/xeon-cluster/<cluster>/runs/<chain>/<KEY>, encrypted with the account's aws/ssm key, before the supervisor starts on
-the head. A head that takes the chain over reads them back (only the head's role may: infra.policies.head_policy).
+/xeon-cluster/<cluster>/runs/<chain>/<KEY>, encrypted with the cluster's own KMS key (cluster.mesh.secrets_key: only
+the head's role may decrypt with it), before the supervisor starts on the head. A head that takes the chain over reads them back (only the head's role may: infra.policies.head_policy).
 The supervisor deletes them when the chain ends, and `fab stop` when it ends the chain's supervisor (delete_chain: a
 supervisor ended by SIGTERM deletes nothing). Records, logs and the store keep only the masked values. A head that
 finds them gone ends the chain with that cause.
@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 import posixpath
 
-from cluster.mesh import ROOT
+from cluster.mesh import ROOT, secrets_key
 from core.ec2 import aws_client, aws_errors
 from launch.ship import secrets
 
@@ -35,14 +35,16 @@ def parameter(cluster: str, chain: str, key: str) -> str:
 
 
 def put(cluster: str, chain: str, values: dict[str, str], region: str | None = None) -> None:
-    """Operator side: each value as a SecureString (raises ClusterError naming the SSM call that failed)."""
+    """Operator side: each value as a SecureString encrypted with the cluster's key (raises ClusterError naming
+    the SSM call that failed, or 'pulumi up' where the cluster has no key yet)."""
     if not values:
         return
+    key_id = secrets_key(cluster, region)
     with aws_errors("ssm"):
         client = aws_client("ssm", region)
         for key, value in sorted(values.items()):
             client.put_parameter(Name=parameter(cluster, chain, key), Value=value, Type="SecureString",
-                                 Overwrite=True, Description=f"xeon-cluster {cluster}: a secret of chain {chain} "
+                                 KeyId=key_id, Overwrite=True, Description=f"xeon-cluster {cluster}: a secret of chain {chain} "
                                  "(its supervisor deletes it when the chain ends)")
     log.info("%d secret(s) of chain %s in SSM under %s", len(values), chain, folder(cluster, chain))
 
