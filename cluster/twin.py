@@ -11,8 +11,9 @@
   own publisher tagging the instance with its host keys and authorizing the mesh key (cluster.mesh), through its
   instance profile. Its IMDS (cluster.twin_imds) answers at 169.254.169.254 inside the namespace, for that
   instance only.
-- Each node sees its own /etc/xeon-cluster and ~/.xeon-cluster (a mount namespace), and this machine's venv at
-  /opt/xeon-cluster/venv, where a baked image has the software.
+- Each node sees its own /etc/xeon-cluster and ~/.xeon-cluster (a mount namespace), and at /opt/xeon-cluster/venv,
+  where a baked image has the software, the venv the image would hold: built from the profile's package list
+  (cluster.twin_image), never this machine's venv.
 - `fab local-notice` makes an instance's IMDS announce a spot reclaim, a rebalance recommendation or the group's
   own termination; at its end the instance is terminated and the group launches a replacement. `fab local-kill`
   terminates one with no notice.
@@ -36,7 +37,7 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
-from cluster import local, netns
+from cluster import local, netns, twin_image
 from core.cli import writable_dir
 from core.constants import PROJECT_ROOT, REMOTE_HOME
 from core.errors import ClusterError
@@ -52,6 +53,7 @@ NEEDS_ROOT = ("--aws needs root (network namespaces, mounts and sshd at the inst
 KINDS = ("spot", "rebalance", "terminate")
 DEFAULT_AFTER = {"spot": 120.0, "rebalance": 0.0, "terminate": 300.0}  # AWS's two minutes; the hook's heartbeat
 BOOT_TIMEOUT_S = 60
+PROFILE = "upstream"  # the stack's default profile, which the twin's program runs with
 MOUNTS = ("/etc/xeon-cluster", "/opt/xeon-cluster/venv")  # + ~/.xeon-cluster: each node's own
 
 
@@ -224,7 +226,7 @@ def up(count: int, state: Path | None = None) -> dict:
     router = str(ipaddress.IPv4Network(vpc)[1])  # the VPC router's (.1 of the zone-a subnet, the VPC's first slice)
     record = {"id": names.id, "cluster": STACK, "region": REGION, "zone": ZONE, "vpc": vpc,
               "router": router, "bridge": names.bridge, "nodes": count, "key": str(local.operator_key(state)),
-              "made_dirs": [], "venv": sys.prefix}
+              "made_dirs": [], "venv": str(twin_image.venv(PROFILE))}
     try:
         netns._run(["ip", "link", "add", names.bridge, "type", "bridge"])
         netns._run(["ip", "addr", "add", f"{router}/{ipaddress.IPv4Network(vpc).prefixlen}", "dev", names.bridge])
@@ -244,7 +246,7 @@ def up(count: int, state: Path | None = None) -> dict:
 
         config = {"adminCidr": f"{router}/32", "sshPublicKey": local.operator_key(state).with_suffix(".pub").read_text(),
                   "nodeCount": count, "vpcCidr": vpc, "region": REGION, "availabilityZone": ZONE,
-                  "instanceType": INSTANCE_TYPE, "sshUser": getpass.getuser()}
+                  "instanceType": INSTANCE_TYPE, "sshUser": getpass.getuser(), "profile": PROFILE}
         program, outputs = twin_program.apply(record["endpoint"], config, STACK, ZONE, getpass.getuser())
         record.update(store=outputs["storeUrl"], groups={"nodes": outputs["autoScalingGroup"],
                                                           "head": outputs["headAutoScalingGroup"]},

@@ -95,7 +95,9 @@ class Watcher:
         netns._run(["ip", "-n", ns, "route", "add", "default", "via", self.record["router"]])
         netns._run(["ip", "link", "set", veth, "master", self.names.bridge, "up"])
         (netns.ETC_NETNS / ns).mkdir(parents=True, exist_ok=True)
-        (netns.ETC_NETNS / ns / "hosts").write_text(f"127.0.0.1 localhost\n{ip} {hostname}\n")
+        # its host name as cloud-init's hosts line maps it (templates/cloud-init.yaml.j2): to 127.0.1.1, not to its
+        # address, so that whatever binds or advertises the host name's address (gloo) meets loopback, as on AWS
+        (netns.ETC_NETNS / ns / "hosts").write_text(f"127.0.0.1 localhost\n127.0.1.1 {hostname}\n")
         # the VPC's resolver answers at once; the machine's own, routed out of the bridge, would not answer at all
         # (each lookup a 10-20 s timeout: torch's rendezvous looks its peers up): a refusal is as quick
         (netns.ETC_NETNS / ns / "resolv.conf").write_text("nameserver 127.0.0.1\n")

@@ -160,11 +160,11 @@ def test_the_head_supervises_is_replaced_and_recovers_a_spot_notice_with_the_ope
 
     before = twin.group_ids("twin-nodes")
     args = list(FakeIMDS.short_args(small_model))
-    # 480 steps at TWIN_PACE, 2 minutes: from step 8 to the notice is the kill, the stale heartbeat (8 s) and the
-    # take-over, ~15 s on an idle machine and over 30 s in a suite; what is left, the resumed run trains
+    # 480 steps at TWIN_PACE, 2 minutes: from step 8 to the notice is the kill, the replacement's boot and its
+    # take-over; what is left, the resumed run trains. The default 30 s heartbeat: the new head takes over once EC2
+    # says the old head's instance is gone, not after the beat's 2 minutes. The secret must outlive its first head
     args[args.index("--max_train_samples") + 1] = "3840"
-    # a dead head's heartbeat is stale after 8 s, not 2 minutes; the run's secret must outlive its first head
-    env = {**twin.env, "XC_HEARTBEAT_S": "2", "MYSECRET": SECRET}
+    env = {**twin.env, "MYSECRET": SECRET}
     code = f"{Path.home()}/.xeon-cluster/code/{shipping.code_hash(tops=shipping.HEAD_SHIPPED)}"  # what fab ships
     res = fab("train", "--nodes", "2", "--detach", "--max-restarts", "2", "--env", "XC_NOTICE_POLL_S=0.5", *TWIN_PACE,
               "--env", "MYSECRET", "--", *args, env=env, timeout=300)
@@ -206,7 +206,8 @@ def test_the_head_supervises_is_replaced_and_recovers_a_spot_notice_with_the_ope
     new_head = _head_ns(twin)
     assert set(taken.values()) == {new_head}
     assert processes_with_env(f"XC_RUN_ID={first}")  # its ranks never stopped: node 0's wrapper holds them
-    print(f"head killed -> its replacement supervises the chain: {took_s:.1f}s (heartbeat every 2 s, stale after 8 s)")
+    print(f"head killed -> its replacement supervises the chain: {took_s:.1f}s (default heartbeat, 30 s)")
+    assert took_s < 90, took_s  # the stale wait alone would be 120 s
     stored = _steps(twin, first)  # what the store has of its log now: the killed head's parts, maybe some of the new
     shutil.rmtree(twin.env["XC_RUNS_DIR"], ignore_errors=True)  # nothing of the run is kept on this machine
     node1 = twin.status_ids()["twin-1"]

@@ -3,6 +3,7 @@ the Pulumi program's resources made on a moto server (test_twin.py runs the whol
 from __future__ import annotations
 
 import json
+import subprocess
 import threading
 import urllib.error
 import urllib.request
@@ -79,3 +80,22 @@ def test_the_pulumi_program_lands_on_moto_with_its_own_names(aws_env, tmp_path):
     assert tags["xeon-cluster:ssh-user"] == "root" and tags["xeon-cluster:cluster"] == "twin"
     assert outputs["storeUrl"].startswith("s3://xc-twin-")
     assert any("imagebuilder" in k for k in made.left_out)  # named, with why, not silently dropped
+
+
+def test_the_twins_image_is_the_profiles_package_list_not_this_venv():
+    """The twin's nodes and head run the venv a baked image would hold: the profile's pins, built (once per profile
+    hash) apart from this machine's venv, so a package the image lacks fails on the twin as it would on AWS."""
+    from cluster import twin_image
+    from node_setup import profiles
+
+    profile = profiles.load_profile("upstream")
+    assert twin_image.requirements("upstream") == [p.requirement for p in profile.packages]  # what the bake installs
+    with pytest.raises(ClusterError, match="built from source on the node"):
+        twin_image.requirements("upstream-ccl")
+    built = twin_image.venv("upstream", say=lambda line: None)
+    assert built.name.startswith("upstream-") and (built / twin_image.MARKER).is_file()
+    probe = ("import importlib.util as u; "
+             "print(' '.join(m for m in ('fabric', 'jinja2', 'boto3', 'moto', 'pytest') if u.find_spec(m)))")
+    found = subprocess.run([str(built / "bin" / "python"), "-c", probe], capture_output=True, text=True, check=True)
+    assert found.stdout.split() == ["fabric", "jinja2", "boto3"]  # the supervisor's packages; none of the dev extras
+    assert twin_image.venv("upstream", say=pytest.fail) == built  # cached: built once per profile hash
