@@ -32,7 +32,7 @@ from launch.plan import launcher
 from launch.plan.preflight import preflight
 from launch.plan.probe import NodeFacts
 from launch.plan.request import TrainRequest, describe, plan_run, validate
-from launch.ship import outputs, secrets, userscript, workdir
+from launch.ship import outputs, requirements, secrets, userscript, workdir
 from training.runtime.paths import RunPaths
 
 log = logging.getLogger(__name__)
@@ -49,8 +49,8 @@ def cleanup(nodes: list[Node], run_id: str) -> Sweep:
 
 
 def _stage(fact: NodeFacts, plan: launcher.LaunchPlan, node_plan: launcher.NodePlan, digest: str, tarball: bytes,
-           ship: dict[str, Path], script: str | None, is_master: bool, hostfile: str, resume: Path | None = None
-           ) -> tuple[str, bool | None]:
+           ship: dict[str, Path], script: str | None, is_master: bool, hostfile: str, resume: Path | None = None,
+           pylayer: str | None = None) -> tuple[str, bool | None]:
     """Code, run folder, scripts and data on one node; returns (code folder, whether --workdir was sent now)."""
     with connect(fact.node) as conn:
         code_dir = shipping.ensure_code(conn, fact.home, digest, tarball)
@@ -61,7 +61,8 @@ def _stage(fact: NodeFacts, plan: launcher.LaunchPlan, node_plan: launcher.NodeP
         env_sh = render("node_env.sh.j2", run_id=plan.run_id, node=fact.node.name, python=fact.node.python,
                         code_dir=code_dir, rank_cpus=launcher.rank_cpus(node_plan),
                         env=sorted(launcher.node_env(plan, node_plan).items()),
-                        workdir=f"{run_dir}/work" if plan.workdir is not None else None)
+                        workdir=f"{run_dir}/work" if plan.workdir is not None else None,
+                        pylayer=f"{run_dir}/pylayer" if pylayer else None)
         rank_sh = render("rank.sh.j2", run_id=plan.run_id, run_dir=RunPaths(plan.run_id, HOME_EXPR).node,
                          pin="yes" if plan.pin else "no",
                          entry=launcher.shell_join(list(plan.entry)), launch=launcher.launch_words(plan))
@@ -69,6 +70,8 @@ def _stage(fact: NodeFacts, plan: launcher.LaunchPlan, node_plan: launcher.NodeP
         if plan.secret_env:  # created empty with mode 0600 first: the values never sit in a readable file
             run(conn, f"(umask 077 && : > {shlex.quote(run_dir)}/{secrets.FILE})")
             conn.put(io.StringIO(secrets.env_file(plan.secret_env)), f"{run_dir}/{secrets.FILE}")
+        if pylayer:  # the requirements' wheels from the store, into the run's layer (with the ranks' environment)
+            requirements.install(conn, fact.node.python, code_dir, run_dir, fact.home, pylayer, plan.env_overrides)
         conn.put(io.StringIO(rank_sh), f"{run_dir}/rank.sh")
         run(conn, f"chmod 700 {shlex.quote(run_dir)}/rank.sh")
         for name, local in ship.items():
@@ -221,7 +224,8 @@ def _prepare(cluster: Cluster, req: TrainRequest, plan: launcher.LaunchPlan, fac
 
     def stage(node: Node):
         i = nodes.index(node)
-        return _stage(facts[i], plan, plan.nodes[i], digest, tarball, ship, req.script, i == 0, hostfile, resume)
+        return _stage(facts[i], plan, plan.nodes[i], digest, tarball, ship, req.script, i == 0, hostfile, resume,
+                      req.pylayer)
 
     staged = fan_out(nodes, stage, "staging the run")
     if plan.workdir is not None:

@@ -381,7 +381,7 @@ def test_resume_keeps_recorded_values_only_for_flags_not_given(tmp_path):
     assert both.supervised and not both.req.detach and both.max_restarts == 2  # the supervisor runs it attached
     with pytest.raises(ClusterError) as exc:
         resolve(TrainFlags(resume="old", job_args=["--seed", "3"]), tmp_path)
-    assert exc.value.fix == "drop --job/--script/--workdir/--module/--launcher and the flags after --"
+    assert exc.value.fix == "drop --job/--script/--workdir/--module/--launcher/--requirements and the flags after --"
 
 
 def test_a_script_run_resumes_with_its_own_code_and_refuses_changed_code(tmp_path):

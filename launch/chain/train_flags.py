@@ -32,6 +32,7 @@ class TrainFlags:
     workdir: str | None = _flag("ship your project folder; run --script in it")
     module: str | None = _flag("run `python -m NAME` from --workdir")
     launcher: str | None = _flag("python (default) | accelerate")
+    requirements: str | None = _flag("pip packages to add (default: DIR/requirements.txt)")
     ppn: str | None = _flag("processes per node (default: one per socket)")
     threads: str | None = _flag("OpenMP threads per process (default: its cores)")
     backend: str | None = _flag("auto | ccl | gloo")
@@ -112,9 +113,9 @@ def resolve(f: TrainFlags, runs_dir: Path, store: str | None = None) -> Resolved
     if f.master_port is not None:
         given["master_port"] = as_int(f.master_port, "--master-port", 1024, 65535)
     if f.resume:
-        if f.job or f.script or f.workdir or f.module or f.launcher or f.job_args:
+        if f.job or f.script or f.workdir or f.module or f.launcher or f.requirements or f.job_args:
             raise ClusterError(f"--resume {f.resume} runs that run's own job and flags",
-                               "drop --job/--script/--workdir/--module/--launcher and the flags after --")
+                               "drop --job/--script/--workdir/--module/--launcher/--requirements and the flags after --")
         req = resume_lib.resume_request(f.resume, runs_dir, nodes=n, fetch_model=not f.no_fetch_model, store=store)
         env, valueless = {**req.env, **env_pairs(f.env)}, req.valueless | valueless_keys(f.env)
         pin = req.pin and not f.no_pin
@@ -124,6 +125,7 @@ def resolve(f: TrainFlags, runs_dir: Path, store: str | None = None) -> Resolved
         req = TrainRequest(nodes=n, job=f.job or "glue", workdir=f.workdir and here(f.workdir), module=f.module,
                            script=f.script and (f.script if f.workdir else here(f.script)),
                            launcher=f.launcher or "python", args=absolute_files(list(f.job_args)),
+                           requirements=f.requirements and here(f.requirements),
                            fetch_model=not f.no_fetch_model, runs_dir=runs_dir)
         env, valueless, pin = env_pairs(f.env), valueless_keys(f.env), not f.no_pin
     restarts = as_int(f.max_restarts if f.max_restarts is not None else 0, "--max-restarts", 0)

@@ -86,6 +86,8 @@ class TrainRequest:
     workdir: str | None = None  # --workdir DIR: your project, shipped; --script is then relative to it
     module: str | None = None  # --module NAME: `python -m NAME` from the workdir
     launcher: str = "python"  # or "accelerate": `accelerate launch` per rank
+    requirements: str | None = None  # --requirements FILE (else DIR/requirements.txt): packages beyond the profile
+    pylayer: str | None = None  # the key of their wheels in the store (launch.ship.requirements), installed per node
     args: list[str] = field(default_factory=list)
     ppn: str = "auto"
     threads: str = "auto"
@@ -123,7 +125,8 @@ class TrainRequest:
         from launch.ship import secrets
 
         return {"job": self.job, "script": self.script, "workdir": self.workdir, "module": self.module,
-                "launcher": self.launcher, "args": secrets.mask_args(self.args), "ppn": self.ppn,
+                "launcher": self.launcher, "requirements": self.requirements, "pylayer": self.pylayer,
+                "args": secrets.mask_args(self.args), "ppn": self.ppn,
                 "threads": self.threads,
                 "backend": self.backend, "precision": self.precision, "comm_hook": self.comm_hook,
                 "env": secrets.masked(self.env, self.valueless), "save_every": self.save_every, "pin": self.pin,
@@ -137,6 +140,7 @@ class TrainRequest:
         differ this time (nodes, runs_dir, fetch_model, resume)."""
         return cls(job=request["job"], script=request.get("script"), workdir=request.get("workdir"),
                    module=request.get("module"), launcher=request.get("launcher") or "python",
+                   requirements=request.get("requirements"), pylayer=request.get("pylayer"),
                    args=list(request["args"]), ppn=request["ppn"], threads=request["threads"],
                    backend=request["backend"], precision=request["precision"], env=env, valueless=valueless,
                    comm_hook=request.get("comm_hook", "none"),  # records before --comm-hook sent fp32
