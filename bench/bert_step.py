@@ -10,6 +10,7 @@ Variants:
   fp32          fp32 weights, no autocast
   compile-<v>   the whole model torch.compile'd (inductor); use --multiple 16 or 32 to bound the recompiles
   regional-<v>  each encoder layer compiled on its own (nn.Module.compile): one graph reused 12 times
+  <v>-sdpa      torch's scaled_dot_product_attention (its fused CPU kernels) instead of the jobs' eager attention
   <v>-torch     training/speed/native's kernels off for this variant: torch's own dropout, output block and AdamW step
                 (what XC_NATIVE_KERNELS=0 gives a job), in the same process
   <v>-no-<k>    one kernel off (k: dropout, output, adamw; training/speed/native.KERNELS), or several: a+b
@@ -76,7 +77,8 @@ def kernels(variant: str):
 
 
 def base(variant: str) -> str:
-    return variant.removeprefix("compile-").removeprefix("regional-").removesuffix("-torch").partition("-no-")[0]
+    return (variant.removeprefix("compile-").removeprefix("regional-").removesuffix("-sdpa").removesuffix("-torch")
+            .partition("-no-")[0])
 
 
 def precision(variant: str) -> str:
@@ -97,12 +99,12 @@ def summary(rows: dict[str, dict], threads: int) -> str:
         + f" threads={threads} best={best(rows)}"
 
 
-def config(layers: int):
+def config(layers: int, attention: str = "eager"):
     from transformers import BertConfig
 
     s = model_shapes.BERT_BASE
     return BertConfig(vocab_size=30522, hidden_size=s.width, num_hidden_layers=layers, num_attention_heads=s.heads,
-                      intermediate_size=s.ffn, num_labels=2, attn_implementation="eager")
+                      intermediate_size=s.ffn, num_labels=2, attn_implementation=attention)
 
 
 def build(variant: str, state: dict | None, layers: int = model_shapes.BERT_BASE.layers):
@@ -117,7 +119,8 @@ def _build(variant: str, state: dict | None, layers: int):
     from training.speed import fastdrop, fused, master
 
     torch.manual_seed(0)
-    model = BertForSequenceClassification(config(layers))
+    # <v>-sdpa: torch's scaled_dot_product_attention (its fused CPU kernels) instead of the jobs' eager attention
+    model = BertForSequenceClassification(config(layers, "sdpa" if variant.endswith("-sdpa") else "eager"))
     if state is not None:
         model.load_state_dict(state)
     fastdrop.install(model)
