@@ -10,6 +10,8 @@ import functools
 import shlex
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import wait as futures_wait
 from typing import TextIO
 
 from cluster import shipping
@@ -25,7 +27,13 @@ from launch.run import train
 from training.runtime import timeline
 from training.runtime.paths import RunPaths
 
-POLL_S = 5.0
+# A check of the nodes every 2 s while a restart waits for them: each costs one SSH command per node (a small Python
+# without the project's imports), only during the wait.
+POLL_S = 2.0
+# The notice check takes ~1 s; a node that EC2 takes mid-check answers nothing more (no reset from a vanished host), so
+# a long timeout held every later check back: on the twin a check waited its 30 s for the reclaimed node.
+CHECK_TIMEOUT_S = 8
+CHECK_MARGIN_S = 4  # by the clock, past CHECK_TIMEOUT_S: a check still not back then is given up
 # The node asks its own metadata service with the ranks' watcher code (stdlib only, sent as text): the run's
 # XC_IMDS_ENDPOINT when it set one, else the node's (its environment's, or AWS's address).
 _CHECK = """
@@ -54,7 +62,7 @@ def node_ready(node: Node, endpoint: str) -> str:
     command = (f"{shlex.quote(node.python)} - {shlex.quote(endpoint)} <<'XC_SPOT_CHECK'\n"
                f"{shipping.standalone(_CHECK)}\nXC_SPOT_CHECK")
     with connect(node) as conn:
-        res = run(conn, command, timeout=30)
+        res = run(conn, command, timeout=CHECK_TIMEOUT_S)
     if not res.ok:  # a node going away mid-check (its sessions killed) is not a node ready for a run
         return f"{node.name} did not finish the notice check (exit {res.exited})"
     if res.stdout.strip().endswith("notice"):
@@ -63,23 +71,41 @@ def node_ready(node: Node, endpoint: str) -> str:
 
 
 def missing(spec: str, count: int, endpoint: str) -> str | None:
-    """Why the cluster cannot yet run on `count` nodes, or None when it can."""
+    """Why the cluster cannot yet run on `count` nodes, or None when it can. Each node's check gets CHECK_TIMEOUT_S
+    and a little more by the clock: a node that EC2 takes mid-check can hold its SSH session for a minute (no reset
+    comes from a vanished host), and the checks that follow must not wait for it."""
     try:
         nodes = open_cluster(spec).first(count)
-        states = fan_out(nodes, lambda n: node_ready(n, endpoint), "reaching the nodes")
     except ClusterError as exc:
         return exc.what
-    doomed = [s for s in states if s != "ok"]
+    pool = ThreadPoolExecutor(max_workers=min(32, max(1, len(nodes))))
+    checks = {pool.submit(node_ready, n, endpoint): n for n in nodes}
+    _, late = futures_wait(checks, timeout=CHECK_TIMEOUT_S + CHECK_MARGIN_S)
+    pool.shutdown(wait=False, cancel_futures=True)  # a late check ends on its own; nobody waits for it
+    doomed = []
+    for check, node in checks.items():
+        if check in late:
+            doomed.append(f"{node.name} did not finish the notice check within "
+                          f"{CHECK_TIMEOUT_S + CHECK_MARGIN_S:g}s")
+            continue
+        try:
+            state = check.result()
+        except ClusterError as exc:
+            state = exc.what
+        if state != "ok":
+            doomed.append(state)
     return "; ".join(doomed) or None
 
 
 def wait_for_nodes(spec: str, count: int, wait_s: float, endpoint: str, say, poll_s: float = POLL_S) -> None:
-    deadline = time.monotonic() + wait_s
-    said = None
+    started = time.monotonic()
+    deadline = started + wait_s
+    said, checks = None, 0
     while True:
         problem = missing(spec, count, endpoint)
+        checks += 1
         if problem is None:
-            say(f"{count} node(s) ready")
+            say(f"{count} node(s) ready ({time.monotonic() - started:.1f}s, {checks} check(s))")
             return
         if problem != said:
             say(f"waiting for {count} node(s): {problem}")
@@ -179,10 +205,14 @@ def train_with_restarts(cluster: Cluster, req: TrainRequest, max_restarts: int =
                 if count is None:
                     records.restart_given_up(run_dir, gave_up)
                     raise type(exc)(f"{wait_exc.text}; {exc.what}", fix=exc.fix, **_same(exc)) from None
+            at = time.monotonic()
             nxt = next_request(exc.run_id, dataclasses.replace(req, nodes=count), say)
             req = _carry(nxt, req, restart_of=exc.run_id)
+            found = time.monotonic()
             # a replaced node has a new address: discover them anew (a lost one left out: --min-nodes goes on without)
             cluster = open_cluster(cluster.spec, require_running=None)
+            say(f"resuming: the checkpoint found in {found - at:.1f}s, the nodes discovered in "
+                f"{time.monotonic() - found:.1f}s")
         finally:
             if grow is not None:
                 grow.stop()
