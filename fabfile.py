@@ -36,6 +36,7 @@ from launch.life import runs as runs_lib
 from launch.life import stop as stop_lib
 from launch.plan import request as request_lib
 from launch.ship import requirements as requirements_lib
+from launch.ship import snapshot as snapshot_lib
 from node_setup import profiles as profiles_lib
 from node_setup import setup as setup_lib
 from reports import bench as bench_lib
@@ -188,6 +189,7 @@ def train(c, flags: flags_lib.TrainFlags):
     if whose:
         print(whose, flush=True)
     req = requirements_lib.prepare(req, chosen, lambda line: print(line, flush=True))  # wheels in the store, or refused
+    req = snapshot_lib.prepare(req, lambda line: print(line, flush=True))  # the run's own files: a snapshot in the store
     runs_lib.reap_all(request_lib.RUNS)  # runs whose fab died: recorded abandoned before this one starts
     if (r.supervised or req.detach) and supervisor_lib.detached(chosen, dataclasses.replace(r, req=req), sys.stdout):
         return  # on the cluster's head when it has one, else here

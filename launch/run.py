@@ -32,7 +32,7 @@ from launch.plan import launcher
 from launch.plan.preflight import preflight
 from launch.plan.probe import NodeFacts
 from launch.plan.request import TrainRequest, describe, plan_run, validate
-from launch.ship import outputs, requirements, secrets, userscript, workdir
+from launch.ship import outputs, requirements, secrets, snapshot, userscript, workdir
 from training.runtime.paths import RunPaths
 
 log = logging.getLogger(__name__)
@@ -50,8 +50,9 @@ def cleanup(nodes: list[Node], run_id: str) -> Sweep:
 
 def _stage(fact: NodeFacts, plan: launcher.LaunchPlan, node_plan: launcher.NodePlan, digest: str, tarball: bytes,
            ship: dict[str, Path], script: str | None, is_master: bool, hostfile: str, resume: Path | None = None,
-           pylayer: str | None = None) -> tuple[str, bool | None]:
-    """Code, run folder, scripts and data on one node; returns (code folder, whether --workdir was sent now)."""
+           pylayer: str | None = None, held: str | None = None) -> tuple[str, bool | None]:
+    """Code, run folder, scripts and data on one node; returns (code folder, whether --workdir was sent now, or with
+    `held`, the run's code snapshot in the store, whether this node fetched it from there now)."""
     with connect(fact.node) as conn:
         code_dir = shipping.ensure_code(conn, fact.home, digest, tarball)
         run_dir = RunPaths(plan.run_id, fact.home).node
@@ -74,11 +75,14 @@ def _stage(fact: NodeFacts, plan: launcher.LaunchPlan, node_plan: launcher.NodeP
             requirements.install(conn, fact.node.python, code_dir, run_dir, fact.home, pylayer, plan.env_overrides)
         conn.put(io.StringIO(rank_sh), f"{run_dir}/rank.sh")
         run(conn, f"chmod 700 {shlex.quote(run_dir)}/rank.sh")
-        for name, local in ship.items():
-            conn.put(str(local), f"{run_dir}/data/{name}")
-        if script and plan.workdir is None:
-            conn.put(script, f"{run_dir}/script/{Path(script).name}")
-        sent = None if plan.workdir is None else workdir.ensure(conn, fact.home, plan.workdir, f"{run_dir}/work")
+        if held:  # the run's own files from the store (never from this machine, which may not have them as they were)
+            sent = snapshot.fetch(conn, fact.node.python, code_dir, run_dir, fact.home, held, plan.env_overrides)
+        else:  # no store: from this machine
+            for name, local in ship.items():
+                conn.put(str(local), f"{run_dir}/data/{name}")
+            if script and plan.workdir is None:
+                conn.put(script, f"{run_dir}/script/{Path(script).name}")
+            sent = None if plan.workdir is None else workdir.ensure(conn, fact.home, plan.workdir, f"{run_dir}/work")
         if is_master:
             conn.put(io.StringIO(hostfile), f"{run_dir}/hostfile")
         if resume:  # every rank loads the weights from its own node
@@ -221,14 +225,17 @@ def _prepare(cluster: Cluster, req: TrainRequest, plan: launcher.LaunchPlan, fac
     tarball = shipping.code_tarball()
     hostfile = render("hostfile.j2", nodes=nodes)
     resume = Path(req.resume.checkpoint) if req.resume and req.resume.checkpoint else None  # [store]: None
+    held = req.snapshot if req.store else None
 
     def stage(node: Node):
         i = nodes.index(node)
         return _stage(facts[i], plan, plan.nodes[i], digest, tarball, ship, req.script, i == 0, hostfile, resume,
-                      req.pylayer)
+                      req.pylayer, held)
 
     staged = fan_out(nodes, stage, "staging the run")
-    if plan.workdir is not None:
+    if held:
+        log.info(snapshot.fetched_line(held, [n.name for n in nodes], [sent for _, sent in staged]))
+    elif plan.workdir is not None:
         log.info(workdir.shipped_line(plan.workdir, [n.name for n in nodes], [sent for _, sent in staged]))
     return ks.ssh_dir, digest
 

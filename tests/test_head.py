@@ -330,12 +330,16 @@ def test_an_aws_head_without_the_projects_venv_leaves_the_supervisor_here_and_sa
         "this machine supervises the run"), line
     assert line.endswith("(an AWS head needs the project's venv at /opt/nothing/venv/bin/python: image=bake gives it "
                          "the nodes' baked AMI)"), line
-    # a head with its venv, but a request whose files are on this machine (--workdir, data files): here too
+    # a head with its venv, but a request whose files are only on this machine (--workdir, data files; no store
+    # to put them in): here too
     mine = dataclasses.replace(r, req=dataclasses.replace(r.req, workdir="/home/me/proj", script="train.py",
                                                           args=["--train_file", "/home/me/train.csv"]))
     where, line = detached(head, mine)
     assert where == ["here"] and line.startswith(
         "note: cluster aws:dev: its head dev-head cannot read --workdir /home/me/proj, --train_file "
         "/home/me/train.csv from this machine, so this machine supervises"), line
-    assert line.endswith("(shipping them to an AWS head is not built yet)"), line
+    assert line.endswith("(with a store, fab train puts them there as the run's snapshot, which the head reads)"), line
+    # fab train put them in the store as the run's snapshot: the head supervises, the user's own run too
+    held = dataclasses.replace(mine, req=dataclasses.replace(mine.req, snapshot="0123456789abcdef"))
+    assert detached(head, held) == (["head"], "")
     assert detached(head, r) == (["head"], "")  # the bundled job: on the head

@@ -7,7 +7,10 @@ a --workdir project (only the script) with its data files outside it, written as
   continuing from that checkpoint, and it ends `ok` with trainer_state.json's global_step the full run's step count
   and all_results.json home;
 - in one attached run (fab's own restart loop): a rebalance recommendation, whose checkpoint reaches the store while
-  the run goes on unrestarted, then a group termination (target-lifecycle-state Terminated), the same as the notice.
+  the run goes on unrestarted, then a group termination (target-lifecycle-state Terminated), the same as the notice;
+- on a local cluster with its head, the folder outside the checkout: the user edits the script and deletes a file of
+  the folder (and the data files) while the run trains; the head's supervisor restarts the run after a notice from
+  the run's snapshot in the store, and it ends ok.
 """
 from __future__ import annotations
 
@@ -19,10 +22,11 @@ import signal
 from pathlib import Path
 
 import pytest
-from conftest import wait_until
+from conftest import fab, processes_with_env, start_cluster, wait_until
 from fake_imds import FakeIMDS
 from test_user_scripts import _csv
 
+from cluster import store as store_lib
 from launch.life import records
 from launch.life.records import Status
 from training.runtime import notice
@@ -213,3 +217,66 @@ def test_a_rebalance_saves_while_an_unchanged_glue_script_trains_on_then_a_group
     assert ended.stdout.count("restart 1 of 1") == 1
     print(f"rebalance: checkpoint at step {step}, training went on; group termination: preempted at step "
           f"{one.preempted['step']}, resumed as {two.run_id}, ok")
+
+
+HELPER = "print('helpers from the snapshot', flush=True)\n"
+
+
+def test_the_head_restarts_a_workdir_run_from_its_snapshot_after_the_folder_changed(tmp_path, small_model):
+    """`fab train --workdir DIR --detach --max-restarts 1` on a cluster with a head: the folder (and the data files
+    the flags name) go to the store once as the run's snapshot, and the head supervises (this machine may close).
+    The user then edits the script, deletes a file the script imports and the data files; a spot notice ends the
+    first run, and the head's supervisor resumes it from the snapshot, not the folder: it ends ok at the full step
+    count. (Before the snapshot, the restart refused the changed folder.)"""
+    lc = start_cluster(tmp_path / "c", 2, head=True)
+    store = f"file://{tmp_path / 'store'}"
+    env = {"XC_STORE": store, "XC_PUBLISH_S": "1", "XC_HEARTBEAT_S": "5"}
+    project, flags = _project(tmp_path)
+    (project / "run_glue.py").write_text("import glue_helpers  # noqa: F401\n" + GLUE_LIKE)
+    (project / "glue_helpers.py").write_text(HELPER)
+    imds = FakeIMDS()
+    first = second = None
+    try:
+        with lc.start("train", "--nodes", "2", "--detach", "--max-restarts", "1", "--restart-wait", "300",
+                      "--save-every", "0", "--workdir", str(project), "--script", "run_glue.py", *imds.train_env(),
+                      "--", "--model_name_or_path", small_model, *flags, env=env, merge=True) as running:
+            m = running.wait_for(re.compile(r"run (\S+) detached under its supervisor on the head head \(pid (\d+), "
+                                            r"up to 1 restart\(s\)\): this machine may close now"), 600)
+            first = m.group(1)
+            ended = running.finish(60)
+        assert ended.returncode == 0, ended.stdout[-3000:]
+        key = re.search(rf"code snapshot (\w+) \(--workdir {re.escape(str(project))}, 4 file\(s\)\) put in the store",
+                        ended.stdout).group(1)
+        assert (tmp_path / "store" / "snapshots" / f"{key}.tar.gz").is_file()
+        assert store_lib.read_summary(store, first)["request"]["snapshot"] == key  # the record keeps the key
+        wait_until("the first run's first logged loss", lambda: "'loss'" in (store_lib.read_log(store, first) or ""),
+                   400, poll=0.5)
+        # the user goes on working in the folder: the script edited, a file it imports deleted, the data gone too
+        (project / "run_glue.py").write_text("raise SystemExit('the edited folder ran, not the snapshot')\n")
+        (project / "glue_helpers.py").unlink()
+        for data in (tmp_path / "elsewhere").iterdir():
+            data.unlink()
+        imds.interrupt()
+        wait_until("the first run restarting, in the store",
+                   lambda: store_lib.read_summary(store, first)["status"] == "restarting", 300)
+        imds.clear()
+        second = wait_until("the resumed run", lambda: store_lib.read_summary(store, first).get("restarted_as"), 300)
+        done = wait_until("the resumed run's end", lambda: (s := store_lib.read_summary(store, second)) and
+                          Status(s["status"]).terminal and s, 600, poll=2)
+        wait_until("the supervisor's exit", lambda: not processes_with_env(f"XC_SUPERVISOR={first}"), 60)
+        log = store_lib.read_log(store, second) or ""
+    finally:
+        imds.close()
+        for pid in processes_with_env(f"XC_SUPERVISOR={first}") if first else []:
+            os.kill(pid, signal.SIGKILL)
+        fab("local-down", env=lc.env, timeout=60)
+    assert done["status"] == "ok", (done.get("reason"), log[-3000:])
+    one = store_lib.read_summary(store, first)
+    step = one["preempted"]["step"]
+    assert one["status"] == "preempted" and 0 < step < FULL_STEPS, one.get("preempted")
+    assert done["resumed_from"] == {"run_id": first, "step": step} and done["request"]["snapshot"] == key
+    assert "helpers from the snapshot" in log and "the edited folder ran" not in log, log[-3000:]
+    assert f"global step {step}" in log, log[-3000:]  # the Trainer continued from the notice's checkpoint
+    state = json.loads((tmp_path / "store" / "runs" / second / "output" / "trainer_state.json").read_text())
+    assert state["global_step"] == FULL_STEPS, state["global_step"]
+    print(f"edited and deleted: preempted at step {step}, resumed from snapshot {key} as {second}, ended ok at {FULL_STEPS}")

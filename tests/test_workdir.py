@@ -1,4 +1,5 @@
-"""Your own project: --workdir ships a folder as git would commit it (content-addressed, size-limited), --script
+"""Your own project: --workdir ships a folder as git would commit it (content-addressed, size-limited, through the
+store as the run's snapshot: tests/test_snapshot.py), --script
 runs inside it, --module runs `python -m`, and --launcher accelerate starts `accelerate launch` per rank.
 
 The listing and the rank script are checked here without a cluster; the runs on the session's 2-node local
@@ -199,15 +200,18 @@ def test_a_two_file_project_runs_unchanged_and_ships_once(cluster2, tmp_path):
         assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
         runs.append((res.stdout + res.stderr, _summary(cluster2, before)))
     (first, summary), (second, again) = runs
-    digest = summary["workdir"]["digest"]
+    digest, key = summary["workdir"]["digest"], summary["request"]["snapshot"]
     assert again["workdir"]["digest"] == digest and summary["workdir"]["files"] == 5  # big.bin left out
-    assert f"workdir {digest} sent to node0, node1" in first
-    assert f"workdir {digest} already on every node" in second
+    # once into the store (the cluster's, here the local folder), once onto each node, whatever the runs
+    assert again["request"]["snapshot"] == key and f"code snapshot {key} (--workdir {proj}, 5 file(s)) put in" in first
+    assert f"code snapshot {key} fetched from the store by node0, node1" in first
+    assert f"code snapshot {key} (--workdir {proj}, 5 file(s)) already in the store: nothing sent" in second
+    assert f"code snapshot {key} already on every node" in second
     for out in (first, second):  # 6 x 2 x (1 + 2): model.py imported, data read from the cwd, all-reduced
         assert "[0 node0] rank 0 sum 36 in work big.bin there False fresh True args ['--lr', '1']" in out
         assert "[1 node1] rank 1 sum 36 in work big.bin there False fresh True" in out
     for name in ("node0", "node1"):
-        shipped = node_home(cluster2, name) / "workdirs" / digest
+        shipped = node_home(cluster2, name) / "snapshots" / key / "work"
         assert (shipped / "model.py").is_file() and (shipped / "data" / "numbers.txt").is_file()
         assert not (shipped / "big.bin").exists() and not (shipped / "written.txt").exists()
     assert summary["request"]["workdir"] == str(proj) and summary["launcher"] == "python"

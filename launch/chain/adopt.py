@@ -9,7 +9,10 @@ never a second one for a chain a live process here already supervises. The adopt
 ranks still run (under node 0's wrapper), concludes it, and restarts it as the first supervisor would have; node 0
 gone by then (reclaimed between two heads) is a lost node, as it would have been to the first supervisor.
 A run given secrets (`--env KEY`) is restarted by another head with their values from SSM, where fab kept them
-(launch.ship.run_secrets); where they are gone, it is not, and the record says so.
+(launch.ship.run_secrets); where they are gone, it is not, and the record says so. A run of the user's own code
+(--workdir, --script, data files) is restarted from the snapshot its record names in the store (launch.ship.snapshot,
+a separate object from the supervisor's code): the adopted supervisor reads its list of files there, and every node
+fetches it from there at staging, so nothing of the operator's machine, nor the folder as it was, is needed.
 """
 from __future__ import annotations
 

@@ -184,10 +184,7 @@ def start(spec: str, req, max_restarts: int, restart_wait: float, out: TextIO, e
                 run_id = m.group(1) if m else None
         out.flush()
         if run_id and _ranks_running(RunPaths(run_id, runs_dir=req.runs_dir).home):
-            where = f" on the head {os.environ[head.HEAD_ENV]}" if os.environ.get(head.HEAD_ENV) else ""
-            out.write(f"run {run_id} detached under its supervisor{where} (pid {proc.pid}, up to {max_restarts} restart(s)): "
-                      f"follow it with 'fab logs {run_id} -f', list runs with 'fab runs', end it with "
-                      f"'fab stop {run_id}'\n")
+            out.write(detached_line(run_id, proc.pid, max_restarts, os.environ.get(head.HEAD_ENV)) + "\n")
             return run_id
         if proc.poll() is not None:
             last = [ln for ln in text.splitlines() if ln.strip()]
@@ -200,6 +197,16 @@ def start(spec: str, req, max_restarts: int, restart_wait: float, out: TextIO, e
         time.sleep(0.5)
     raise ClusterError(f"the run's supervisor (pid {proc.pid}) did not start the ranks within {START_TIMEOUT_S}s",
                        f"see {log_path}; end it with 'fab stop {run_id}'" if run_id else f"see {log_path}")
+
+
+def detached_line(run_id: str, pid: int, max_restarts: int, on_head: str | None) -> str:
+    """The line `fab train --detach` ends with: where the run is supervised, and whether this machine may close."""
+    follow = (f"follow it with 'fab logs {run_id} -f', list runs with 'fab runs', end it with 'fab stop {run_id}'")
+    if on_head:
+        return (f"run {run_id} detached under its supervisor on the head {on_head} (pid {pid}, up to {max_restarts} "
+                f"restart(s)): this machine may close now (the head supervises the run without it); {follow}")
+    return (f"run {run_id} detached under its supervisor (pid {pid}, up to {max_restarts} restart(s)) on this "
+            f"machine: keep it on and online for recovery (closed, the run trains on but is not restarted); {follow}")
 
 
 def payload(spec: str, req, max_restarts: int, restart_wait: float, secrets_at: str | None = None) -> bytes:

@@ -13,6 +13,7 @@ from core.cli import as_int, env_pairs, job_args, valueless_keys
 from core.errors import ClusterError
 from launch.life import resume as resume_lib
 from launch.plan.request import TrainRequest, absolute_files
+from launch.ship.snapshot import CODE_CHOICES
 
 
 def _flag(help_text: str, default=None):
@@ -46,6 +47,7 @@ class TrainFlags:
     save_every: str | None = _flag("checkpoint every 10m (default), 600s or N steps", None)
     no_fetch_model: bool = _flag("bring home no model or checkpoint weights", False)
     resume: str | None = _flag("continue RUN_ID from its latest checkpoint")
+    code: str | None = _flag("with --resume: snapshot (default) | current")
     max_restarts: str | None = _flag("resume by itself up to K times (default 0)")
     restart_wait: str | None = _flag("seconds to wait for nodes to return (default 600)")
     min_nodes: str | None = _flag("go on with M nodes at the same global batch")
@@ -112,11 +114,19 @@ def resolve(f: TrainFlags, runs_dir: Path, store: str | None = None) -> Resolved
         given["timeout_s"] = as_int(f.timeout, "--timeout", 1)
     if f.master_port is not None:
         given["master_port"] = as_int(f.master_port, "--master-port", 1024, 65535)
+    if f.code is not None and not f.resume:
+        raise ClusterError(f"--code {f.code} goes with --resume: a new run ships the folder as it is",
+                           fix="pass --resume RUN too, or drop --code")
+    if f.code is not None and f.code not in CODE_CHOICES:
+        raise ClusterError(f"--code {f.code!r} is not one of {', '.join(CODE_CHOICES)}",
+                           fix="pass --code snapshot (the run's own code, the default) or --code current (the folder "
+                               "as it is now)")
     if f.resume:
         if f.job or f.script or f.workdir or f.module or f.launcher or f.requirements or f.job_args:
             raise ClusterError(f"--resume {f.resume} runs that run's own job and flags",
                                "drop --job/--script/--workdir/--module/--launcher/--requirements and the flags after --")
-        req = resume_lib.resume_request(f.resume, runs_dir, nodes=n, fetch_model=not f.no_fetch_model, store=store)
+        req = resume_lib.resume_request(f.resume, runs_dir, nodes=n, fetch_model=not f.no_fetch_model, store=store,
+                                        code=f.code or "snapshot")
         env, valueless = {**req.env, **env_pairs(f.env)}, req.valueless | valueless_keys(f.env)
         pin = req.pin and not f.no_pin
     else:

@@ -79,8 +79,9 @@ def lacks_venv(node: Node) -> bool:
 
 def files_here(node: Node, req) -> str | None:
     """What of the request an AWS head cannot read: --workdir, --script and data files are on this machine, and only
-    a local head shares its disk (shipping them to the head is not built)."""
-    if not node.labels.get("aws_head"):
+    a local head shares its disk; once `fab train` put them in the store as the run's snapshot (launch.ship.snapshot),
+    nothing: the head, and every node, takes them from there."""
+    if not node.labels.get("aws_head") or req.snapshot:
         return None
     from launch.plan.request import local_files
 
@@ -107,7 +108,7 @@ def no_head_line(spec: str, head: Node | None, supervised: bool = False, why: st
     hint = ("'fab local-up' starts a local head" if head is None or not head.labels.get("aws_head") else
             f"an AWS head needs the project's venv at {head.python}: image=bake gives it the nodes' baked AMI"
             if "venv" in why else
-            "shipping them to an AWS head is not built yet")
+            "with a store, fab train puts them there as the run's snapshot, which the head reads")
     if supervised:
         return (f"note: cluster {spec}: {why}, so this machine supervises the run: its ranks run under node 0's own "
                 "wrapper, so closing this machine pauses recovery (no restart after a preemption until it is back) "

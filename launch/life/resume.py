@@ -1,6 +1,10 @@
 """`fab train --resume RUN`: the same job, flags and data as RUN, from its latest complete checkpoint in the
 cluster's store (each new node takes it from there: nothing crosses the operator's link), in a new run
-folder. Runs recorded before the store resume from their checkpoint at home, shipped as before."""
+folder. Runs recorded before the store resume from their checkpoint at home, shipped as before.
+
+The code: the run's snapshot in the store (launch.ship.snapshot), whatever the folder holds now; `--code current`
+takes the folder (or the lone script) as it is now instead, and fab names the files that changed. A run recorded
+without a snapshot (no store) resumes only with its folder, script and data files unchanged."""
 from __future__ import annotations
 
 import json
@@ -40,8 +44,10 @@ def store_checkpoint(run_id: str, summary: dict, store: str | None) -> tuple[int
 
 
 def resume_request(run_id: str, runs_dir: Path, nodes: int | None = None, fetch_model: bool = True,
-                   store: str | None = None) -> TrainRequest:
-    """The request that continues RUN; refuses a finished run, changed data, a missing checkpoint."""
+                   store: str | None = None, code: str = "snapshot") -> TrainRequest:
+    """The request that continues RUN; refuses a finished run, a missing checkpoint, and without a snapshot of its
+    code (or with `code` "current") a folder, script or data file that is gone or (but for --code current's code)
+    changed."""
     run_dir = RunPaths(run_id, runs_dir=runs_dir).home
     summary = _summary(run_id, run_dir, Path(runs_dir), store)
     if summary.get("status") == "ok":
@@ -50,8 +56,10 @@ def resume_request(run_id: str, runs_dir: Path, nodes: int | None = None, fetch_
     if not request:
         raise ClusterError(f"--resume {run_id}: it was recorded before runs could be resumed",
                            fix="start it anew with 'fab train'")
-    if request.get("script") or request.get("module") or request.get("workdir"):
-        same_code(run_id, request, summary.get("workdir"))
+    held = request.get("snapshot") if code == "snapshot" else None
+    own = request.get("script") or request.get("module") or request.get("workdir")
+    if own and not held:
+        same_code(run_id, request, summary.get("workdir"), changed_ok=code == "current")
     in_store = store_checkpoint(run_id, summary, store)
     if in_store:
         step, url = in_store
@@ -67,7 +75,7 @@ def resume_request(run_id: str, runs_dir: Path, nodes: int | None = None, fetch_
         if not fetch_model_ok(checkpoint):
             raise ClusterError(f"--resume {run_id}: checkpoint {checkpoint.name} has no model weights (the run used "
                                "--no-fetch-model)", fix="start the run anew")
-    for path, digest in request.get("data", {}).items():
+    for path, digest in ({} if held else request.get("data", {})).items():  # a snapshot holds the run's data
         if not Path(path).is_file():
             raise ClusterError(f"--resume {run_id}: its data file {path} is gone", fix="restore it or start anew")
         if file_digest(path) != digest:
@@ -80,32 +88,38 @@ def resume_request(run_id: str, runs_dir: Path, nodes: int | None = None, fetch_
     hidden = {k for k, v in env.items() if v == secrets.MASK}
     env.update({k: os.environ[k] for k in hidden if k in os.environ})
     resume = Resume(run_id=run_id, step=step, world_size=int(summary["world_size"]),
-                    checkpoint=str(checkpoint) if checkpoint else None, url=url)
+                    checkpoint=str(checkpoint) if checkpoint else None, url=url, snapshot=request.get("snapshot"),
+                    current=code == "current")
+    request = {**request, "snapshot": held}  # --code current: a new snapshot of the folder as it is now
     return TrainRequest.from_record(request, env, hidden, nodes=nodes or len(summary["nodes"]), runs_dir=runs_dir,
                                     fetch_model=fetch_model, resume=resume)
 
 
-def same_code(run_id: str, request: dict, shipped: dict | None) -> None:
-    """A resumed --script/--workdir run runs the code the run shipped: the folder's content hash (or the lone
-    script's) must be what the record keeps."""
+def same_code(run_id: str, request: dict, shipped: dict | None, changed_ok: bool = False) -> None:
+    """A resumed --script/--workdir run without a snapshot of its code runs the folder here: it must be there, and
+    its content hash (or the lone script's) what the record keeps, unless `changed_ok` (--code current)."""
     from launch.ship import workdir as workdir_lib
 
     if request.get("workdir"):
         path = request["workdir"]
         if not Path(path).is_dir():
-            raise ClusterError(f"--resume {run_id}: its --workdir {path} is gone",
-                               fix="restore the folder as it was, or start the run anew")
+            fix = "restore the folder" if changed_ok else "restore the folder as it was, or start the run anew"
+            raise ClusterError(f"--resume {run_id}: its --workdir {path} is gone", fix=fix)
+        if changed_ok:
+            return
         if shipped and shipped.get("digest") and workdir_lib.scan(path).digest != shipped["digest"]:
             raise ClusterError(f"--resume {run_id}: --workdir {path} changed since the run shipped it (content "
                                f"{workdir_lib.scan(path).digest[:12]}, the run's {shipped['digest'][:12]})",
-                               fix="restore it as it was (git stash / checkout), or start the run anew")
+                               fix="restore it as it was (git stash / checkout), resume with --code current (the "
+                                   "folder as it is now), or start the run anew")
         return
     script, digest = request["script"], request.get("script_digest")
     if not Path(script).is_file():
         raise ClusterError(f"--resume {run_id}: its script {script} is gone", fix="restore it, or start the run anew")
-    if digest and file_digest(script) != digest:
+    if digest and not changed_ok and file_digest(script) != digest:
         raise ClusterError(f"--resume {run_id}: its script {script} changed since the run",
-                           fix="restore it as it was, or start the run anew")
+                           fix="restore it as it was, resume with --code current (the file as it is now), or start "
+                               "the run anew")
 
 
 def resumed_from(runs_dir: Path, run_id: str) -> str | None:

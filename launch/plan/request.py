@@ -19,7 +19,8 @@ from core.errors import ClusterError
 from launch.plan import launcher, topology
 from launch.plan.batch import micro_batches, same_global_batch, smaller_sizes
 from launch.plan.probe import NodeFacts, master_port, probe, resolve_backend, resolve_precision
-from launch.ship import jobdata, jobflags, secrets, workdir
+from launch.ship import jobdata, jobflags, secrets, snapshot, workdir
+from launch.ship.datafiles import FILE_FLAGS, file_digest, local_files, rewrite_files
 from training.runtime import spot
 from training.runtime.paths import checkpoint_name
 from training.runtime.store import STORE_ENV
@@ -29,10 +30,6 @@ log = logging.getLogger(__name__)
 
 
 RUNS = Path(os.environ.get("XC_RUNS_DIR") or PROJECT_ROOT / "runs")
-
-
-# Flags of the bundled jobs whose values are files on the operator's machine: shipped to the nodes.
-FILE_FLAGS = ("--train_file", "--validation_file", "--test_file")
 
 
 BACKENDS = ("auto", "ccl", "gloo")
@@ -73,6 +70,8 @@ class Resume:
     world_size: int
     checkpoint: str | None = None
     url: str | None = None
+    snapshot: str | None = None  # the code snapshot the resumed run ran (launch.ship.snapshot)
+    current: bool = False  # --code current: the folder as it is now, not that snapshot
 
 
 @dataclass(frozen=True)
@@ -88,6 +87,9 @@ class TrainRequest:
     launcher: str = "python"  # or "accelerate": `accelerate launch` per rank
     requirements: str | None = None  # --requirements FILE (else DIR/requirements.txt): packages beyond the profile
     pylayer: str | None = None  # the key of their wheels in the store (launch.ship.requirements), installed per node
+    # the key of the run's own files (--workdir, --script, data files) in the store (launch.ship.snapshot): every node
+    # and every restart takes them from there, never from the folder here
+    snapshot: str | None = None
     args: list[str] = field(default_factory=list)
     ppn: str = "auto"
     threads: str = "auto"
@@ -120,19 +122,23 @@ class TrainRequest:
         return self.env.get(STORE_ENV) or None
 
     def to_record(self) -> dict:
-        """What a record keeps to run this again (--resume, --max-restarts): secrets as ***, and the digests of the
-        data files and the lone script, which a resume must find unchanged."""
+        """What a record keeps to run this again (--resume, --max-restarts): secrets as ***, and the key of the run's
+        code snapshot in the store; without one (no store), the digests of the data files and the lone script, which
+        a resume must then find unchanged here."""
         from launch.ship import secrets
 
+        own = self.snapshot is None  # else the snapshot's manifest has the digests, and these files may not be here
         return {"job": self.job, "script": self.script, "workdir": self.workdir, "module": self.module,
                 "launcher": self.launcher, "requirements": self.requirements, "pylayer": self.pylayer,
+                "snapshot": self.snapshot,
                 "args": secrets.mask_args(self.args), "ppn": self.ppn,
                 "threads": self.threads,
                 "backend": self.backend, "precision": self.precision, "comm_hook": self.comm_hook,
                 "env": secrets.masked(self.env, self.valueless), "save_every": self.save_every, "pin": self.pin,
                 "timeout_s": self.timeout_s,
-                "script_digest": file_digest(self.script) if self.script and not self.workdir else None,
-                "data": {str(Path(p).expanduser().resolve()): file_digest(p) for _, p in local_files(self.args)}}
+                "script_digest": file_digest(self.script) if own and self.script and not self.workdir else None,
+                "data": {str(Path(p).expanduser().resolve()): file_digest(p) for _, p in local_files(self.args)}
+                if own else {}}
 
     @classmethod
     def from_record(cls, request: dict, env: dict[str, str], valueless: set[str], **fields) -> TrainRequest:
@@ -141,7 +147,8 @@ class TrainRequest:
         return cls(job=request["job"], script=request.get("script"), workdir=request.get("workdir"),
                    module=request.get("module"), launcher=request.get("launcher") or "python",
                    requirements=request.get("requirements"), pylayer=request.get("pylayer"),
-                   args=list(request["args"]), ppn=request["ppn"], threads=request["threads"],
+                   snapshot=request.get("snapshot"), args=list(request["args"]), ppn=request["ppn"],
+                   threads=request["threads"],
                    backend=request["backend"], precision=request["precision"], env=env, valueless=valueless,
                    comm_hook=request.get("comm_hook", "none"),  # records before --comm-hook sent fp32
                    save_every=request["save_every"], pin=request["pin"], timeout_s=request["timeout_s"], **fields)
@@ -176,8 +183,13 @@ def validate(req: TrainRequest) -> TrainRequest:
     if bundled and req.job not in launcher.JOBS:
         raise ClusterError(f"--job {req.job!r} is not a bundled job", fix=f"use one of: {', '.join(launcher.JOBS)} "
                            "(or --script PATH for your own)")
-    wd = workdir.check(req.workdir, req.script, req.module, req.launcher, bundled)
-    if req.script is not None and wd is None and not Path(req.script).is_file():
+    held = None  # the run's snapshot in the store: its files are checked there, not here (they may be gone here)
+    if req.snapshot:
+        held = snapshot.load(req)
+        snapshot.check_holds(held, req, req.snapshot)
+    wd = workdir.check(req.workdir, req.script, req.module, req.launcher, bundled,
+                       scanned=snapshot.workdir_of(held, req.workdir, req.snapshot) if held and req.workdir else None)
+    if req.script is not None and wd is None and held is None and not Path(req.script).is_file():
         raise ClusterError(f"--script {req.script} does not exist", fix="pass the path of your training script")
     if req.backend not in BACKENDS:
         raise ClusterError(f"--backend {req.backend!r} is not one of {', '.join(BACKENDS)}", fix="pass one of them")
@@ -207,7 +219,7 @@ def validate(req: TrainRequest) -> TrainRequest:
                            "(default 300)")
     _parse_auto_int(req.ppn, "--ppn")
     _parse_auto_int(req.threads, "--threads")
-    files = local_files(req.args)
+    files = local_files(req.args) if held is None else []  # a snapshot's data files were checked when it was made
     for flag, path in files:
         if not Path(path).expanduser().is_file():
             raise ClusterError(f"{flag} {path} does not exist", fix="pass an existing data file (CSV, JSON or text)")
@@ -215,17 +227,6 @@ def validate(req: TrainRequest) -> TrainRequest:
         jobdata.check(req.job, req.args, files)
     writable_dir(req.runs_dir, "the runs folder", "set XC_RUNS_DIR to a writable folder")
     return dataclasses.replace(req, checked=(wd,))  # the one validation: plan_run reads it, not scanning again
-
-
-def local_files(args: list[str]) -> list[tuple[str, str]]:
-    """(flag, path) for every data-file flag in the job arguments (both '--f x' and '--f=x')."""
-    out = []
-    for f in jobflags.parse(args):
-        if f.name in FILE_FLAGS:
-            if f.value is None:
-                raise ClusterError(f"{f.name} needs a file path", "pass the data file after it")
-            out.append((f.name, f.value))
-    return out
 
 
 def absolute_files(args: list[str]) -> list[str]:
@@ -237,24 +238,6 @@ def absolute_files(args: list[str]) -> list[str]:
             path = str(Path(f.value).expanduser().resolve())
             out[f.value_at] = f"{f.name}={path}" if f.joined else path
     return out
-
-
-def rewrite_files(args: list[str], base: str = "data") -> tuple[list[str], dict[str, Path]]:
-    """Point data-file flags at <base>/<name>, the run folder's data/ as the rank sees it from its current
-    directory (the run folder, or its work/ with --workdir: base '../data'); returns new args and name -> local
-    path. A relative path is the operator's: resolved against fab's current directory."""
-    ship: dict[str, Path] = {}
-    out = list(args)
-    for f in jobflags.parse(args):
-        if f.name not in FILE_FLAGS:
-            continue
-        if not f.value:
-            raise ClusterError(f"{f.name} needs a file path", fix="pass the data file after it")
-        local = Path(f.value).expanduser().resolve()
-        name = f"{len(ship)}-{local.name}"
-        ship[name] = local
-        out[f.value_at] = f"{f.name}={base}/{name}" if f.joined else f"{base}/{name}"
-    return out, ship
 
 
 def new_run_id(label: str) -> str:
@@ -363,13 +346,3 @@ def describe(plan: launcher.LaunchPlan, facts: list[NodeFacts]) -> list[str]:
     env = launcher.global_env(plan)
     lines.append("env: " + " ".join(f"{k}={v}" for k, v in env.items() if not k.startswith(("MASTER_", "XC_"))))
     return lines
-
-
-def file_digest(path: str) -> str:
-    import hashlib
-
-    h = hashlib.sha256()
-    with Path(path).expanduser().open("rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()

@@ -5,9 +5,11 @@
   folder, so DIR's .gitignore files count just alike; without git, a plain reading of DIR's .gitignore files
   (patterns, `!`, trailing `/`, `**`). Never .git/ or __pycache__/.
 - How much: at most XC_WORKDIR_LIMIT_MB (default 200) MiB in all, refused before anything starts.
-- Shipped once per content: `<home>/workdirs/<digest>/` on every node (an unchanged project is not sent again).
-  Each run works in its own copy, `runs/<id>/work/`: its current directory, first on sys.path, so what a run
-  writes never reaches the next run's project.
+- Shipped once per content: with a store (every `fab train` has one) as the run's snapshot there
+  (launch.ship.snapshot), which every node, and a restart, takes from the store; without one from this machine to
+  `<home>/workdirs/<digest>/` on every node (an unchanged project is not sent again). Each run works in its own
+  copy, `runs/<id>/work/`: its current directory, first on sys.path, so what a run writes never reaches the next
+  run's project.
 - `--script FILE` is then a path inside DIR, `--module NAME` a module of DIR (`python -m NAME`), and
   `--launcher accelerate` starts either through `accelerate launch` (see launch.plan.launcher.launch_words).
 """
@@ -38,10 +40,13 @@ MiB = 1 << 20
 class Workdir:
     """DIR's shipped files (relative POSIX paths), their size and content digest; the tarball on demand."""
 
-    def __init__(self, root: Path, label: str, files: list[str]):
+    def __init__(self, root: Path, label: str, files: list[str], size: int | None = None, digest: str | None = None):
+        """`size` and `digest` given: the folder as a snapshot's manifest describes it (launch.ship.snapshot), not
+        read from disk (a head, or a restart after the folder changed, may not have it as it was)."""
         self.root, self.label, self.files = root, label, files
-        self.size = sum((root / f).stat().st_size for f in files)
-        self._digest: str | None = None
+        self.size = size if size is not None else sum((root / f).stat().st_size for f in files)
+        self._digest: str | None = digest
+        self._file_digests: dict[str, str] | None = None
         self._tarball: str | None = None
         self._lock = threading.Lock()
 
@@ -49,16 +54,33 @@ class Workdir:
     def digest(self) -> str:
         """sha256 over every file's path, executable bit and bytes (16 hex digits, as the code's)."""
         if self._digest is None:
-            h = hashlib.sha256()
-            for rel in self.files:
-                path = self.root / rel
-                h.update(rel.encode() + b"\0" + (b"x" if os.access(path, os.X_OK) else b"-") + b"\0")
-                with path.open("rb") as fh:
-                    for chunk in iter(lambda: fh.read(MiB), b""):
-                        h.update(chunk)
-                h.update(b"\0")
-            self._digest = h.hexdigest()[:16]
+            self._hash()
         return self._digest
+
+    @property
+    def file_digests(self) -> dict[str, str]:
+        """Each file's own digest (its executable bit and bytes): what tells which files changed."""
+        if self._file_digests is None:
+            self._hash()
+        return self._file_digests
+
+    def _hash(self) -> None:
+        h, each = hashlib.sha256(), {}
+        for rel in self.files:
+            path = self.root / rel
+            mode = b"x" if os.access(path, os.X_OK) else b"-"
+            h.update(rel.encode() + b"\0" + mode + b"\0")
+            one = hashlib.sha256(mode + b"\0")
+            with path.open("rb") as fh:
+                for chunk in iter(lambda: fh.read(MiB), b""):
+                    h.update(chunk)
+                    one.update(chunk)
+            h.update(b"\0")
+            each[rel] = one.hexdigest()[:16]
+        digest = h.hexdigest()[:16]
+        if self._digest is None:
+            self._digest = digest
+        self._file_digests = each
 
     def tarball(self) -> str:
         """A local .tar.gz of the files, built once (by the first node that needs it), removed with this object."""
@@ -256,9 +278,10 @@ def module_file(wd: Workdir, module: str) -> str | None:
     return next((f for f in (f"{base}.py", f"{base}/__main__.py") if f in wd.files), None)
 
 
-def check(workdir: str | None, script: str | None, module: str | None, launcher: str, bundled: bool
-          ) -> Workdir | None:
-    """Every own-code flag before anything starts; returns DIR scanned (None without --workdir)."""
+def check(workdir: str | None, script: str | None, module: str | None, launcher: str, bundled: bool,
+          scanned: Workdir | None = None) -> Workdir | None:
+    """Every own-code flag before anything starts; returns DIR scanned (None without --workdir). `scanned`: DIR as
+    the run's snapshot in the store holds it, checked instead of the folder as it is now."""
     if launcher not in LAUNCHERS:
         raise ClusterError(f"--launcher {launcher!r} is not one of {', '.join(LAUNCHERS)}", fix="pass one of them")
     if bundled and (workdir or module or launcher != "python"):
@@ -272,7 +295,7 @@ def check(workdir: str | None, script: str | None, module: str | None, launcher:
                            "(or --script FILE for a single file)")
     if not workdir:
         return None
-    wd = scan(workdir)
+    wd = scanned or scan(workdir)
     if module:
         if module_file(wd, module) is None:
             base = module.replace(".", "/")
@@ -288,7 +311,7 @@ def check(workdir: str | None, script: str | None, module: str | None, launcher:
         raise ClusterError(f"--script {script} is outside --workdir {workdir}", fix="pass a path relative to it, e.g. "
                            "--script train.py")
     if relative_script(wd, script) not in wd.files:
-        if target.is_file():
+        if target.is_file() and scanned is None:
             raise ClusterError(f"--script {script} is in --workdir {workdir} but .gitignore leaves it out, so it is "
                                "not shipped", fix="un-ignore it or pass another file")
         raise ClusterError(f"--script {script} does not exist in --workdir {workdir}", fix="pass a file of your project "
