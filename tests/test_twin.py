@@ -111,6 +111,11 @@ def test_up_in_a_minute_and_status_lists_the_instances_from_the_ec2_api(twin):
     same = fab("status", "--no-runs", env=twin.plain, timeout=60)
     assert same.returncode == 0 and same.stdout.startswith("cluster: aws:twin"), same.stdout + same.stderr
     assert dict(re.findall(r"^(twin-(?:\d+|head))\s+(i-[0-9a-f]+)", same.stdout, re.MULTILINE)) == shown
+    # fab ssh: node1's own host name (its UTS namespace, as cloud-init sets it) and the head's, with their exit codes
+    named = twin.fab("ssh", "node1", "--", "hostname", timeout=60)
+    assert named.returncode == 0 and named.stdout.strip() == f"twin-{shown['twin-1']}", named.stdout + named.stderr
+    head = twin.fab("ssh", "head", "--", "hostname;", "exit", "3", timeout=60)
+    assert head.returncode == 3 and head.stdout.strip() == "twin-head", head.stdout + head.stderr
     assert {shown["twin-0"], shown["twin-1"]} == twin.group_ids("twin-nodes")
     assert {shown["twin-head"]} == twin.group_ids("twin-head")
     # what the Pulumi program made, as pulumi up leaves it: the group's termination hook, the bucket, the roles
