@@ -102,8 +102,12 @@ def wait_for_nodes(spec: str, count: int, wait_s: float, endpoint: str, say, pol
     deadline = started + wait_s
     said, checks = None, 0
     while True:
+        began = time.monotonic()
         problem = missing(spec, count, endpoint)
         checks += 1
+        took = time.monotonic() - began
+        if took > 3:  # a slow check is what a long wait is made of: say which
+            say(f"a check of {count} node(s) took {took:.1f}s ({problem or 'all ready'})")
         if problem is None:
             say(f"{count} node(s) ready ({time.monotonic() - started:.1f}s, {checks} check(s))")
             return
