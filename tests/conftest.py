@@ -378,6 +378,23 @@ def wait_until(what: str, check, timeout: float, poll: float = 1.0):
     raise AssertionError(f"not within {timeout:.0f}s: {what}")
 
 
+def resumed_after_notice(imds, store: str, first: str) -> tuple[str, dict]:
+    """A spot notice on `first` (a head-supervised run with --max-restarts): the run checkpoints and ends restarting,
+    its supervisor resumes it, the resumed run ends and the supervisor exits. Returns (resumed run, its summary)."""
+    from cluster import store as store_lib
+    from launch.life.records import Status
+
+    imds.interrupt()
+    wait_until("the first run restarting, in the store",
+               lambda: store_lib.read_summary(store, first)["status"] == "restarting", 300)
+    imds.clear()
+    second = wait_until("the resumed run", lambda: store_lib.read_summary(store, first).get("restarted_as"), 300)
+    done = wait_until("the resumed run's end", lambda: (s := store_lib.read_summary(store, second)) and
+                      Status(s["status"]).terminal and s, 600, poll=2)
+    wait_until("the supervisor's exit", lambda: not processes_with_env(f"XC_SUPERVISOR={first}"), 60)
+    return second, done
+
+
 def tiny_gpt2(n_head: int = 2, **config):
     """A 2-layer GPT-2 with every dropout off and sdpa attention, seeded: the causal LM tests' model."""
     import transformers

@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import fab, processes_with_env, progress_steps, start_cluster, wait_until
+from conftest import fab, processes_with_env, progress_steps, resumed_after_notice, start_cluster, wait_until
 from fake_imds import FakeIMDS
 
 from cluster import store as store_lib
@@ -77,14 +77,8 @@ def test_the_head_supervises_a_detached_run_and_recovers_it_with_the_operators_r
               lambda: max(progress_steps(store_lib.read_log(store, first) or ""), default=0) >= 10, 400)
         beat = json.loads(store_lib.read_text(store, RunPaths(first).store_record(head_lib.HEARTBEAT)))
         assert beat["pid"] == pid and beat["head"] == "head" and first in beat["current"]
-        imds.interrupt()  # a spot notice: the run checkpoints and ends; the head's supervisor waits
-        wait_until("the first run restarting, in the store",
-              lambda: store_lib.read_summary(store, first)["status"] == "restarting", 300)
-        imds.clear()
-        second = wait_until("the resumed run", lambda: store_lib.read_summary(store, first).get("restarted_as"), 300)
-        done = wait_until("the resumed run's end", lambda: (s := store_lib.read_summary(store, second)) and
-                     Status(s["status"]).terminal and s, 600, poll=2)
-        wait_until("the supervisor's exit", lambda: not processes_with_env(f"XC_SUPERVISOR={first}"), 60)
+        # a spot notice: the run checkpoints and ends; the head's supervisor resumes it
+        second, done = resumed_after_notice(imds, store, first)
         listed = lc.fab("runs", timeout=120, env=env)
         follow = lc.fab("logs", first, "-f", timeout=120, env=env)
         shown = lc.fab("logs", second, timeout=120, env=env)

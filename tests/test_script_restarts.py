@@ -22,7 +22,7 @@ import signal
 from pathlib import Path
 
 import pytest
-from conftest import fab, processes_with_env, start_cluster, wait_until
+from conftest import fab, processes_with_env, resumed_after_notice, start_cluster, wait_until
 from fake_imds import FakeIMDS
 from test_user_scripts import _csv
 
@@ -256,14 +256,7 @@ def test_the_head_restarts_a_workdir_run_from_its_snapshot_after_the_folder_chan
         (project / "glue_helpers.py").unlink()
         for data in (tmp_path / "elsewhere").iterdir():
             data.unlink()
-        imds.interrupt()
-        wait_until("the first run restarting, in the store",
-                   lambda: store_lib.read_summary(store, first)["status"] == "restarting", 300)
-        imds.clear()
-        second = wait_until("the resumed run", lambda: store_lib.read_summary(store, first).get("restarted_as"), 300)
-        done = wait_until("the resumed run's end", lambda: (s := store_lib.read_summary(store, second)) and
-                          Status(s["status"]).terminal and s, 600, poll=2)
-        wait_until("the supervisor's exit", lambda: not processes_with_env(f"XC_SUPERVISOR={first}"), 60)
+        second, done = resumed_after_notice(imds, store, first)
         log = store_lib.read_log(store, second) or ""
     finally:
         imds.close()

@@ -242,8 +242,7 @@ def fetch(conn, python: str, code_dir: str, run_dir: str, home: str, key: str, e
 
 
 def fetched_line(key: str, names: list[str], fetched: list[bool]) -> str:
-    got = [n for n, f in zip(names, fetched) if f]
+    got, rest = workdir_lib.which_got(names, fetched)
     if not got:
         return f"code snapshot {key} already on every node"
-    rest = f"; already on {', '.join(n for n in names if n not in got)}" if len(got) < len(names) else ""
     return f"code snapshot {key} fetched from the store by {', '.join(got)}{rest}"

@@ -347,9 +347,15 @@ def ensure(conn, home: str, wd: Workdir, work: str) -> bool:
     return sent
 
 
+def which_got(names: list[str], got_it: list[bool]) -> tuple[list[str], str]:
+    """The nodes that got something now, and '; already on ...' for the others (empty when all got it)."""
+    got = [n for n, g in zip(names, got_it) if g]
+    rest = f"; already on {', '.join(n for n in names if n not in got)}" if got and len(got) < len(names) else ""
+    return got, rest
+
+
 def shipped_line(wd: Workdir, names: list[str], sent: list[bool]) -> str:
-    got = [n for n, s in zip(names, sent) if s]
+    got, rest = which_got(names, sent)
     if not got:
         return f"workdir {wd.digest} already on every node (unchanged: nothing sent)"
-    rest = f"; already on {', '.join(n for n in names if n not in got)}" if len(got) < len(names) else ""
     return f"workdir {wd.digest} sent to {', '.join(got)} ({_size(os.path.getsize(wd.tarball()))} compressed){rest}"

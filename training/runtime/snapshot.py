@@ -50,7 +50,8 @@ def manifest(store, key: str) -> dict | None:
 
 
 def extract(tar: tarfile.TarFile, dest: Path) -> None:
-    """Files and folders under relative paths only (fab's tarball holds nothing else), as tarfile's data filter."""
+    """Files and folders under relative paths only (fab's tarball holds nothing else), as tarfile's data filter.
+    node_setup/head_boot.py has its own: it runs on a head before any of the project's code is there."""
     if hasattr(tarfile, "data_filter"):
         tar.extractall(dest, filter="data")
         return
