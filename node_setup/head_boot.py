@@ -96,6 +96,25 @@ def job_key(key: str, base: str) -> str | None:
     return m.group(1) if m else None
 
 
+def chain_jobs(s3, bucket: str, base: str) -> list[tuple[object, str]]:
+    """(LastModified, key) of each `<base>runs/<id>/supervisor.json` there is. The run ids come from one listing of
+    `<base>runs/` by folder (Delimiter: a page per 1,000 runs, never the objects under them: outputs, checkpoints,
+    log parts), then one HEAD per run: a run without a job (ended, or never detached) answers 404."""
+    out = []
+    pages = s3.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=base + "runs/", Delimiter="/")
+    for folder in (p["Prefix"] for page in pages for p in page.get("CommonPrefixes", [])):
+        key = folder + "supervisor.json"
+        if job_key(key, base) is None:
+            print(f"xc-head-boot: skipped {folder}: not a run's folder", flush=True)
+            continue
+        try:
+            out.append((s3.head_object(Bucket=bucket, Key=key)["LastModified"], key))
+        except s3.exceptions.ClientError as exc:
+            if exc.response.get("Error", {}).get("Code") not in ("404", "NoSuchKey", "NotFound"):
+                raise
+    return out
+
+
 def chain_code(s3, bucket: str, base: str, key: str) -> Path:
     """The chain's code, unpacked here (already, or fetched from the store and checked against its digest);
     raises ValueError (or the store's error) saying why not."""
@@ -130,18 +149,17 @@ def main() -> int:
     bucket, _, prefix = url[5:].partition("/")
     base = f"{prefix.strip('/')}/" if prefix.strip("/") else ""  # as the store's keys are (S3Store.key)
     s3 = boto3.client("s3", region_name=conf.get("XC_REGION"), endpoint_url=os.environ.get("XC_S3_ENDPOINT_URL") or None)
-    pages = s3.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=base + "runs/")
-    jobs = [o for page in pages for o in page.get("Contents", []) if o["Key"].endswith("/supervisor.json")]
+    jobs = chain_jobs(s3, bucket, base)
     if not jobs:
         print("xc-head-boot: no chain to take over", flush=True)
         return 0
     newest = None
-    for obj in sorted(jobs, key=lambda o: o["LastModified"]):
+    for _, key in sorted(jobs):
         try:
-            newest = chain_code(s3, bucket, base, obj["Key"])
+            newest = chain_code(s3, bucket, base, key)
         except Exception as exc:  # noqa: BLE001 - one bad entry never stops the takeover of the others
             why = str(exc) if isinstance(exc, ValueError) else f"{type(exc).__name__}: {exc}"
-            print(f"xc-head-boot: skipped {obj['Key']}: {why}"[:400], flush=True)
+            print(f"xc-head-boot: skipped {key}: {why}"[:400], flush=True)
     if newest is None:
         print("xc-head-boot: no chain's code could be fetched: nothing taken over", flush=True)
         return 1

@@ -164,9 +164,9 @@ def test_a_chain_this_machine_already_supervises_is_seen_as_such():
 def test_the_boot_script_takes_over_only_chains_and_only_code_that_hashes_to_its_digest(aws_env, monkeypatch,
                                                                                         tmp_path):
     """On S3 (moto): beside a real chain, a `supervisor.json` a node may write (under runs/<id>/output/) with a bogus
-    digest, a chain whose digest is not one, and a chain whose tarball is not what its digest says: each skipped
-    with one line, and the real chain's code (verified as cluster.shipping hashes it) runs launch.chain.adopt. The
-    planted file is no chain to launch.chain.adopt either."""
+    digest, never read; a chain whose digest is not one, and a chain whose tarball is not what its digest says: each
+    skipped with one line, and the real chain's code (verified as cluster.shipping hashes it) runs
+    launch.chain.adopt. The planted file is no chain to launch.chain.adopt either."""
     from pathlib import Path
 
     import boto3
@@ -209,11 +209,11 @@ def test_the_boot_script_takes_over_only_chains_and_only_code_that_hashes_to_its
     assert res.returncode == 0 and lines[-1] == f"adopted from {code / real} s3://xc-boot/dev", res.stdout + res.stderr
     skipped = sorted(line.removeprefix("xc-head-boot: skipped dev/runs/") for line in lines
                      if line.startswith("xc-head-boot: skipped "))
-    planted = f"{chain}/output/supervisor.json: not a chain's (only <prefix>/runs/<id>/supervisor.json is)"
     bad = "b-1/supervisor.json: its code 'zz' is not a 16-hex digest"
     hashed = shipping.code_hash(tmp_path / "tampered", ("launch",))
     tampered_line = f"t-1/supervisor.json: its code tarball hashes to {hashed}, not {other}: refused"
-    assert skipped == [planted, bad, tampered_line], res.stdout
+    assert skipped == [bad, tampered_line], res.stdout
+    assert "/output/" not in res.stdout  # the planted file is never even looked at (the boot lists run folders only)
     assert sorted(p.name for p in code.iterdir()) == [real]  # the refused tarball was never unpacked
     assert (code / real / "launch" / "chain" / "adopt.py").read_text() == adopt_py
     # the real code's own tarball, as fab puts it into the store, passes the check the boot script makes
@@ -227,6 +227,48 @@ def test_the_boot_script_takes_over_only_chains_and_only_code_that_hashes_to_its
     url = "s3://xc-boot/dev"
     _run(url, chain, Status.RUNNING)
     assert adopt.live_chains(url) == [chain]
+
+
+def test_the_boot_script_lists_run_folders_only_never_the_objects_under_them(aws_env, monkeypatch, tmp_path):
+    """The head's boot finds chains by one listing of runs/ by folder (Delimiter) and one HEAD of each run's
+    supervisor.json: the outputs, checkpoints and log parts under the runs are never listed, and a key outside
+    <prefix>/runs/<id>/supervisor.json is never read."""
+    import runpy
+    from pathlib import Path
+
+    import boto3
+
+    s3 = boto3.client("s3", region_name="us-east-1", endpoint_url=aws_env)
+    s3.create_bucket(Bucket="xc-list")
+    for run in ("r-1", "r-2", "r-3"):
+        for rel in ("summary.json", "log/000000000000.part", "log/000000001000.part", "output/supervisor.json",
+                    "checkpoints/checkpoint-1/model.bin"):
+            s3.put_object(Bucket="xc-list", Key=f"dev/runs/{run}/{rel}", Body=b"{}")
+    s3.put_object(Bucket="xc-list", Key="dev/runs/r-2/supervisor.json", Body=b'{"code": "0123456789abcdef"}')
+    s3.put_object(Bucket="xc-list", Key="other/runs/r-9/supervisor.json", Body=b"{}")  # another cluster's prefix
+    env_file = tmp_path / "cluster.env"
+    env_file.write_text("XC_CLUSTER=dev\nXC_REGION=us-east-1\nXC_STORE=s3://xc-list/dev\n")
+    monkeypatch.setenv("XC_CLUSTER_ENV", str(env_file))
+    monkeypatch.setenv("XC_S3_ENDPOINT_URL", aws_env)
+    calls: list[tuple[str, dict]] = []
+    real_client = boto3.client
+
+    def client(*args, **kw):
+        c = real_client(*args, **kw)
+        c.meta.events.register("provide-client-params.s3.*",
+                               lambda params, model, **_: calls.append((model.name, dict(params))))
+        return c
+
+    monkeypatch.setattr(boto3, "client", client)
+    boot = runpy.run_path(str(Path(__file__).resolve().parent.parent / "node_setup" / "head_boot.py"), run_name="boot")
+    boot["main"].__globals__["CODE_HOME"] = tmp_path / "code"
+    assert boot["main"]() == 1  # r-2's code is not in the store: nothing to take over, said so
+    lists = [p for name, p in calls if name == "ListObjectsV2"]
+    assert lists == [{"Bucket": "xc-list", "Prefix": "dev/runs/", "Delimiter": "/"}]
+    keys = sorted(p["Key"] for name, p in calls if name != "ListObjectsV2")
+    assert keys == ["dev/code/0123456789abcdef.tar.gz", "dev/runs/r-1/supervisor.json",
+                    "dev/runs/r-2/supervisor.json", "dev/runs/r-2/supervisor.json", "dev/runs/r-3/supervisor.json"]
+    assert {name for name, _ in calls} == {"ListObjectsV2", "HeadObject", "GetObject"}
 
 
 def _orphan(tmp_path, monkeypatch, *fakes) -> str:
