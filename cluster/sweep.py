@@ -8,8 +8,11 @@ build instance), the store bucket included. Two exceptions, found by name: Image
 /xeon-cluster/NAME/ (cluster.mesh: the mesh key and its public half). Nothing else is listed, so nothing else is
 ever deleted.
 
-The store (the cluster's S3 bucket: trained models, checkpoints, run records) is listed but kept by --yes; only
---include-store empties it, and never while the cluster's Auto Scaling group still exists (its nodes may be writing).
+The store (the cluster's S3 bucket: trained models, checkpoints, run records) is listed but kept by --yes, which says
+so and why; only --include-store empties it, and never while the cluster's Auto Scaling group still exists (its nodes
+may be writing). What in it no run needs is listed on rows of its own and goes with --yes (cluster.sweep_list
+LEFTOVERS: the head's code tarballs, snapshots and wheels no resumable run names, log parts, compacted first). The
+cluster's KMS key (scheduled for deletion) and its roles' permissions boundary are found by tag and by name.
 """
 from __future__ import annotations
 
@@ -75,17 +78,18 @@ def sweep(spec: str | None, yes: bool = False, out=None, clients: Clients | None
     else:
         print(nothing_left(first), file=out)
         return 0
+    kept = [] if include_store else [o for o in first.orphans if o.kind == "s3 bucket"]
     if not yes:
+        for o in kept:
+            print(kept_line(o, first.cluster, "--yes keeps"), file=out)
         print(left_line(first), file=out)
         # after a clean `pulumi destroy` the store is what is left, kept on purpose: that is no failure (exit 0)
         return 1 if include_store or any(o.kind != "s3 bucket" for o in first.orphans) else 0
-    kept = [] if include_store else [o for o in first.orphans if o.kind == "s3 bucket"]
     for o in kept:
-        runs = o.ref.get("runs", [])
-        print(f"keeping s3 bucket {o.id} ({o.name}" + (f"; runs {', '.join(runs)}" if runs else "") + "): the "
-              f"cluster's store; delete it with 'fab sweep --cluster aws:{first.cluster} --yes --include-store', or "
-              f"let the next 'pulumi up' adopt it: 'pulumi config set storeBucket {o.id}'", file=out)
-    failures = delete_all(c, [o for o in first.orphans if o not in kept], out)
+        print(kept_line(o, first.cluster, "keeping"), file=out)
+    # with --include-store the bucket goes whole, what no run needs in it too
+    gone = [o for o in first.orphans if o not in kept and not (include_store and o.kind == "store objects")]
+    failures = delete_all(c, gone, out)
     with aws_errors():
         again = look(c, first.cluster)
     left = [o for o in again.orphans if o.id not in {k.id for k in kept}]
@@ -272,6 +276,15 @@ def nothing_left(found: Look, kept: list[Orphan] = ()) -> str:
         return f"nothing tagged {TAG_CLUSTER} left in {found.region}{unchecked}"
     store = f" but its store {', '.join(o.id for o in kept)} (kept)" if kept else ""
     return f"nothing left of cluster {found.cluster} in {found.region}{store}{unchecked}"
+
+
+def kept_line(o: Orphan, cluster: str, verb: str) -> str:
+    """What --yes keeps on purpose, and why, in one line."""
+    runs = o.ref.get("runs", [])
+    return (f"{verb} s3 bucket {o.id} ({o.name}" + (f"; runs {', '.join(runs)}" if runs else "") + "): the "
+            "cluster's store, kept on purpose (its runs' models, checkpoints, records and logs, and the code its "
+            f"unfinished runs resume from); delete it with 'fab sweep --cluster aws:{cluster} --yes --include-store', "
+            f"or let the next 'pulumi up' adopt it: 'pulumi config set storeBucket {o.id}'")
 
 
 def left_line(found: Look) -> str:

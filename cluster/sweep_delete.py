@@ -13,11 +13,12 @@ ORDER = (
     "auto scaling group", "ec2 fleet", "spot fleet", "spot request", "instance", "launch template", "ami",
     "snapshot", "volume", "key pair", "placement group", "imagebuilder pipeline", "imagebuilder image",
     "imagebuilder recipe", "imagebuilder component", "imagebuilder infra config", "imagebuilder distribution",
-    "instance profile", "iam role", "log group", "ssm parameter", "s3 bucket", "network interface", "elastic ip", "security group", "subnet",
-    "route table", "internet gateway", "vpc",
+    "instance profile", "iam role", "iam policy", "log group", "ssm parameter", "kms key", "store objects",
+    "s3 bucket", "network interface", "elastic ip", "security group", "subnet", "route table", "internet gateway", "vpc",
 )
+KEY_WAIT_DAYS = 7  # KMS's shortest wait before it deletes a key (infra/head.py KEY_DELETION_DAYS)
 VERBS = {"spot fleet": "cancelled", "spot request": "cancelled", "instance": "terminated", "ami": "deregistered",
-         "elastic ip": "released"}
+         "elastic ip": "released", "kms key": f"scheduled the deletion (in {KEY_WAIT_DAYS} days, billed no more) of"}
 # A network piece that an instance just let go of can take a minute to be free (DependencyViolation).
 BUSY_CODES = {"DependencyViolation", "InvalidNetworkInterface.InUse", "ResourceInUse"}
 BUSY_TRIES, BUSY_WAIT_S = 7, 10
@@ -78,6 +79,10 @@ def delete_all(clients, orphans: list, out, sleep: Callable[[float], None] = tim
                 for snap in o.ref.get("untagged_snapshots", []):
                     say(f"note: snapshot {snap} of {o.id} has no cluster tag, so it stays (billed); delete it "
                         f"with 'aws ec2 delete-snapshot --snapshot-id {snap}'")
+        for o in done if kind == "kms key" else []:
+            for alias in o.ref.get("aliases", []):  # no right of fab's reaches an alias: it goes with its key
+                say(f"note: alias {alias} goes with key {o.id} when KMS deletes it; a 'pulumi up' of cluster "
+                    f"{o.cluster} before then needs it gone: 'aws kms delete-alias --alias-name {alias}'")
         if kind in WAIT and done:
             try:
                 WAIT[kind](clients, [o.id for o in done], sleep)
@@ -149,6 +154,16 @@ def _role(c, o) -> None:
     iam.delete_role(RoleName=o.id)
 
 
+def _policy(c, o) -> None:
+    """A managed policy (the roles' permissions boundary): its other versions first, as IAM requires."""
+    iam = c["iam"]
+    for page in iam.get_paginator("list_policy_versions").paginate(PolicyArn=o.ref["arn"]):
+        for version in page["Versions"]:
+            if not version["IsDefaultVersion"]:
+                iam.delete_policy_version(PolicyArn=o.ref["arn"], VersionId=version["VersionId"])
+    iam.delete_policy(PolicyArn=o.ref["arn"])
+
+
 def _address(c, o) -> None:
     if o.ref.get("association"):
         c["ec2"].disassociate_address(AssociationId=o.ref["association"])
@@ -167,18 +182,59 @@ def _gateway(c, o) -> None:
     c["ec2"].delete_internet_gateway(InternetGatewayId=o.id)
 
 
+def _versions(s3, bucket: str, batch: list[dict]) -> None:
+    """These object versions and delete markers ({Key, VersionId}), a thousand a call."""
+    for i in range(0, len(batch), 1000):
+        reply = s3.delete_objects(Bucket=bucket, Delete={"Objects": batch[i:i + 1000], "Quiet": True})
+        for bad in reply.get("Errors", [])[:1]:
+            raise Failed(f"{bad.get('Code')}: {bad.get('Message')} ({bad.get('Key')}; "
+                         f"{len(reply['Errors'])} object(s) not deleted)")
+
+
 def _bucket(c, o) -> None:
-    """Every object version and delete marker, a thousand a call, then the bucket."""
+    """Every object version and delete marker, then the bucket."""
     s3 = c["s3"]
     for page in s3.get_paginator("list_object_versions").paginate(Bucket=o.id):
-        batch = [{"Key": v["Key"], "VersionId": v["VersionId"]}
-                 for v in page.get("Versions", []) + page.get("DeleteMarkers", [])]
-        for i in range(0, len(batch), 1000):
-            reply = s3.delete_objects(Bucket=o.id, Delete={"Objects": batch[i:i + 1000], "Quiet": True})
-            for bad in reply.get("Errors", [])[:1]:
-                raise Failed(f"{bad.get('Code')}: {bad.get('Message')} ({bad.get('Key')}; "
-                             f"{len(reply['Errors'])} object(s) not deleted)")
+        _versions(s3, o.id, [{"Key": v["Key"], "VersionId": v["VersionId"]}
+                             for v in page.get("Versions", []) + page.get("DeleteMarkers", [])])
     s3.delete_bucket(Bucket=o.id)
+
+
+def _store_objects(c, o) -> None:
+    """What no run needs in a kept store (cluster.sweep_list.LEFTOVERS), every version of it; a run's log parts
+    first compacted into its log.txt where that is shorter (a run cut short before its end published it). Never
+    while the cluster's Auto Scaling groups exist: its head and nodes read them."""
+    from botocore.exceptions import ClientError
+
+    from cluster.aws import head_group, node_group
+    from training.runtime.paths import LOG_TAG
+
+    live = c["autoscaling"].describe_auto_scaling_groups(
+        AutoScalingGroupNames=[node_group(o.cluster), head_group(o.cluster)]).get("AutoScalingGroups", [])
+    if live:
+        raise Failed(f"the Auto Scaling group {live[0]['AutoScalingGroupName']} still exists, and its head and "
+                     "nodes may need them; run 'pulumi destroy' first")
+    s3, bucket, gaps = c["s3"], o.ref["bucket"], []
+    for log, parts in o.ref.get("logs", {}).items():
+        offsets = [int(key.rsplit("/", 1)[1]) for key, _ in parts]
+        end = max(offset + size for offset, (_, size) in zip(offsets, parts))
+        try:
+            whole = s3.head_object(Bucket=bucket, Key=log)["ContentLength"]
+        except ClientError as exc:
+            if exc.response.get("Error", {}).get("Code") not in ("404", "NoSuchKey", "NotFound"):
+                raise
+            whole = 0
+        if end <= whole:
+            continue
+        if offsets != [sum(size for _, size in parts[:i]) for i in range(len(parts))]:
+            gaps.append(log)  # a missing part: its log.txt, shorter, and the parts stay as they are
+            continue
+        data = b"".join(s3.get_object(Bucket=bucket, Key=key)["Body"].read() for key, _ in parts)
+        s3.put_object(Bucket=bucket, Key=log, Body=data, Tagging=LOG_TAG)
+    skip = {key for log in gaps for key, _ in o.ref["logs"][log]}
+    _versions(s3, bucket, [v for v in o.ref["versions"] if v["Key"] not in skip])
+    if gaps:
+        raise Failed(f"the log parts of {', '.join(gaps)} have a gap and its log.txt is shorter: they stay")
 
 
 def _ib(op: str, param: str):
@@ -207,8 +263,11 @@ DELETE: dict[str, Callable] = {
     "imagebuilder distribution": _ib("delete_distribution_configuration", "distributionConfigurationArn"),
     "instance profile": _instance_profile,
     "iam role": _role,
+    "iam policy": _policy,
     "log group": lambda c, o: c["logs"].delete_log_group(logGroupName=o.id),
     "ssm parameter": lambda c, o: c["ssm"].delete_parameter(Name=o.id),
+    "kms key": lambda c, o: c["kms"].schedule_key_deletion(KeyId=o.id, PendingWindowInDays=KEY_WAIT_DAYS),
+    "store objects": _store_objects,
     "s3 bucket": _bucket,
     "network interface": lambda c, o: c["ec2"].delete_network_interface(NetworkInterfaceId=o.id),
     "elastic ip": _address,

@@ -1,15 +1,20 @@
 """What ``fab sweep`` lists, one function per kind: every resource that carries a cluster tag (of any
-cluster; cluster.sweep picks one), with what deleting it needs and its cost per month where known.
+cluster; cluster.sweep picks one), with what deleting it needs and its cost per month where known; in the kept
+store, what no run needs (LEFTOVERS), on rows of its own.
 """
 from __future__ import annotations
 
 import concurrent.futures
 import logging
+import re
 from dataclasses import dataclass, field
 
 from cluster.mesh import ROOT
 from core import catalog
 from core.constants import TAG_CLUSTER, TAG_IMAGE_BUILD
+from training.runtime.paths import LOG_PARTS, RUNS
+from training.runtime.pylayer import WHEELS
+from training.runtime.snapshot import FOLDER as SNAPSHOTS
 
 log = logging.getLogger(__name__)
 
@@ -22,6 +27,13 @@ FATAL_CODES = {"AuthFailure", "UnrecognizedClientException", "InvalidClientToken
 ONLY_CLUSTER = (TAG_CLUSTER,)
 LIVE_INSTANCES = ["pending", "running", "stopping", "stopped", "shutting-down"]
 BILLED_STATES = ("pending", "running")
+KMS_KEY_USD_MONTH, GONE_KEY_STATES = 1.0, ("PendingDeletion", "PendingReplicaDeletion")  # none once scheduled
+# infra.policies' (tests/test_sweep.py keeps them equal): the roles' boundary is xc-boundary-<cluster>-<region>
+ROLE_PATH, BOUNDARY_PREFIX = "/xeon-cluster/", "xc-boundary-"
+# What of a kept store under <cluster>/ no run needs: launch.chain.adopt.CODE, training/runtime/store.py PROBE_PREFIX...
+LEFTOVERS = {"code": "the head's code tarballs (fab puts them again)", ".xc-probe": "the store probe's object",
+             SNAPSHOTS: "code snapshots no resumable run names", WHEELS: "requirement wheels no resumable run names",
+             LOG_PARTS: "log parts (compacted into their run's log.txt first)"}
 
 
 @dataclass
@@ -208,6 +220,42 @@ def _iam(c) -> list[Orphan]:
     return out
 
 
+def _boundaries(c) -> list[Orphan]:
+    """The permissions boundary of a cluster's roles (a managed policy under ROLE_PATH): IAM is global, so only this
+    region's, by its name."""
+    region = c["ec2"].meta.region_name
+    return [Orphan("iam policy", p["PolicyName"], "the roles' permissions boundary", 0.0,
+                   p["PolicyName"][len(BOUNDARY_PREFIX):-len(region) - 1], {"arn": p["Arn"]})
+            for p in _pages(c["iam"], "list_policies", "Policies", Scope="Local", PathPrefix=ROLE_PATH)
+            if re.fullmatch(rf"{BOUNDARY_PREFIX}.+-{re.escape(region)}", p["PolicyName"]) and p.get("Path") == ROLE_PATH]
+
+
+def _keys(c) -> list[Orphan]:
+    """The cluster's secrets key (infra/head.py: the mesh key's and run secrets'), by its tag; one already scheduled
+    for deletion bills nothing and is left to KMS. Keys whose tags fab may not read (AWS's own) are not ours."""
+    from botocore.exceptions import ClientError
+
+    kms, out = c["kms"], []
+
+    def key_tags(key: dict) -> dict[str, str]:
+        try:
+            return {t["TagKey"]: t["TagValue"] for t in kms.list_resource_tags(KeyId=key["KeyId"]).get("Tags", [])}
+        except ClientError as exc:
+            if exc.response.get("Error", {}).get("Code") in FATAL_CODES:
+                raise
+            return {}
+
+    keys = _pages(kms, "list_keys", "Keys")
+    for key, tags in zip(keys, _each(key_tags, keys)):
+        meta = kms.describe_key(KeyId=key["KeyId"])["KeyMetadata"] if _cluster(tags) else {"KeyManager": "AWS"}
+        if meta.get("KeyState") in GONE_KEY_STATES or meta.get("KeyManager") == "AWS":
+            continue
+        aliases = [a["AliasName"] for a in _pages(kms, "list_aliases", "Aliases", KeyId=key["KeyId"])]
+        out.append(Orphan("kms key", key["KeyId"], ", ".join(aliases) or meta.get("KeyState", ""), KMS_KEY_USD_MONTH,
+                          _cluster(tags), {"aliases": aliases}))
+    return out
+
+
 def _log_groups(c) -> list[Orphan]:
     logs = c["logs"]
     groups = _pages(logs, "describe_log_groups", "logGroups")
@@ -273,16 +321,68 @@ def _bucket_tags(s3, name: str) -> dict[str, str]:
 
 
 def bucket_contents(s3, name: str) -> dict:
-    """Every version of every object (a versioned bucket bills them all): count, bytes and the runs they hold."""
-    count, size, runs = 0, 0, set()
+    """Every version of every object (a versioned bucket bills them all): count, bytes, the runs they hold, and each
+    key's versions ([{VersionId, Size, IsLatest, marker}])."""
+    count, size, runs, keys = 0, 0, set(), {}
     for page in s3.get_paginator("list_object_versions").paginate(Bucket=name):
-        for item in page.get("Versions", []) + page.get("DeleteMarkers", []):
-            count += 1
-            size += item.get("Size", 0)
-            parts = item["Key"].split("/")
-            if "runs" in parts[:-2]:  # <cluster>/runs/<id>/...
-                runs.add(parts[parts.index("runs") + 1])
-    return {"objects": count, "bytes": size, "runs": sorted(runs)}
+        for marker, items in ((False, page.get("Versions", [])), (True, page.get("DeleteMarkers", []))):
+            for item in items:
+                count += 1
+                size += item.get("Size", 0)
+                parts = item["Key"].split("/")
+                if "runs" in parts[:-2]:  # <cluster>/runs/<id>/...
+                    runs.add(parts[parts.index("runs") + 1])
+                keys.setdefault(item["Key"], []).append({"VersionId": item["VersionId"], "Size": item.get("Size", 0),
+                                                         "IsLatest": item.get("IsLatest", False), "marker": marker})
+    return {"objects": count, "bytes": size, "runs": sorted(runs), "keys": keys}
+
+
+def _resumable_code(s3, bucket: str, base: str, runs: list[str]) -> set[tuple[str, str]]:
+    """(folder, key) of the snapshots and wheels named by the store's runs that may be resumed (launch.life.resume
+    refuses only a finished run; a run without a readable record has nothing to resume from)."""
+    import json
+
+    from botocore.exceptions import ClientError
+
+    def named(run: str) -> list[tuple[str, str]]:
+        try:
+            summary = json.loads(s3.get_object(Bucket=bucket, Key=f"{base}{RUNS}/{run}/summary.json")["Body"].read())
+        except (ClientError, ValueError):
+            return []
+        request = (summary.get("request") or {}) if summary.get("status") != "ok" else {}
+        return [(SNAPSHOTS, request.get("snapshot")), (WHEELS, request.get("pylayer"))]
+
+    return {pair for pairs in _each(named, runs) for pair in pairs if pair[1]}
+
+
+def store_leftovers(s3, bucket: str, cluster: str, held: dict) -> list[Orphan]:
+    """A row per kind of LEFTOVERS in cluster's kept store, with every version of its objects (a delete marker alone
+    would leave them billed); log parts with the current ones each run's log.txt is compacted from."""
+    base, found = f"{cluster}/", {}
+    for key, versions in held["keys"].items():
+        rel = key.removeprefix(base).split("/") if key.startswith(base) else []
+        folder = LOG_PARTS if len(rel) == 4 and rel[0] == RUNS and rel[2] == LOG_PARTS else rel[0] if rel else ""
+        if len(rel) >= 2 and folder in LEFTOVERS:  # snapshots/<key>.tar.gz, snapshots/<key>.json, wheels/<key>/...
+            found.setdefault(folder, {})[key] = versions
+    kept = _resumable_code(s3, bucket, base, held["runs"]) if found.keys() & {SNAPSHOTS, WHEELS} else set()
+    out = []
+    for folder, keys in found.items():
+        keys = {k: v for k, v in keys.items() if (folder, k.removeprefix(base).split("/")[1].split(".")[0]) not in kept}
+        if not keys:
+            continue
+        versions = [{"Key": k, "VersionId": v["VersionId"]} for k, vs in keys.items() for v in vs]
+        size = sum(v["Size"] for vs in keys.values() for v in vs)
+        ref = {"bucket": bucket, "versions": versions, "bytes": size}
+        if folder == LOG_PARTS:
+            ref["logs"] = {}
+            for k, vs in sorted(keys.items()):
+                for v in [v for v in vs if v["IsLatest"] and not v["marker"]]:
+                    ref["logs"].setdefault(k.rsplit("/", 2)[0] + "/log.txt", []).append([k, v["Size"]])
+        where = f"{RUNS}/*/{LOG_PARTS}" if folder == LOG_PARTS else folder
+        out.append(Orphan("store objects", f"{bucket}/{base}{where}/", f"{len(versions)} version(s), {size / 2**30:.2f} "
+                          f"GiB: {LEFTOVERS[folder]}", round(size / 2**30 * catalog.S3_USD_PER_GIB_MONTH, 2), cluster,
+                          ref))
+    return out
 
 
 def _buckets(c) -> list[Orphan]:
@@ -293,13 +393,14 @@ def _buckets(c) -> list[Orphan]:
 
     s3, region = c["s3"], c["ec2"].meta.region_name
 
-    def store(bucket: dict) -> Orphan | None:
+    def store(bucket: dict) -> list[Orphan]:
         name = bucket["Name"]
         try:
             tags = _bucket_tags(s3, name) if _bucket_region(s3, bucket) == region else {}
             if not _cluster(tags):
-                return None
+                return []
             held = bucket_contents(s3, name)
+            extra = store_leftovers(s3, name, _cluster(tags), held)
         except ClientError as exc:
             error = exc.response.get("Error", {})
             if error.get("Code") in FATAL_CODES:
@@ -307,27 +408,25 @@ def _buckets(c) -> list[Orphan]:
             log.warning("could not read s3 bucket %s (%s: %s); it is not listed", name, error.get("Code"),
                         error.get("Message", ""))
             getattr(c, "unchecked", []).append(f"s3 bucket {name}")
-            return None
-        gib = held["bytes"] / 2**30
-        return Orphan("s3 bucket", name, f"{held['objects']} objects, {gib:.2f} GiB",
-                      round(gib * catalog.S3_USD_PER_GIB_MONTH, 2), _cluster(tags), held)
+            return []
+        # the bucket's row is what --yes keeps: all but the leftovers on their own rows
+        objects = held["objects"] - sum(len(o.ref["versions"]) for o in extra)
+        gib = (held["bytes"] - sum(o.ref["bytes"] for o in extra)) / 2**30
+        return [Orphan("s3 bucket", name, f"{objects} objects, {gib:.2f} GiB", round(gib * catalog.S3_USD_PER_GIB_MONTH,
+                       2), _cluster(tags), {"objects": objects, "runs": held["runs"]}), *extra]
 
     named = [b for b in _pages(s3, "list_buckets", "Buckets") if b["Name"].startswith(STORE_BUCKET_PREFIX)]
-    return [o for o in _each(store, named) if o is not None]
+    return [o for found in _each(store, named) for o in found]
 
 
 def _parameters(c) -> list[Orphan]:
-    """The SSM parameters fab put under /xeon-cluster/<cluster>/ (the mesh key and its public half), outside the
-    stack, so 'pulumi destroy' leaves them. Found by their path (a put that overwrites cannot tag), and listed from
-    their metadata: their values are never read."""
+    """The SSM parameters fab put under /xeon-cluster/<cluster>/ outside the stack (the mesh key and its public half,
+    cluster.mesh; the run secrets under runs/<chain>/, launch.ship.run_secrets), which 'pulumi destroy' leaves. Found
+    by their path (a put that overwrites cannot tag), from their metadata: their values are never read."""
     found = _pages(c["ssm"], "describe_parameters", "Parameters",
                    ParameterFilters=[{"Key": "Path", "Option": "Recursive", "Values": [ROOT]}])
-    out = []
-    for param in found:
-        parts = param["Name"].split("/")  # "", "xeon-cluster", <cluster>, ...
-        if len(parts) > 3 and "/".join(parts[:2]) == ROOT and parts[2]:
-            out.append(Orphan("ssm parameter", param["Name"], param.get("Type", ""), 0.0, parts[2]))
-    return out
+    return [Orphan("ssm parameter", p["Name"], p.get("Type", ""), 0.0, parts[2]) for p in found
+            if len(parts := p["Name"].split("/")) > 3 and "/".join(parts[:2]) == ROOT and parts[2]]
 
 
 SOURCES = (  # what it lists (for the warning), the lister, and whether a failure there is only a warning
@@ -339,6 +438,8 @@ SOURCES = (  # what it lists (for the warning), the lister, and whether a failur
     ("placement groups", _placement_groups, True),
     ("Image Builder resources", _imagebuilder, True),
     ("IAM roles and instance profiles", _iam, True),
+    ("permissions boundaries", _boundaries, True),
+    ("KMS keys", _keys, True),
     ("log groups", _log_groups, True),
     ("SSM parameters", _parameters, True),
     ("S3 buckets", _buckets, True),

@@ -84,11 +84,16 @@ def plant(cluster: str) -> dict[str, str]:
         MinSize=1, MaxSize=1, DesiredCapacity=1, VPCZoneIdentifier=ids["subnet"],
         Tags=[{"Key": TAG_CLUSTER, "Value": cluster, "PropagateAtLaunch": True}])
     iam = client("iam")
-    ids["role"] = f"{cluster}-build"
-    iam.create_role(RoleName=ids["role"], AssumeRolePolicyDocument=json.dumps({"Version": "2012-10-17"}),
-                    Tags=tags(cluster))
     document = json.dumps({"Version": "2012-10-17",
                            "Statement": [{"Effect": "Allow", "Action": "s3:GetObject", "Resource": "*"}]})
+    # the permissions boundary every role of the program carries (__main__.py), deleted once its roles are gone
+    ids["boundary"] = f"xc-boundary-{cluster}-{REGION}"
+    boundary = iam.create_policy(PolicyName=ids["boundary"], Path="/xeon-cluster/", PolicyDocument=document,
+                                 Tags=tags(cluster))["Policy"]["Arn"]
+    iam.create_policy_version(PolicyArn=boundary, PolicyDocument=document, SetAsDefault=True)  # a second version
+    ids["role"] = f"{cluster}-build"
+    iam.create_role(RoleName=ids["role"], AssumeRolePolicyDocument=json.dumps({"Version": "2012-10-17"}),
+                    Tags=tags(cluster), Path="/xeon-cluster/", PermissionsBoundary=boundary)
     policy = iam.create_policy(PolicyName=f"{cluster}-read", PolicyDocument=document)["Policy"]["Arn"]
     iam.attach_role_policy(RoleName=ids["role"], PolicyArn=policy)  # detached first, the policy itself stays
     iam.put_role_policy(RoleName=ids["role"], PolicyName="inline", PolicyDocument=document)
@@ -104,6 +109,11 @@ def plant(cluster: str) -> dict[str, str]:
     ids["mesh-key"], ids["mesh-key-pub"] = f"/xeon-cluster/{cluster}/mesh-key", f"/xeon-cluster/{cluster}/mesh-key.pub"
     ssm.put_parameter(Name=ids["mesh-key"], Value="private", Type="SecureString")
     ssm.put_parameter(Name=ids["mesh-key-pub"], Value="ssh-ed25519 AAAA", Type="String")
+    ids["secret"] = f"/xeon-cluster/{cluster}/runs/20260101-000000-glue-abcd/HF_TOKEN"  # launch.ship.run_secrets
+    ssm.put_parameter(Name=ids["secret"], Value="hf_x", Type="SecureString")
+    kms = client("kms")  # the secrets key (infra/head.py), with its alias: pulumi destroy removes the alias first
+    ids["kms-key"] = kms.create_key(Tags=[{"TagKey": TAG_CLUSTER, "TagValue": cluster}])["KeyMetadata"]["KeyId"]
+    kms.create_alias(AliasName=f"alias/xeon-cluster/{cluster}", TargetKeyId=ids["kms-key"])
     ids["bucket"] = plant_bucket(f"xc-{cluster}-store", cluster, [f"{cluster}/runs/r1/checkpoints/checkpoint-4/model.pt",
                                                                   f"{cluster}/runs/r1/summary.json",
                                                                   f"{cluster}/runs/r2/output/metrics.json"])
@@ -137,6 +147,13 @@ def plant_survivors() -> dict[str, str]:
     for name in ("/xeon-cluster/ernie/mesh-key", "/xeon-clusters/bert/mesh-key", "/team/bert/mesh-key"):
         client("ssm").put_parameter(Name=name, Value="not ours", Type="SecureString")
     ids["bucket"] = plant_bucket("xc-bert-untagged", None, ["bert/runs/r9/summary.json"])
+    kms = client("kms")
+    ids["ernie-key"] = kms.create_key(Tags=[{"TagKey": TAG_CLUSTER, "TagValue": "ernie"}])["KeyMetadata"]["KeyId"]
+    ids["untagged-key"] = kms.create_key()["KeyMetadata"]["KeyId"]
+    document = json.dumps({"Version": "2012-10-17", "Statement": [{"Effect": "Allow", "Action": "s3:*",
+                                                                     "Resource": "*"}]})
+    for name, path in (("xc-boundary-bert-eu-west-1", "/xeon-cluster/"), (f"xc-boundary-bert-{REGION}", "/team/")):
+        client("iam").create_policy(PolicyName=name, Path=path, PolicyDocument=document)  # another region, path
     ids["ernie-bucket"] = plant_bucket("xc-ernie-store", "ernie", ["ernie/runs/r1/summary.json"])
     ids["other-bucket"] = plant_bucket("team-datasets", None, ["raw/part-0.parquet"])  # not a store: never asked
     return ids
@@ -151,7 +168,13 @@ def still_there(ids: dict[str, str]) -> dict[str, bool]:
     logs = {g["logGroupName"] for g in client("logs").describe_log_groups()["logGroups"]}
     buckets = {b["Name"] for b in client("s3").list_buckets()["Buckets"]}
     params = {p["Name"] for p in client("ssm").describe_parameters()["Parameters"]}
+    kms_keys = {k["KeyId"]: client("kms").describe_key(KeyId=k["KeyId"])["KeyMetadata"]["KeyState"]
+                for k in client("kms").list_keys()["Keys"]}
+    policies = {(p["Path"], p["PolicyName"]) for p in client("iam").list_policies(Scope="Local")["Policies"]}
     return {"parameters": {"/xeon-cluster/ernie/mesh-key", "/xeon-clusters/bert/mesh-key", "/team/bert/mesh-key"} <= params,
+            "kms keys": kms_keys[ids["ernie-key"]] == kms_keys[ids["untagged-key"]] == "Enabled",
+            "policies": {("/xeon-cluster/", "xc-boundary-bert-eu-west-1"), ("/team/", f"xc-boundary-bert-{REGION}")}
+            <= policies,
             "bucket": ids["bucket"] in buckets, "ernie-bucket": ids["ernie-bucket"] in buckets,
             "other-bucket": ids["other-bucket"] in buckets, "volume": ids["volume"] in volumes, "ernie-volume": ids["ernie-volume"] in volumes,
             "sg": ids["sg"] in groups, "key": ids["key"] in keys, "role": ids["role"] in roles,
@@ -175,9 +198,13 @@ def test_sweep_finds_every_orphan_deletes_them_and_spares_the_rest(aws_env):
                            r"with 'fab sweep --cluster aws:bert --yes', which keeps the store xc-bert-store \(add "
                            r"--include-store to empty it\)", lines[-1])
     assert verdict, lines[-1]
-    assert lines[0].split() == ["kind", "id", "name", "USD/month"] and len(lines) == int(verdict[1]) + 3
-    assert lines[-2] == f"total: {verdict[1]} resource(s), ${verdict[2]}/month; instances at the on-demand price, " \
+    assert lines[0].split() == ["kind", "id", "name", "USD/month"] and len(lines) == int(verdict[1]) + 4
+    assert lines[-3] == f"total: {verdict[1]} resource(s), ${verdict[2]}/month; instances at the on-demand price, " \
                         "the most a spot node costs"
+    assert lines[-2] == "--yes keeps s3 bucket xc-bert-store (3 objects, 0.00 GiB; runs r1, r2): the cluster's " \
+        "store, kept on purpose (its runs' models, checkpoints, records and logs, and the code its unfinished runs " \
+        "resume from); delete it with 'fab sweep --cluster aws:bert --yes --include-store', or let the next 'pulumi " \
+        "up' adopt it: 'pulumi config set storeBucket xc-bert-store'"
 
     def row(rid: str) -> str:
         return next(line for line in lines if f"  {rid}  " in line)
@@ -187,6 +214,9 @@ def test_sweep_finds_every_orphan_deletes_them_and_spares_the_rest(aws_env):
     assert row(orphans["eip"]).endswith(" 3.65")  # a public IPv4 address
     assert row(orphans["instance"]).endswith(" 248.20")  # c6i.2xlarge, $0.34/h x 730 h
     assert row(orphans["instance"]).startswith("instance ")
+    assert re.fullmatch(rf"kms key +{orphans['kms-key']} +alias/xeon-cluster/bert +1\.00", row(orphans["kms-key"]))
+    assert re.fullmatch(r"iam policy +xc-boundary-bert-us-east-1 +the roles' permissions boundary +0\.00",
+                        row(orphans["boundary"]))
     assert re.fullmatch(r"s3 bucket +xc-bert-store +3 objects, 0\.00 GiB +0\.00", row(orphans["bucket"]))
 
     # the store goes only by name, and never while the cluster's group is there (its nodes may be writing)
@@ -204,11 +234,24 @@ def test_sweep_finds_every_orphan_deletes_them_and_spares_the_rest(aws_env):
     assert f"deleted ssm parameter {orphans['mesh-key']}" in swept.stdout  # the mesh key outlives 'pulumi destroy'
     assert not {p["Name"] for p in client("ssm").describe_parameters()["Parameters"]} & {orphans["mesh-key"],
                                                                                           orphans["mesh-key-pub"]}
+    assert f"deleted ssm parameter {orphans['secret']}" in swept.stdout  # a detached run's secret, too
+    # the secrets key: scheduled for deletion (KMS's shortest wait), and its alias named, which goes with it
+    assert f"scheduled the deletion (in 7 days, billed no more) of kms key {orphans['kms-key']}" in swept.stdout
+    assert client("kms").describe_key(KeyId=orphans["kms-key"])["KeyMetadata"]["KeyState"] == "PendingDeletion"
+    assert f"note: alias alias/xeon-cluster/bert goes with key {orphans['kms-key']} when KMS deletes it; a 'pulumi " \
+           "up' of cluster bert before then needs it gone: 'aws kms delete-alias --alias-name " \
+           "alias/xeon-cluster/bert'" in swept.stdout
+    # the roles' boundary goes after the roles, its other versions first
+    assert swept.stdout.index(f"deleted iam role {orphans['role']}") < swept.stdout.index(
+        f"deleted iam policy {orphans['boundary']}")
+    assert orphans["boundary"] not in {p["PolicyName"] for p in client("iam").list_policies(
+        Scope="Local", PathPrefix="/xeon-cluster/")["Policies"]}
     assert "revoked the ingress rules of security group" in swept.stdout
-    # --yes keeps the store (trained models), saying what it holds and how it would go
-    assert "keeping s3 bucket xc-bert-store (3 objects, 0.00 GiB; runs r1, r2): the cluster's store; delete it " \
-           "with 'fab sweep --cluster aws:bert --yes --include-store', or let the next 'pulumi up' adopt it: " \
-           "'pulumi config set storeBucket xc-bert-store'" in swept.stdout
+    # --yes keeps the store (trained models), saying what it holds, why, and how it would go
+    assert "keeping s3 bucket xc-bert-store (3 objects, 0.00 GiB; runs r1, r2): the cluster's store, kept on " \
+           "purpose (its runs' models, checkpoints, records and logs, and the code its unfinished runs resume from); " \
+           "delete it with 'fab sweep --cluster aws:bert --yes --include-store', or let the next 'pulumi up' adopt " \
+           "it: 'pulumi config set storeBucket xc-bert-store'" in swept.stdout
     assert "emptying s3 bucket" not in swept.stdout and "deleted s3 bucket" not in swept.stdout
     assert swept.stdout.strip().splitlines()[-1].startswith("nothing left of cluster bert in us-east-1 but its store "
                                                             "xc-bert-store (kept) (not checked: ")

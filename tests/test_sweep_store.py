@@ -180,3 +180,84 @@ def test_after_a_clean_destroy_the_kept_store_alone_exits_0(aws_env):
                                 TagSpecifications=spec("volume", "oscar"))
     assert sweep.sweep("aws:oscar", out=io.StringIO()) == 1
     assert store in buckets()
+
+
+def test_yes_removes_what_no_run_needs_from_the_kept_store_and_keeps_the_runs(aws_env, monkeypatch):
+    """After 'pulumi destroy', the kept store still holds what no run needs: the head's code tarballs (every version
+    of them), the probe's object, the snapshot and wheels of a finished run, and log parts. 'fab sweep' lists them
+    on rows of their own, beside the store it keeps (and why), under the documented policy; --yes removes every
+    version of them, writes a run's log.txt from its parts where that was missing, and keeps the runs, and the
+    snapshot and wheels of the run that may be resumed. Never while the cluster's group exists."""
+    s3 = client("s3")
+    store = plant_bucket("xc-bert-store", "bert", [])
+    s3.put_bucket_versioning(Bucket=store, VersioningConfiguration={"Status": "Enabled"})
+
+    def put(key: str, body: bytes = b"x") -> None:
+        s3.put_object(Bucket=store, Key=f"bert/{key}", Body=body)
+
+    for run, status, code in (("r1", "ok", "s1"), ("r2", "failed", "s2")):
+        put(f"runs/{run}/summary.json", json.dumps({"status": status, "request": {"snapshot": code,
+                                                                                   "pylayer": f"w{code[1]}"}}).encode())
+        put(f"snapshots/{code}.tar.gz"), put(f"snapshots/{code}.json"), put(f"wheels/w{code[1]}/a-1-py3-none-any.whl")
+    put("code/0123456789abcdef.tar.gz"), put("code/0123456789abcdef.tar.gz", b"again")  # two versions
+    put(".xc-probe/probe-1")
+    put("runs/r1/log.txt", b"a\nb\n"), put("runs/r1/log.parts/000000000000", b"a\n")
+    put("runs/r1/log.parts/000000000002", b"b\n")  # log.txt covers them: deleted
+    put("runs/r2/log.parts/000000000000", b"x\n"), put("runs/r2/log.parts/000000000002", b"y\n")  # no log.txt yet
+    put("runs/r2/output/model.safetensors")
+    ec2 = client("ec2")
+    template = ec2.create_launch_template(LaunchTemplateName="bert-lt", LaunchTemplateData={
+        "ImageId": "ami-0123456789abcdef0", "InstanceType": "c6i.2xlarge"})["LaunchTemplate"]["LaunchTemplateId"]
+    scaling = client("autoscaling")  # the head's group, untagged: only its name says whose it is
+    scaling.create_auto_scaling_group(AutoScalingGroupName="bert-head", MinSize=0, MaxSize=0, DesiredCapacity=0,
+                                      VPCZoneIdentifier=ec2.describe_subnets()["Subnets"][0]["SubnetId"],
+                                      LaunchTemplate={"LaunchTemplateId": template, "Version": "$Latest"})
+
+    out = io.StringIO()
+    with documented_policy(aws_env, monkeypatch):  # finding them (the runs' records read too) needs no new right
+        assert sweep.sweep("aws:bert", out=out) == 1  # leftovers cost: a dry run says there is something to sweep
+    lines = out.getvalue().splitlines()
+    rows = {line.split()[2]: line for line in lines if line.startswith("store objects ")}
+    assert sorted(rows) == [f"{store}/bert/{w}/" for w in (".xc-probe", "code", "runs/*/log.parts", "snapshots",
+                                                           "wheels")]
+    assert "  2 version(s), 0.00 GiB: the head's code tarballs (fab puts them again)" in rows[f"{store}/bert/code/"]
+    assert "2 version(s), 0.00 GiB: code snapshots no resumable run names" in rows[f"{store}/bert/snapshots/"]
+    assert "4 version(s), 0.00 GiB: log parts (compacted" in rows[f"{store}/bert/runs/*/log.parts/"]
+    kept = next(line for line in lines if line.startswith("--yes keeps s3 bucket "))
+    assert kept.startswith(f"--yes keeps s3 bucket {store} (7 objects, 0.00 GiB; runs r1, r2): the cluster's store, "
+                           "kept on purpose (its runs' models, checkpoints, records and logs, and the code its "
+                           "unfinished runs resume from)")
+
+    out = io.StringIO()  # the head's group is there: its boot reads the code tarballs, so nothing of them goes
+    assert sweep.sweep("aws:bert", yes=True, out=out) == 1
+    assert "could not delete store objects xc-bert-store/bert/code/: the Auto Scaling group bert-head still " \
+           "exists, and its head and nodes may need them; run 'pulumi destroy' first" in out.getvalue()
+    scaling.delete_auto_scaling_group(AutoScalingGroupName="bert-head", ForceDelete=True)
+
+    out = io.StringIO()  # (moto checks a multi-object delete against the bucket's ARN, not each object's: as fab)
+    assert sweep.sweep("aws:bert", yes=True, out=out) == 0, out.getvalue()
+    said = out.getvalue()
+    assert f"deleted store objects {store}/bert/code/ (2 version(s)" in said
+    assert said.strip().splitlines()[-1].startswith(f"nothing left of cluster bert in {REGION} but its store "
+                                                    f"{store} (kept)")
+    left = {v["Key"].removeprefix("bert/") for v in s3.list_object_versions(Bucket=store).get("Versions", [])}
+    assert left == {"runs/r1/summary.json", "runs/r2/summary.json", "runs/r1/log.txt", "runs/r2/log.txt",
+                    "runs/r2/output/model.safetensors", "snapshots/s2.tar.gz", "snapshots/s2.json",
+                    "wheels/w2/a-1-py3-none-any.whl"}
+    assert not s3.list_object_versions(Bucket=store).get("DeleteMarkers")  # versions gone, not hidden behind markers
+    assert s3.get_object(Bucket=store, Key="bert/runs/r2/log.txt")["Body"].read() == b"x\ny\n"
+    assert s3.get_object(Bucket=store, Key="bert/runs/r1/log.txt")["Body"].read() == b"a\nb\n"
+    assert s3.get_object_tagging(Bucket=store, Key="bert/runs/r2/log.txt")["TagSet"] == [
+        {"Key": "xeon-cluster-kind", "Value": "log"}]  # the log's lifecycle rule finds it
+
+
+def test_the_sweeps_names_are_the_programs():
+    """What fab sweep finds by name or waits on is what the program makes (infra/ and launch/ are above cluster/)."""
+    from cluster import sweep_delete, sweep_list
+    from infra import head, policies
+    from launch.chain import adopt
+
+    assert (sweep_list.ROLE_PATH, sweep_list.BOUNDARY_PREFIX) == (policies.ROLE_PATH, policies.BOUNDARY_PREFIX)
+    assert policies.boundary_name("bert", REGION) == f"{sweep_list.BOUNDARY_PREFIX}bert-{REGION}"
+    assert sweep_delete.KEY_WAIT_DAYS == head.KEY_DELETION_DAYS
+    assert adopt.CODE in sweep_list.LEFTOVERS
