@@ -106,6 +106,12 @@ sshd:
 	    echo "error: sshd is not installed; run 'sudo apt-get install openssh-server' and re-run" >&2; exit 1; \
 	  fi; \
 	fi
+	@# the AWS twin (root only) enforces the security groups with nftables in each instance's namespace
+	@if ! command -v nft >/dev/null && [ ! -x /usr/sbin/nft ] && [ "$$(id -u)" = 0 ]; then \
+	  echo "installing nftables"; \
+	  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq nftables >/dev/null) \
+	    || { echo "error: could not install nftables (the AWS twin needs it); install it and re-run" >&2; exit 1; }; \
+	fi
 
 # gcc builds training/speed/native's kernels (without it the jobs take torch's slower path and their tests skip).
 gcc:

@@ -5,9 +5,12 @@
   subnet (inside 198.18.0.0/15), security group, key pair, roles and instance profiles, launch templates, the nodes'
   spot group with its termination hook, the head's group of one, the store bucket.
 - A watcher process (`python -m cluster.twin_watch STATE`) boots every instance the groups launch as a real sshd
-  node in a network namespace of its own, at the instance's private address, and removes it when the instance is
-  terminated. A node boots as a real one does, as far as one machine allows: cloud-init's files from its launch
-  template's user data (/etc/xeon-cluster/cluster.env), its host name from its instance id, and the user data's
+  node in a network namespace of its own, at the instance's private address and its public one (a /24 of
+  198.18.0.0/15 of its own, which moto hands out; the operator is .1 of it, on the bridge, and adminCidr), and
+  removes it when the instance is terminated. Each namespace's nftables input chain holds its security groups'
+  rules: a rule naming a group admits that group's members at the private address only, a CIDR rule its sources.
+  A node boots as a real one does, as far as one machine allows: cloud-init's files from its launch template's user
+  data (/etc/xeon-cluster/cluster.env), its host name from its instance id, and the user data's
   own publisher tagging the instance with its host keys and authorizing the mesh key (cluster.mesh), through its
   instance profile. Its IMDS (cluster.twin_imds) answers at 169.254.169.254 inside the namespace, for that
   instance only.
@@ -152,18 +155,20 @@ def _free_port(address: str) -> int:
         return s.getsockname()[1]
 
 
-def _pick_vpc(names: Names) -> str:
-    """A /21 of 198.18.0.0/15 that no interface here uses (settings want /16../24; its zone-a slice is a /24)."""
+def _pick_vpc(names: Names, prefix: int = 21, besides: tuple[str, ...] = ()) -> str:
+    """A /21 of 198.18.0.0/15 that no interface here uses (settings want /16../24; its zone-a slice is a /24); with
+    prefix 24, the twin's public addresses: a /24 outside the VPC (``besides``) too."""
     used = [ipaddress.IPv4Interface(m).network for m in re.findall(
         r"inet (\d+\.\d+\.\d+\.\d+/\d+)", netns._try(["ip", "-4", "-o", "addr", "show"]).stdout)]
-    nets = list(netns.RANGE.subnets(new_prefix=21))
+    used += [ipaddress.IPv4Network(b) for b in besides]
+    nets = list(netns.RANGE.subnets(new_prefix=prefix))
     start = int(names.id, 16) % len(nets)
     for k in range(len(nets)):
         net = nets[(start + k) % len(nets)]
         if not any(net.overlaps(u) for u in used):
             return str(net)
-    raise ClusterError("every /21 of 198.18.0.0/15 is in use on this machine", fix="run 'fab local-down' for a twin "
-                       "you no longer need")
+    raise ClusterError(f"every /{prefix} of 198.18.0.0/15 is in use on this machine", fix="run 'fab local-down' for a "
+                       "twin you no longer need")
 
 
 def _wait_http(url: str, proc: subprocess.Popen, what: str, log_file: Path, timeout: float = 30) -> None:
@@ -191,7 +196,7 @@ def _spawn(argv: list[str], log_file: Path, cpus: set[int] | None = None) -> sub
 
 
 def check_tools() -> None:
-    for tool, package in (("ip", "iproute2"), ("unshare", "util-linux"), ("mount", "mount")):
+    for tool, package in (("ip", "iproute2"), ("unshare", "util-linux"), ("mount", "mount"), ("nft", "nftables")):
         if not shutil.which(tool):
             raise ClusterError(f"--aws needs '{tool}', which is not installed", fix=f"install it with 'apt-get install "
                                f"{package}'")
@@ -224,17 +229,21 @@ def up(count: int, state: Path | None = None) -> dict:
     started = time.monotonic()
     vpc = _pick_vpc(names)
     router = str(ipaddress.IPv4Network(vpc)[1])  # the VPC router's (.1 of the zone-a subnet, the VPC's first slice)
+    # the instances' public addresses: the operator dials them from .1, the one address adminCidr admits
+    public = _pick_vpc(names, 24, besides=(vpc,))
+    operator = str(ipaddress.IPv4Network(public)[1])
     record = {"id": names.id, "cluster": STACK, "region": REGION, "zone": ZONE, "vpc": vpc,
               "router": router, "bridge": names.bridge, "nodes": count, "key": str(local.operator_key(state)),
-              "made_dirs": [], "venv": str(twin_image.venv(PROFILE))}
+              "made_dirs": [], "venv": str(twin_image.venv(PROFILE)), "public": public, "operator": operator}
     try:
         netns._run(["ip", "link", "add", names.bridge, "type", "bridge"])
         netns._run(["ip", "addr", "add", f"{router}/{ipaddress.IPv4Network(vpc).prefixlen}", "dev", names.bridge])
+        netns._run(["ip", "addr", "add", f"{operator}/24", "dev", names.bridge])
         netns._run(["ip", "link", "set", names.bridge, "up"])
         port = _free_port(router)
         record["endpoint"] = f"http://{router}:{port}"
-        moto = _spawn([sys.executable, "-m", "cluster.twin_moto", router, str(port), str(state / "lifecycle.jsonl")],
-                      state / "moto.log")
+        moto = _spawn([sys.executable, "-m", "cluster.twin_moto", router, str(port), str(state / "lifecycle.jsonl"),
+                       public], state / "moto.log")
         record["moto"] = moto.pid
         _write(state, record)
         _wait_http(f"{record['endpoint']}/moto-api/", moto, "the twin's moto server", state / "moto.log")
@@ -244,7 +253,7 @@ def up(count: int, state: Path | None = None) -> dict:
         use(record)  # the program's own calls (prices, caller identity) go to the twin too
         from cluster import twin_program
 
-        config = {"adminCidr": f"{router}/32", "sshPublicKey": local.operator_key(state).with_suffix(".pub").read_text(),
+        config = {"adminCidr": f"{operator}/32", "sshPublicKey": local.operator_key(state).with_suffix(".pub").read_text(),
                   "nodeCount": count, "vpcCidr": vpc, "region": REGION, "availabilityZone": ZONE,
                   "instanceType": INSTANCE_TYPE, "sshUser": getpass.getuser(), "profile": PROFILE}
         program, outputs = twin_program.apply(record["endpoint"], config, STACK, ZONE, getpass.getuser())

@@ -42,7 +42,7 @@ def requirements(profile_name: str, path: Path = PROJECT_ROOT / "node_setup" / "
 def venv(profile_name: str, say=print) -> Path:
     """The image's venv for the profile: built if missing (a lock keeps two builders apart), else as it is."""
     pins = requirements(profile_name)
-    digest = hashlib.sha256("\n".join(sorted(pins)).encode()).hexdigest()[:16]
+    digest = hashlib.sha256("\n".join(["pip seeded", *sorted(pins)]).encode()).hexdigest()[:16]
     where = cache_root() / f"{profile_name}-{digest}"
     if (where / MARKER).is_file():
         return where
@@ -62,7 +62,8 @@ def _build(where: Path, pins: list[str]) -> None:
     flags = subprocess.run([sys.executable, "-m", "core.pipconfig"], capture_output=True, text=True, check=False,
                            cwd=Path(__file__).resolve().parent.parent).stdout.split()
     if uv.is_file():
-        steps = [[str(uv), "venv", "-q", str(where), "--python", base],
+        # --seed: pip in the venv, as python3 -m venv makes it on a baked node (a run's requirements install with it)
+        steps = [[str(uv), "venv", "-q", "--seed", str(where), "--python", base],
                  [str(uv), "pip", "install", "-q", "--python", str(where / "bin" / "python"), *flags, *pins]]
     else:
         steps = [[base, "-m", "venv", str(where)], [str(where / "bin" / "pip"), "install", "-q", *pins]]

@@ -4,6 +4,10 @@ the program would leave on AWS, from the same settings and names, never from a s
 
 What moto cannot hold is recorded and left out, each with its reason (Image Builder: the twin's image is this
 machine's venv). The instances the groups launch are booted by cluster.twin.
+
+A second apply with the first's Twin is the next `pulumi up` of the same stack (cluster.twin_stack decides what
+changes); `rebake=True` replaces the image build, as `pulumi up --replace` of it would: a new AMI, and the
+superseded one deregistered by the program's own clean-up (infra/amis.py).
 """
 from __future__ import annotations
 
@@ -16,11 +20,13 @@ import secrets
 from collections.abc import Callable
 from typing import ClassVar
 
+from cluster import twin_stack
 from core.constants import PROJECT_ROOT
 
 log = logging.getLogger(__name__)
 PROJECT = "xeon-cluster"
 IMAGE_BUILDER = "Image Builder: the twin's image is this machine's venv, mounted where a baked image has it"
+IMAGE = "aws:imagebuilder/image:Image"
 
 
 def _pascal(obj):
@@ -55,6 +61,7 @@ class Twin:
         self.made: list[tuple[str, str, str]] = []  # (type, logical name, id)
         self.left_out: dict[str, str] = {}  # "type name" -> why
         self._ami: str | None = None
+        self.stack = twin_stack.Stack()  # each resource's state, for the next apply
 
     # -- the twin's image ---------------------------------------------------------------------------------------
     def ami(self) -> str:
@@ -65,27 +72,42 @@ class Twin:
             self._ami = min(ubuntu or images, key=lambda i: i["ImageId"])["ImageId"]
         return self._ami
 
+    def bake(self) -> str:
+        """A new AMI as Image Builder makes one: CreateImage of a build instance (moto snapshots its root)."""
+        ec2 = self.client("ec2")
+        build = ec2.run_instances(ImageId=self.ami(), MinCount=1, MaxCount=1)["Instances"][0]["InstanceId"]
+        ami = ec2.create_image(InstanceId=build, Name=f"xc-twin-bake-{secrets.token_hex(4)}")["ImageId"]
+        ec2.terminate_instances(InstanceIds=[build])
+        return ami
+
     # -- pulumi.runtime.Mocks -----------------------------------------------------------------------------------
     def new_resource(self, args):
-        make = self.MAKERS.get(args.typ)
-        inputs = dict(args.inputs)
-        if make is None:
-            why = IMAGE_BUILDER if args.typ.startswith("aws:imagebuilder/") else "not part of what the twin serves"
-            if not args.typ.startswith(("pulumi", PROJECT)):
-                self.left_out[f"{args.typ} {args.name}"] = why
+        return self.stack.register(args.typ, args.name, dict(args.inputs), self._make)
+
+    def _make(self, typ: str, name: str, inputs: dict, was: tuple | None) -> tuple[str, dict]:
+        """A resource made on moto, or updated there when ``was`` (its state) is given."""
+        if (make := self.MAKERS.get(typ)) is None:
+            why = IMAGE_BUILDER if typ.startswith("aws:imagebuilder/") else "not part of what the twin serves"
+            if not typ.startswith(("pulumi", PROJECT)):
+                self.left_out[f"{typ} {name}"] = why
             outputs = dict(inputs)
-            if args.typ == "aws:imagebuilder/image:Image":
-                outputs["outputResources"] = [{"amis": [{"image": self.ami(), "region": ""}]}]
-            outputs.setdefault("arn", f"arn:aws:twin:::{args.name}")
-            return f"{args.name}-twin", outputs
+            if typ == IMAGE:  # a changed image is a new build (its inputs replace it), as is a forced one
+                outputs["outputResources"] = [{"amis": [{"image": self.bake(), "region": ""}]}]
+            outputs.setdefault("arn", f"arn:aws:twin:::{name}")
+            return f"{name}-twin", outputs
+        if was is not None:
+            if typ not in self.UPDATERS:  # a change the twin cannot make is said, never silently dropped
+                raise ValueError(f"the twin cannot update {typ} {name}: its inputs changed")
+            rid, extra = self.UPDATERS[typ](self, name, was, inputs)
+            return rid, {**was[2], **inputs, **extra}
         try:
-            rid, extra = make(self, args.name, inputs)
+            rid, extra = make(self, name, inputs)
         except Exception as exc:  # a setting moto cannot hold is named, the rest stands
-            if args.typ in ESSENTIAL:
+            if typ in ESSENTIAL:
                 raise
-            self.left_out[f"{args.typ} {args.name}"] = f"moto refused it: {str(exc).splitlines()[0][:160]}"
-            return f"{args.name}-twin", inputs
-        self.made.append((args.typ, args.name, rid))
+            self.left_out[f"{typ} {name}"] = f"moto refused it: {str(exc).splitlines()[0][:160]}"
+            return f"{name}-twin", inputs
+        self.made.append((typ, name, rid))
         return rid, {**inputs, **extra}
 
     def call(self, args):
@@ -128,8 +150,11 @@ class Twin:
         return rid, {}
 
     def subnet(self, name, i):
-        rid = self.client("ec2").create_subnet(VpcId=i["vpcId"], CidrBlock=i["cidrBlock"],
-                                               AvailabilityZone=i["availabilityZone"])["Subnet"]["SubnetId"]
+        ec2 = self.client("ec2")
+        rid = ec2.create_subnet(VpcId=i["vpcId"], CidrBlock=i["cidrBlock"], AvailabilityZone=i["availabilityZone"])[
+            "Subnet"]["SubnetId"]
+        if _bool(i.get("mapPublicIpOnLaunch")):  # moto's groups launch with the subnet's setting, not the template's
+            ec2.modify_subnet_attribute(SubnetId=rid, MapPublicIpOnLaunch={"Value": True})
         self._ec2_tag(rid, i.get("tags"))
         return rid, {"arn": f"arn:aws:ec2:::subnet/{rid}"}
 
@@ -206,6 +231,21 @@ class Twin:
         return profile_name, {"name": profile_name, "arn": arn}
 
     def launch_template(self, name, i):
+        lt_name = i.get("name") or _auto(name)
+        made = self.client("ec2").create_launch_template(LaunchTemplateName=lt_name, LaunchTemplateData=self._lt_data(
+            i))["LaunchTemplate"]
+        return made["LaunchTemplateId"], {"name": lt_name, "latestVersion": made["LatestVersionNumber"],
+                                          "defaultVersion": made["DefaultVersionNumber"]}
+
+    def new_template_version(self, name, was, i):
+        ec2, default = self.client("ec2"), _bool(i.get("updateDefaultVersion"))
+        n = ec2.create_launch_template_version(LaunchTemplateId=was[0], LaunchTemplateData=self._lt_data(i))[
+            "LaunchTemplateVersion"]["VersionNumber"]
+        if default:
+            ec2.modify_launch_template(LaunchTemplateId=was[0], DefaultVersion=str(n))
+        return was[0], {"latestVersion": n, **({"defaultVersion": n} if default else {})}
+
+    def _lt_data(self, i: dict) -> dict:
         data = {"ImageId": i["imageId"], "InstanceType": i["instanceType"], "UserData": i.get("userData", ""),
                 "MetadataOptions": _pascal(i.get("metadataOptions") or {}),
                 "TagSpecifications": [{"ResourceType": t["resourceType"], "Tags": _tags(self._user(t.get("tags")))}
@@ -214,14 +254,11 @@ class Twin:
             data["KeyName"] = i["keyName"]
         if i.get("iamInstanceProfile"):
             data["IamInstanceProfile"] = _pascal(i["iamInstanceProfile"])
-        # no public address: a twin instance is reached at its private one, inside the namespaces the twin made
+        # a public address as the program asks: moto takes it from the twin's own range (cluster.twin_moto)
         data["NetworkInterfaces"] = [{"DeviceIndex": int(n.get("deviceIndex", 0)), "Groups": list(n.get("securityGroups")
-                                     or []), "AssociatePublicIpAddress": False} for n in i.get("networkInterfaces") or []]
-        lt_name = i.get("name") or _auto(name)
-        made = self.client("ec2").create_launch_template(LaunchTemplateName=lt_name, LaunchTemplateData=data)[
-            "LaunchTemplate"]
-        return made["LaunchTemplateId"], {"name": lt_name, "latestVersion": made["LatestVersionNumber"],
-                                          "defaultVersion": made["DefaultVersionNumber"]}
+                                     or []), "AssociatePublicIpAddress": bool(_bool(n.get("associatePublicIpAddress")))}
+                                     for n in i.get("networkInterfaces") or []]
+        return data
 
     def _user(self, tags: dict | None) -> dict | None:
         """The twin's instances log in as this machine's user (sshUser names a user of the real AMI)."""
@@ -230,16 +267,31 @@ class Twin:
         return {**tags, TAG_SSH_USER: self.ssh_user} if tags and TAG_SSH_USER in tags else tags
 
     def group(self, name, i):
-        asg = self.client("autoscaling")
-        group_name = i.get("name") or _auto(name)
+        asg, group_name = self.client("autoscaling"), i.get("name") or _auto(name)
+        asg.create_auto_scaling_group(**self._group_args(group_name, i), Tags=[
+            {"Key": t["key"], "Value": str(self._user({t["key"]: t["value"]})[t["key"]]),
+             "PropagateAtLaunch": bool(_bool(t.get("propagateAtLaunch")))} for t in i.get("tags") or []])
+        for hook in i.get("initialLifecycleHooks") or []:
+            asg.put_lifecycle_hook(AutoScalingGroupName=group_name, LifecycleHookName=hook["name"],
+                                   LifecycleTransition=hook["lifecycleTransition"],
+                                   HeartbeatTimeout=int(hook.get("heartbeatTimeout", 3600)),
+                                   DefaultResult=hook.get("defaultResult", "ABANDON"))
+        return group_name, {"name": group_name, "arn": f"arn:aws:autoscaling:::autoScalingGroup/{group_name}"}
+
+    def update_group(self, name, was, i):
+        """A new template version is what the group launches next (no instance refresh: running ones stay)."""
+        args = self._group_args(was[0], i)
+        args.pop("PlacementGroup", None)
+        self.client("autoscaling").update_auto_scaling_group(**args)
+        return was[0], {}
+
+    def _group_args(self, group_name: str, i: dict) -> dict:
         kwargs = {"AutoScalingGroupName": group_name, "MinSize": int(i["minSize"]), "MaxSize": int(i["maxSize"]),
                   "DesiredCapacity": int(i.get("desiredCapacity", i["minSize"])),
                   "VPCZoneIdentifier": ",".join(i.get("vpcZoneIdentifiers") or []),
                   "HealthCheckType": i.get("healthCheckType", "EC2"),
                   "HealthCheckGracePeriod": int(i.get("healthCheckGracePeriod", 300)),
-                  "CapacityRebalance": bool(_bool(i.get("capacityRebalance"))),
-                  "Tags": [{"Key": t["key"], "Value": str(self._user({t["key"]: t["value"]})[t["key"]]),
-                            "PropagateAtLaunch": bool(_bool(t.get("propagateAtLaunch")))} for t in i.get("tags") or []]}
+                  "CapacityRebalance": bool(_bool(i.get("capacityRebalance")))}
         if i.get("placementGroup"):
             kwargs["PlacementGroup"] = i["placementGroup"]
         if i.get("launchTemplate"):
@@ -247,13 +299,7 @@ class Twin:
                                         "Version": str(i["launchTemplate"].get("version", "$Latest"))}
         if i.get("mixedInstancesPolicy"):
             kwargs["MixedInstancesPolicy"] = _pascal(i["mixedInstancesPolicy"])
-        asg.create_auto_scaling_group(**kwargs)
-        for hook in i.get("initialLifecycleHooks") or []:
-            asg.put_lifecycle_hook(AutoScalingGroupName=group_name, LifecycleHookName=hook["name"],
-                                   LifecycleTransition=hook["lifecycleTransition"],
-                                   HeartbeatTimeout=int(hook.get("heartbeatTimeout", 3600)),
-                                   DefaultResult=hook.get("defaultResult", "ABANDON"))
-        return group_name, {"name": group_name, "arn": f"arn:aws:autoscaling:::autoScalingGroup/{group_name}"}
+        return kwargs
 
     def bucket(self, name, i):
         bucket = i.get("bucket") or (i.get("bucketPrefix") or f"{name}-") + secrets.token_hex(6)
@@ -297,6 +343,7 @@ class Twin:
         return i["name"], {"arn": f"arn:aws:kms:::{i['name']}"}
 
     MAKERS: ClassVar[dict[str, Callable]] = {}
+    UPDATERS: ClassVar[dict[str, Callable]] = {}
 
 
 # What the nodes, the head, the store and the secrets stand on: the twin does not come up without them.
@@ -351,11 +398,15 @@ Twin.MAKERS = {
             {k: _bool(v) for k, v in i.items() if k != "bucket"})}),
     "aws:cloudwatch/logGroup:LogGroup": Twin.log_group,
 }
+Twin.UPDATERS = {"aws:ec2/launchTemplate:LaunchTemplate": Twin.new_template_version,
+                 "aws:autoscaling/group:Group": Twin.update_group}
 
 
-def apply(endpoint: str, config: dict[str, str], stack: str, zone: str, ssh_user: str) -> tuple[Twin, dict]:
+def apply(endpoint: str, config: dict[str, str], stack: str, zone: str, ssh_user: str, previous: Twin | None = None,
+          rebake: bool = False) -> tuple[Twin, dict]:
     """Run the Pulumi program with ``config`` as stack ``stack``'s config; every resource lands on moto at
-    ``endpoint``. Returns the mocks (what was made and what was left out) and the program's outputs."""
+    ``endpoint``. Returns the mocks (what was made and what was left out) and the program's outputs. With
+    ``previous`` (an earlier apply's Twin), the next `pulumi up` of that stack; ``rebake`` replaces its image build."""
     import boto3
     import pulumi
 
@@ -368,8 +419,10 @@ def apply(endpoint: str, config: dict[str, str], stack: str, zone: str, ssh_user
             clients[service] = session.client(service, endpoint_url=endpoint)
         return clients[service]
 
-    twin = Twin(client, zone, ssh_user)
-    pulumi.runtime.set_mocks(twin, project=PROJECT, stack=stack, preview=False)
+    twin = previous or Twin(client, zone, ssh_user)
+    twin.stack.begin(replace=[IMAGE] if rebake else [])
+    pulumi.runtime.set_mocks(twin, project=PROJECT, stack=stack, preview=False,
+                             monitor=twin_stack.monitor(twin.stack)(twin))
     pulumi.runtime.set_all_config({f"{PROJECT}:{k}": str(v) for k, v in config.items()})
     outputs: dict = {}
 
@@ -379,6 +432,7 @@ def apply(endpoint: str, config: dict[str, str], stack: str, zone: str, ssh_user
         return pulumi.Output.all(**exported).apply(outputs.update)
 
     program()
+    twin.stack.finish()
     for key, why in twin.left_out.items():
         log.debug("not in the twin: %s (%s)", key, why)
     return twin, json.loads(json.dumps(outputs, default=str))

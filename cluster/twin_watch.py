@@ -1,8 +1,10 @@
 """The AWS twin's watcher (`python -m cluster.twin_watch STATE`, started by `fab local-up --aws`): every instance
 the twin's groups launch becomes a real sshd node in a network namespace of its own, at its private address, with
-its own IMDS; an instance that is terminated goes with everything on it. It also ends the notices that
-`fab local-notice` posted: EC2 takes a spot instance, the group one its hook held (early once the node completes
-its lifecycle action; later with each heartbeat it records). See cluster/twin.py for the whole twin.
+its own IMDS, and its public address; an instance that is terminated goes with everything on it. Its namespace's
+nftables input chain enforces its security groups (sg_rules), updated as the groups' members come and go. It also
+ends the notices that `fab local-notice` posted: EC2 takes a spot instance, the group one its hook held (early once
+the node completes its lifecycle action; later with each heartbeat it records). See cluster/twin.py for the whole
+twin.
 """
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ import gzip
 import ipaddress
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -39,6 +42,9 @@ class Watcher:
         self.ec2, self.asg = clients(self.record)
         self.user = getpass.getuser()
         self.op_pub = local.operator_key(state).with_suffix(".pub").read_text()
+        self.now: dict[str, dict] = {}  # the groups' instances at this pass, by id
+        self.enforced: tuple | None = None  # the members and rules the namespaces were last given
+        self.template_groups: dict[tuple, list[str]] = {}
 
     def instances(self) -> list[dict]:
         groups = list(self.record["groups"].values())
@@ -57,7 +63,7 @@ class Watcher:
             raise
 
     def once(self) -> None:
-        now = {i["InstanceId"]: i for i in self.instances()}
+        now = self.now = {i["InstanceId"]: i for i in self.instances()}
         mine = {b["instance_id"]: b for b in booted(self.state)}
         for iid, inst in now.items():
             state = inst["State"]["Name"]
@@ -68,11 +74,51 @@ class Watcher:
         for iid, b in mine.items():
             if iid not in now:
                 self.remove(b)
+        self.enforce()
         self.due()
+
+    # the security groups, as each instance's own firewall
+    def groups_of(self, inst: dict) -> list[str]:
+        """Its security groups: the instance's, else its launch template's interface's (moto's groups launch
+        without them)."""
+        if inst.get("SecurityGroups"):
+            return sorted(g["GroupId"] for g in inst["SecurityGroups"])
+        tags = {t["Key"]: t["Value"] for t in inst.get("Tags", [])}
+        key = (tags.get("aws:ec2launchtemplate:id"), tags.get("aws:ec2launchtemplate:version", "$Latest"))
+        if key[0] and key not in self.template_groups:
+            data = self.ec2.describe_launch_template_versions(LaunchTemplateId=key[0], Versions=[key[1]])[
+                "LaunchTemplateVersions"][0]["LaunchTemplateData"]
+            self.template_groups[key] = sorted(g for n in data.get("NetworkInterfaces", []) for g in n.get("Groups", []))
+        return self.template_groups.get(key, [])
+
+    def enforce(self, new: str | None = None) -> None:
+        """Each booted instance's namespace (and ``new``'s, booting) gets its groups' rules with the groups' current
+        members; when nothing changed since the last time, only ``new``'s."""
+        live = {iid: i for iid, i in self.now.items() if i["State"]["Name"] in ("pending", "running")}
+        groups = {iid: self.groups_of(i) for iid, i in live.items()}
+        members: dict[str, list[str]] = {}
+        for iid, gs in groups.items():
+            for g in gs:
+                members.setdefault(g, []).append(live[iid]["PrivateIpAddress"])
+        wanted = sorted({g for gs in groups.values() for g in gs})
+        found = self.ec2.describe_security_groups(Filters=[{"Name": "group-id", "Values": wanted}]) if wanted else {}
+        perms = {sg["GroupId"]: sg["IpPermissions"] for sg in found.get("SecurityGroups", [])}  # a deleted one: none
+        world = (sorted((k, sorted(v)) for k, v in members.items()), json.dumps(perms, sort_keys=True))
+        targets = {b["instance_id"] for b in booted(self.state)} if world != self.enforced else set()
+        for iid in sorted(targets | {new} - {None}):
+            if iid in live:
+                inst = live[iid]
+                rules = sg_rules(inst["PrivateIpAddress"], [p for g in groups[iid] for p in perms.get(g, [])], members)
+                res = subprocess.run(["ip", "netns", "exec", self.names.ns(iid), "nft", "-f", "-"], input=rules,
+                                     capture_output=True, text=True, check=False, timeout=30)
+                if res.returncode != 0:
+                    raise ClusterError(f"{iid}: nft refused its security groups' rules: {res.stderr.strip()}",
+                                       fix="check that the kernel has nf_tables ('nft list ruleset' as root)")
+        self.enforced = world
 
     # one instance's machine
     def boot(self, inst: dict) -> None:
-        iid, ip = inst["InstanceId"], inst["PrivateIpAddress"]
+        iid, ip, public = inst["InstanceId"], inst["PrivateIpAddress"], inst.get("PublicIpAddress")
         tags = {t["Key"]: t["Value"] for t in inst.get("Tags", [])}
         role = "head" if tags.get("aws:autoscaling:groupName") == self.record["groups"]["head"] else "node"
         node_dir = self.state / "instances" / iid
@@ -83,7 +129,7 @@ class Watcher:
         (self.state / "counter").write_text(str(k))
         ns, veth, prefix = self.names.ns(iid), self.names.veth(k), ipaddress.IPv4Network(self.record["subnet"]).prefixlen
         hostname = f"{self.record['cluster']}-{iid}" if role == "node" else f"{self.record['cluster']}-head"
-        boot = {"instance_id": iid, "ip": ip, "role": role, "ns": ns, "veth": veth, "k": k, "host": hostname,
+        boot = {"instance_id": iid, "ip": ip, "public": public, "role": role, "ns": ns, "veth": veth, "k": k, "host": hostname,
                 "group": tags.get("aws:autoscaling:groupName"), "since": time.time(), "ready": False}
         (node_dir / "boot.json").write_text(json.dumps(boot))
         netns._run(["ip", "netns", "add", ns])
@@ -93,6 +139,10 @@ class Watcher:
         for dev in ("lo", "eth0"):
             netns._run(["ip", "-n", ns, "link", "set", dev, "up"])
         netns._run(["ip", "-n", ns, "route", "add", "default", "via", self.record["router"]])
+        if public:  # as AWS maps it: eth0 holds only the private address; the "internet" (operator) is the public /24
+            netns._run(["ip", "-n", ns, "addr", "add", f"{public}/32", "dev", "lo"])
+            netns._run(["ip", "-n", ns, "route", "add", self.record["public"], "dev", "eth0"])
+        self.enforce(new=iid)  # before anything listens; the others admit it (or not) from now on
         netns._run(["ip", "link", "set", veth, "master", self.names.bridge, "up"])
         (netns.ETC_NETNS / ns).mkdir(parents=True, exist_ok=True)
         # its host name as cloud-init's hosts line maps it (templates/cloud-init.yaml.j2): to 127.0.1.1, not to its
@@ -127,7 +177,8 @@ class Watcher:
         # a node gets its share of this machine's CPUs, as a local node does: otherwise every node's ranks see them all
         # and two nodes' threads fight over the same cores (test_twin's spot test took 71 s instead of 52)
         cpus = local._cpu_share((k - 1) % int(self.record["nodes"]), int(self.record["nodes"])) if role == "node" else None
-        sshd = _spawn([*wrap, local.sshd_binary(), "-D", "-e", "-f", str(config)], node_dir / "sshd.log", cpus)
+        listen = ["-o", f"ListenAddress={public}"] if public else []  # its config's is the private address
+        sshd = _spawn([*wrap, local.sshd_binary(), "-D", "-e", "-f", str(config), *listen], node_dir / "sshd.log", cpus)
         boot.update(pids={"imds": imds.pid, "sshd": sshd.pid})
         (node_dir / "boot.json").write_text(json.dumps(boot))
         deadline = time.monotonic() + 30
@@ -223,6 +274,44 @@ class Watcher:
                 print(f"{act['instance']}: {exc}", flush=True)
             f.unlink()
             print(f"{time.strftime('%H:%M:%S')} {act['kind']} notice of {act['instance']} ended: terminated", flush=True)
+
+
+def sg_rules(private: str, permissions: list[dict], members: dict[str, list[str]]) -> str:
+    """An `nft -f` script: the input chain of an instance at ``private`` (and its public address) that admits what its
+    security groups' ingress ``permissions`` do (EC2's IpPermissions), and replies. A rule naming a group admits its
+    ``members`` (their private addresses) at the private address only, as on AWS: a group reference matches traffic
+    inside the VPC alone. A CIDR rule admits its sources at either address. The rest is dropped, as a security group
+    drops it (a connection times out). Applied again, it replaces the chain and sets in one transaction, keeping the
+    connections it admitted."""
+    sets = {g: "g_" + re.sub(r"\W", "_", g) for p in permissions for g in (u["GroupId"] for u in p.get("UserIdGroupPairs", []))}
+    lines = ["table inet xc_sg {"]
+    lines += [f"  set {name} {{ type ipv4_addr; }}" for name in sets.values()]
+    lines += ["  chain input { type filter hook input priority 0; policy drop; }", "}",
+              "flush chain inet xc_sg input"]
+    for g, name in sets.items():
+        lines.append(f"flush set inet xc_sg {name}")
+        if members.get(g):
+            lines.append(f"add element inet xc_sg {name} {{ {', '.join(sorted(members[g]))} }}")
+    rule = "add rule inet xc_sg input "
+    lines += [rule + 'iif "lo" accept', rule + "ct state established,related accept"]
+    for p in permissions:
+        what = _match(p)
+        lines += [f"{rule}ip saddr {r['CidrIp']} {what}accept" for r in p.get("IpRanges", [])]
+        lines += [f"{rule}ip saddr @{sets[u['GroupId']]} ip daddr {private} {what}accept"
+                  for u in p.get("UserIdGroupPairs", [])]
+    return "\n".join(lines) + "\n"
+
+
+def _match(permission: dict) -> str:
+    """The protocol and ports of one IpPermission as nft matches ("" for all traffic)."""
+    proto = str(permission.get("IpProtocol", "-1")).lower()
+    proto = {"6": "tcp", "17": "udp", "1": "icmp"}.get(proto, proto)
+    if proto in ("-1", "all"):
+        return ""
+    low, high = permission.get("FromPort"), permission.get("ToPort")
+    if proto in ("tcp", "udp") and low is not None and int(low) >= 0:
+        return f"{proto} dport {low} " if low == high else f"{proto} dport {low}-{high} "
+    return f"meta l4proto {proto} "
 
 
 def _counter(state: Path) -> int:

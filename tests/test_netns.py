@@ -352,3 +352,34 @@ def test_local_down_leaves_no_namespace_link_bridge_or_sshd(tmp_path, state_file
         assert again.returncode == 0 and again.stdout.strip() == "no local cluster was running"
     finally:
         scrub(lc)
+
+
+def test_the_aws_twins_security_group_rules_admit_a_group_at_the_private_address_only():
+    """cluster.twin_watch.sg_rules, as the nodes' group has it (infra.network): SSH from adminCidr, SSH from the head's
+    group, all traffic between members. A group reference names the instance's private address; a CIDR rule either."""
+    from cluster.twin_watch import sg_rules
+
+    ssh = {"IpProtocol": "tcp", "FromPort": 22, "ToPort": 22}
+    rules = sg_rules("198.18.0.5", [{**ssh, "IpRanges": [{"CidrIp": "198.19.7.1/32"}], "UserIdGroupPairs": []},
+                                    {**ssh, "IpRanges": [], "UserIdGroupPairs": [{"GroupId": "sg-head"}]},
+                                    {"IpProtocol": "-1", "IpRanges": [], "UserIdGroupPairs": [{"GroupId": "sg-nodes"}]}],
+                     {"sg-head": ["198.18.0.4"], "sg-nodes": ["198.18.0.6", "198.18.0.5"]})
+    accept = [line.removeprefix("add rule inet xc_sg input ") for line in rules.splitlines() if line.startswith("add rule")]
+    assert accept == ['iif "lo" accept', "ct state established,related accept",
+                      "ip saddr 198.19.7.1/32 tcp dport 22 accept",
+                      "ip saddr @g_sg_head ip daddr 198.18.0.5 tcp dport 22 accept",
+                      "ip saddr @g_sg_nodes ip daddr 198.18.0.5 accept"]
+    assert "policy drop;" in rules and "add element inet xc_sg g_sg_nodes { 198.18.0.5, 198.18.0.6 }" in rules
+    if netns_missing() is None and shutil.which("nft"):  # the kernel takes it, twice (the second replaces the first)
+        ns = f"xc-testsg-{os.getpid()}"
+        subprocess.run(["ip", "netns", "add", ns], check=True)
+        try:
+            for _ in range(2):
+                res = subprocess.run(["ip", "netns", "exec", ns, "nft", "-f", "-"], input=rules, capture_output=True,
+                                     text=True, check=False)
+                assert res.returncode == 0, res.stderr
+            listed = subprocess.run(["ip", "netns", "exec", ns, "nft", "list", "chain", "inet", "xc_sg", "input"],
+                                    capture_output=True, text=True, check=True).stdout
+            assert listed.count(" accept") == 5, listed
+        finally:
+            subprocess.run(["ip", "netns", "del", ns], check=False)
