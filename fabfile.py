@@ -31,6 +31,7 @@ from launch import run as train_lib
 from launch.chain import restarts as restarts_lib
 from launch.chain import supervisor as supervisor_lib
 from launch.chain import train_flags as flags_lib
+from launch.life import board as board_lib
 from launch.life import records, store_run
 from launch.life import runs as runs_lib
 from launch.life import stop as stop_lib
@@ -393,3 +394,29 @@ def pull(c, run, checkpoints=False, to=None, no_fetch_model=False, store=None, c
 
 
 ns.add_task(pull)
+
+
+@task(help={"run": "a run id from 'fab runs', or several joined by commas; a chain (a run and the runs it was resumed "
+                   "as) shows as one run", "port": "TensorBoard's port on 127.0.0.1 (default 6006)",
+            "no-serve": "pull the event files and print their folder, without starting TensorBoard",
+            "store": _STORE_HELP, "cluster": "local | hosts:PATH | aws[:NAME] | pulumi[:STACK] (whose store)"})
+@cli
+def tensorboard(c, run, port="6006", no_serve=False, store=None, cluster=None):
+    """A run's TensorBoard curves: its event files from the cluster's store, served on localhost, pulled again while
+    it trains."""
+    runs = [r for r in run.replace(" ", ",").split(",") if r]
+    chosen = store_lib.choose(store, c.config, _cluster(c, cluster))
+    print(chosen.line(), flush=True)
+    board = board_lib.Board(chosen.url, runs, request_lib.RUNS, say=lambda m: print(m, flush=True))
+    if no_serve:
+        counts = board.pull()
+        print("\n".join(board.describe(counts)))
+        if not any(counts.values()):
+            raise ClusterError("no TensorBoard event files for " + ", ".join(runs) + " yet",
+                               fix="a run writes them with --report_to tensorboard (the bundled jobs' default); wait "
+                                   "for its first logging step")
+        return
+    board_lib.serve(board, as_int(port, "--port", 1, 65535))
+
+
+ns.add_task(tensorboard)

@@ -232,6 +232,15 @@ def read_text(url: str, key: str) -> str | None:
     return None if data is None else data.decode(errors="replace")
 
 
+def list_keys(url: str, prefix: str) -> list:
+    """The objects under prefix (key, size)."""
+    return _guard(url, _store(url).list, prefix)
+
+
+def get_file(url: str, key: str, local: Path) -> None:
+    _guard(url, _store(url).get_file, key, local)
+
+
 def run_ids(url: str) -> list[str]:
     """The run ids the store has a folder for."""
     return _guard(url, _store(url).children, paths.RUNS)

@@ -307,3 +307,19 @@ def test_off_aws_the_run_says_whose_credentials_the_nodes_hold_and_until_when(s3
     assert "temporary (a session token" in store_lib.credentials_line(choice, "hosts:/x")
     assert store_lib.credentials_line(choice, "aws:dev") is None
     assert store_lib.credentials_line(store_lib.Choice("file:///tmp/st", "--store"), "local") is None
+
+
+def test_a_file_put_again_leaves_no_temporary_name_beside_it(tmp_path):
+    """A file store links the file in; putting the same (grown) file again, as the TensorBoard sync does, replaces the
+    object and leaves only its name (rename(2) of two links to one file would keep both)."""
+    from training.runtime.store import open_store
+
+    local = tmp_path / "events.out.tfevents.1"
+    local.write_bytes(b"a")
+    target = open_store((tmp_path / "store").as_uri())
+    target.put_file(local, "runs/r1/output/events.out.tfevents.1")
+    with local.open("ab") as f:
+        f.write(b"b")
+    target.put_file(local, "runs/r1/output/events.out.tfevents.1")
+    assert [p.name for p in (tmp_path / "store" / "runs" / "r1" / "output").iterdir()] == ["events.out.tfevents.1"]
+    assert target.get_bytes("runs/r1/output/events.out.tfevents.1") == b"ab"

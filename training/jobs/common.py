@@ -13,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 
-from training.runtime import startup
+from training.runtime import startup, tbsync
 from training.runtime.wire import FINISHED_TAG, PROGRESS_TAG
 from training.speed.levers import has_flag
 
@@ -224,11 +224,13 @@ def job_argv(argv: list[str], precision: str, do_eval: bool = True) -> list[str]
 
 
 def trainer_defaults(training_args_cls, group_by_length: bool = True, **extra) -> dict:
-    """TrainingArguments defaults of every bundled job: CPU, no reports, rank 0's progress lines.
+    """TrainingArguments defaults of every bundled job: CPU, TensorBoard's event files where it is installed (rank 0
+    syncs them to the store as the run goes; --report_to overrides), rank 0's progress lines.
     ddp_backend stays None: dist.setup() has already made the process group and accelerate adopts it,
     while naming "ccl" makes accelerate refuse it on CPU (it maps every backend but mpi to gloo)."""
     # save_strategy "no": checkpoints come from training.runtime.spot (every --save_every, and on a spot notice)
-    return {"output_dir": "output", "use_cpu": True, "report_to": "none", "save_strategy": "no", "save_total_limit": 2,
+    return {"output_dir": "output", "use_cpu": True,
+            "report_to": "tensorboard" if tbsync.available() else "none", "save_strategy": "no", "save_total_limit": 2,
             "length_column_name": "length", "logging_steps": 10, "disable_tqdm": True,
             "ddp_find_unused_parameters": False, "ddp_backend": None,
             **length_grouping_default(training_args_cls, group_by_length), **extra}

@@ -2,7 +2,8 @@
 (common.train_and_record) and for users' unchanged Trainer scripts (the rank hook, hook/sitecustomize.py).
 
 - ``attach(trainer)``: the IMDS watcher, the step-boundary agreement (spot.spot_callback: spot notice, group
-  termination, rebalance recommendation, --save-every) and the store's publisher (publish.publisher_callback).
+  termination, rebalance recommendation, --save-every), the store's publisher (publish.publisher_callback) and its
+  TensorBoard sync (tbsync.sync_callback).
 - ``resume_checkpoint(trainer)``: XC_RESUME_URL fetched from the store, XC_RESUME_FROM checked (complete, fits).
 - ``end_if_noticed(trainer)``: after train() returns on a notice: is the notice's checkpoint durable (confirmed in
   the store, agreed by every rank)? rank 0 prints ``notice.Notice(...).format()``, the node lets its Auto Scaling
@@ -19,7 +20,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from training.runtime import notice, publish, spot, startup, store
+from training.runtime import notice, publish, spot, startup, store, tbsync
 
 log = logging.getLogger("training.runtime.preempt")
 
@@ -55,6 +56,9 @@ def attach(trainer) -> Guard:
     publisher = publish.publisher_callback()  # after spot's: its on_save marks the checkpoint complete first
     if publisher is not None:
         trainer.add_callback(publisher)
+    events = tbsync.sync_callback(trainer)  # after the Trainer's own TensorBoard callback, which names the folder
+    if events is not None:
+        trainer.add_callback(events)
     guard = trainer._xc_guard = Guard(watcher, callback, publisher)
     return guard
 

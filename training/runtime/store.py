@@ -75,6 +75,7 @@ class FileStore:
         except OSError:
             shutil.copyfile(local, tmp)
         tmp.replace(dest)
+        tmp.unlink(missing_ok=True)  # rename(2) leaves both names when dest is already a link to the same file
         if progress:
             progress(dest.stat().st_size)
 

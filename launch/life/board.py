@@ -1,0 +1,160 @@
+"""`fab tensorboard RUN...`: a run's TensorBoard event files from the cluster's store, served on this machine.
+
+A chain (a run and the runs it was resumed as) shows as ONE run in TensorBoard: every segment's event files go into
+one folder, named for the chain's first run, under ~/.cache/xeon-cluster/tensorboard/<the chains' first runs>/. While any chain goes on, its files are pulled again every few seconds
+(only the ones that grew), so the curves move as the run trains.
+"""
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from cluster import store as store_lib
+from core.errors import ClusterError
+from launch.life.stop import check_run_id
+from training.runtime.paths import RunPaths
+
+EVENTS = "tfevents"  # what TensorBoard itself looks for in a file's name
+REFRESH_S = 15.0
+
+
+def cache_root() -> Path:
+    return Path.home() / ".cache" / "xeon-cluster" / "tensorboard"
+
+
+def chain(url: str, run_id: str, runs_dir: Path) -> list[str]:
+    """The chain's run ids, first to last, whichever of them run_id names (summaries: resumed_from, restarted_as)."""
+    def summary(rid: str) -> dict | None:
+        local = runs_dir / rid / "summary.json"
+        found = store_lib.read_summary(url, rid) if url else None
+        if found is None and local.is_file():
+            found = json.loads(local.read_text())
+        return found
+
+    first = summary(run_id)
+    if first is None:
+        raise ClusterError(f"no run {run_id} in the store {url} or under {runs_dir}",
+                           fix="pass an id from 'fab runs' (or --store with the store the run used)")
+    ids, seen = [run_id], {run_id: first}
+    while (back := (seen[ids[0]].get("resumed_from") or {}).get("run_id")) and back not in seen:
+        found = summary(back)
+        if found is None:
+            break
+        ids.insert(0, back)
+        seen[back] = found
+    while (ahead := seen[ids[-1]].get("restarted_as")) and ahead not in seen:
+        found = summary(ahead)
+        if found is None:
+            break
+        ids.append(ahead)
+        seen[ahead] = found
+    return ids
+
+
+def going_on(url: str, ids: list[str]) -> bool:
+    """The chain's last run has not ended, or it ended restarting (a next run will come)."""
+    last = store_lib.read_summary(url, ids[-1]) if url else None
+    return last is not None and (last.get("status") in ("running", "restarting") or bool(last.get("restarted_as")))
+
+
+class Board:
+    """The event files of some chains, pulled into one folder per chain."""
+
+    def __init__(self, url: str | None, runs: list[str], runs_dir: Path, root: Path | None = None,
+                 say: Callable[[str], None] = print):
+        for run in runs:
+            check_run_id(run, runs_dir)
+        self.url, self.runs_dir, self.say = url, runs_dir, say
+        self.chains = {run: chain(url, run, runs_dir) for run in runs}
+        # TensorBoard's --logdir: one folder per chain under it, and nothing else
+        self.root = (root or cache_root()) / "+".join(sorted({ids[0] for ids in self.chains.values()}))
+        self.sizes: dict[Path, int] = {}
+
+    def folder(self, run: str) -> Path:
+        return self.root / self.chains[run][0]
+
+    def pull(self) -> dict[str, int]:
+        """Every chain's event files that are new or grew; returns run -> event files it has now."""
+        counts = {}
+        for run in list(self.chains):
+            if self.url and going_on(self.url, self.chains[run]):
+                self.chains[run] = chain(self.url, run, self.runs_dir)  # a restart adds a segment
+            dest = self.folder(run)
+            dest.mkdir(parents=True, exist_ok=True)
+            for seg in self.chains[run]:
+                self._pull_segment(seg, dest)
+            counts[run] = sum(1 for p in dest.iterdir() if EVENTS in p.name)
+        return counts
+
+    def _pull_segment(self, seg: str, dest: Path) -> None:
+        entries = []
+        if self.url:
+            entries = [(e.key.rsplit("/", 1)[-1], e.size, e.key) for e in
+                       store_lib.list_keys(self.url, RunPaths(seg).store_output) if EVENTS in e.key.rsplit("/", 1)[-1]]
+            for name, size, key in entries:
+                target = dest / name
+                if self.sizes.get(target) != size:
+                    store_lib.get_file(self.url, key, target)
+                    self.sizes[target] = size
+        if not entries:  # a run that never had a store: its outputs as they came home
+            for path in (self.runs_dir / seg / "output").rglob(f"*{EVENTS}*"):
+                if path.is_file() and self.sizes.get(dest / path.name) != path.stat().st_size:
+                    shutil.copy2(path, dest / path.name)
+                    self.sizes[dest / path.name] = path.stat().st_size
+
+    def describe(self, counts: dict[str, int]) -> list[str]:
+        lines = []
+        for run, count in counts.items():
+            ids = self.chains[run]
+            segs = f"{len(ids)} runs: {' -> '.join(ids)}" if len(ids) > 1 else f"run {ids[0]}"
+            lines.append(f"tensorboard {run}: {count} event file(s) from {segs} in {self.folder(run)}")
+        return lines
+
+
+def tensorboard_command() -> list[str]:
+    exe = Path(sys.executable).parent / "tensorboard"
+    if exe.is_file():
+        return [str(exe)]
+    found = shutil.which("tensorboard")
+    if found:
+        return [found]
+    raise ClusterError("TensorBoard is not installed where fab runs", fix="pip install tensorboard (make test's venv "
+                       "has it), or pass --no-serve and point your own TensorBoard at the folder printed")
+
+
+def serve(board: Board, port: int, refresh_s: float = REFRESH_S) -> int:
+    """TensorBoard on 127.0.0.1:port over the chains' folders, pulling again while any chain goes on; until Ctrl-C."""
+    command = tensorboard_command()
+    counts = board.pull()
+    for line in board.describe(counts):
+        board.say(line)
+    if not any(counts.values()):
+        raise ClusterError("no TensorBoard event files for " + ", ".join(counts) + " yet",
+                           fix="a run writes them with --report_to tensorboard (the bundled jobs' default where "
+                               "tensorboard is installed on the nodes); wait for its first logging step")
+    proc = subprocess.Popen([*command, "--logdir", str(board.root), "--host", "127.0.0.1", "--port", str(port),
+                             "--reload_interval", "5"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    board.say(f"TensorBoard at http://127.0.0.1:{port}/ (Ctrl-C stops it); pulling new event files every "
+              f"{refresh_s:.0f} s while a run goes on")
+    try:
+        while proc.poll() is None:
+            time.sleep(refresh_s)
+            if board.url and any(going_on(board.url, ids) for ids in board.chains.values()):
+                board.pull()
+        err = (proc.stderr.read() or "").strip().splitlines()
+        raise ClusterError(f"TensorBoard ended: {err[-1] if err else f'exit {proc.returncode}'}",
+                           fix=f"pass --port with a free port (was {port})")
+    except KeyboardInterrupt:
+        return 0
+    finally:
+        if proc.poll() is None:
+            proc.terminate()
+            try:
+                proc.wait(10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
