@@ -5,21 +5,29 @@ their host keys from their instance tags, as on AWS. Root only (namespaces and m
 """
 from __future__ import annotations
 
+import ipaddress
 import json
 import os
 import re
 import shutil
 import subprocess
+import sys
 import time
+import uuid
 from pathlib import Path
 
 import boto3
 import pytest
 from conftest import FabProcess, fab, processes_with_env, progress_step, progress_steps, wait_until
 from fake_imds import FakeIMDS
+from test_fab_anywhere import fab_at
 from test_netns import netns_missing
+from test_requirements import pip_env, wheel
+from test_script_restarts import GLUE_LIKE
+from test_user_scripts import _csv
 
 from core import procs
+from core.constants import PROJECT_ROOT
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow,
               pytest.mark.skipif(os.geteuid() != 0, reason="the AWS twin needs root (network namespaces, mounts)")]
@@ -125,10 +133,90 @@ def test_up_in_a_minute_and_status_lists_the_instances_from_the_ec2_api(twin):
     assert twin.client("s3").get_bucket_versioning(Bucket=bucket)["Status"] == "Enabled"
     roles = {r["RoleName"] for r in twin.client("iam").list_roles()["Roles"]}
     assert any(r.startswith("twin-node") for r in roles) and any(r.startswith("twin-head") for r in roles)
-    # every instance at a private address inside 198.18.0.0/15, none with a public one
+    # every instance at a private address inside 198.18.0.0/15; the groups' public ones there too (see the next test)
     for res in twin.client("ec2").describe_instances()["Reservations"]:
         for inst in res["Instances"]:
-            assert inst["PrivateIpAddress"].startswith(("198.18.", "198.19.")) and not inst.get("PublicIpAddress")
+            if inst["State"]["Name"] == "terminated":
+                continue  # the image build's instance, in moto's default VPC, gone once its image was made
+            assert inst["PrivateIpAddress"].startswith(("198.18.", "198.19.")), inst["PrivateIpAddress"]
+            if inst["InstanceId"] in set(shown.values()):
+                assert inst["PublicIpAddress"].startswith(("198.18.", "198.19.")), inst
+
+
+# Port 22 of each ADDRESS (or SOURCE>ADDRESS: from that source address), all at once: the SSH banner's start or the
+# error's name, as JSON. A security group drops what it does not admit: a connection to it times out.
+PROBE = """
+import concurrent.futures, json, socket, sys
+def probe(target):
+    source, _, address = target.rpartition(">")
+    with socket.socket() as s:
+        s.settimeout(3)
+        try:
+            if source:
+                s.bind((source, 0))
+            s.connect((address, 22))
+            return s.recv(64).decode(errors="replace")[:8]
+        except OSError as exc:
+            return type(exc).__name__
+with concurrent.futures.ThreadPoolExecutor(len(sys.argv)) as pool:
+    print(json.dumps(dict(zip(sys.argv[1:], pool.map(probe, sys.argv[1:])))))
+"""
+# On the head: the environment its supervisor sets itself (launch.chain.supervisor._aws_head_env), the nodes as it
+# finds them (cluster.aws) and each one's host name over fab's SSH, host keys verified. The head's key from SSM is not
+# what this checks: the operator's key (argv[1]), which the launch template's key pair authorizes, stands in for it.
+HEAD_DIALS = """
+import json, sys
+from unittest import mock
+from cluster import aws, remote
+from launch.chain import supervisor
+with mock.patch("cluster.mesh.fetch", return_value=sys.argv[1]):
+    supervisor._aws_head_env("aws:twin")
+dialed = {}
+for node in aws.aws_nodes("twin"):
+    try:
+        with remote.connect(node, timeout=5) as conn:
+            dialed[node.name] = [node.host, remote.run(conn, "hostname", "the address test").stdout.strip()]
+    except Exception as exc:
+        dialed[node.name] = [node.host, f"{type(exc).__name__}: {exc}"]
+print(json.dumps(dialed))
+"""
+
+
+def test_security_groups_admit_the_head_at_private_addresses_and_the_operator_at_public_ones(twin, tmp_path):
+    """As on AWS: the nodes' rule naming the head's group admits the head at their private addresses only (a group
+    reference matches traffic inside the VPC); the operator, outside, reaches public addresses, from adminCidr only.
+    The head's own code dials the private ones (issue 70, blocker 2: it dialed the public ones, and timed out)."""
+    record = json.loads((Path(twin.env["XC_STATE_DIR"]) / "twin" / "twin.json").read_text())
+    ids = twin.status_ids()
+    found = twin.client("ec2").describe_instances(InstanceIds=[ids[k] for k in ("twin-head", "twin-0", "twin-1")])
+    by_id = {i["InstanceId"]: i for r in found["Reservations"] for i in r["Instances"]}
+    head, node0, node1 = (by_id[ids[k]] for k in ("twin-head", "twin-0", "twin-1"))
+    for inst in (head, node0, node1):  # a public address of its own, from the twin's range, outside the VPC
+        public = ipaddress.ip_address(inst["PublicIpAddress"])
+        assert public in ipaddress.ip_network(record["public"]) and public not in ipaddress.ip_network(record["vpc"])
+    rules = [p for g in twin.client("ec2").describe_security_groups()["SecurityGroups"] for p in g["IpPermissions"]]
+    assert {r["CidrIp"] for p in rules for r in p["IpRanges"]} == {f"{record['operator']}/32"}  # adminCidr
+    pub, priv = (lambda i: i["PublicIpAddress"]), (lambda i: i["PrivateIpAddress"])
+
+    def ns(inst: dict) -> list[str]:
+        return ["ip", "netns", "exec", f"xct-{record['id']}-{inst['InstanceId']}"]
+
+    probes = {"operator": ([], [pub(node1), pub(head), priv(node1), priv(head), f"{record['router']}>{pub(node1)}"]),
+              "head": (ns(head), [priv(node0), priv(node1), pub(node0), pub(node1)]),
+              "node0": (ns(node0), [priv(node1), pub(node1), priv(head)])}
+    running = {k: subprocess.Popen([*w, sys.executable, "-c", PROBE, *t], stdout=subprocess.PIPE, text=True)
+               for k, (w, t) in probes.items()}
+    seen = {k: json.loads(p.communicate(timeout=60)[0]) for k, p in running.items()}
+    ssh, dropped = "SSH-2.0-", "TimeoutError"
+    want = {"operator": [ssh, ssh, dropped, dropped, dropped],  # the last from the router's address: not adminCidr
+            "head": [ssh, ssh, dropped, dropped], "node0": [ssh, dropped, dropped]}
+    assert {k: list(v.values()) for k, v in seen.items()} == want, seen
+    env = {**os.environ, **twin.env, "XC_STATE_DIR": str(tmp_path / "head" / "state"), "XC_SSH_KEY": ""}
+    res = subprocess.run([*ns(head), sys.executable, "-c", HEAD_DIALS, twin.env["XC_SSH_KEY"]], env=env,
+                         cwd=PROJECT_ROOT, capture_output=True, text=True, timeout=120, check=False)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert json.loads(res.stdout) == {"twin-0": [priv(node0), f"twin-{node0['InstanceId']}"],
+                                      "twin-1": [priv(node1), f"twin-{node1['InstanceId']}"]}, res.stdout
 
 
 def _head_ns(twin) -> str:
@@ -152,29 +240,74 @@ def _steps(twin, run_id: str) -> int:
     return max(progress_steps(twin.fab("logs", run_id, timeout=60).stdout), default=0)
 
 
-def test_the_head_supervises_is_replaced_and_recovers_a_spot_notice_with_the_operators_runs_gone(twin, small_model,
-                                                                                                tmp_path):
-    """fab train --detach --max-restarts 2: the supervisor runs on the head (in its namespace, from the code shipped
-    under its home) and reaches the nodes with the mesh key from SSM. The head killed mid-run: the group's replacement
-    takes the chain over at boot (a new supervisor, from the code in the store) and the run goes on. Then the
-    operator's runs/ deleted and a spot notice on node1: the checkpoint reaches S3, the group replaces node1 (which
-    authorizes the mesh key at boot), the head restarts the run there and it ends ok; a second checkout follows the
-    taken-over run's log through that restart to the end (fab logs -f), lists the chain and pulls its outputs from
-    the store."""
+# The user's own project: a Trainer script written as Hugging Face's run_glue.py is (test_script_restarts.GLUE_LIKE),
+# preceded by one line that imports the package its requirements.txt names, which the image's venv lacks
+IMPORTS = """import os
+import {module}
+print(f"rank {{os.environ.get('RANK')}} imported {module} {{{module}.__version__}}", flush=True)
+"""
+USER_ROWS, USER_BATCH, USER_EPOCHS = 1920, 4, 2
+USER_STEPS = USER_ROWS // (USER_BATCH * 2) * USER_EPOCHS  # 2 nodes: 480 steps, 2 minutes at TWIN_PACE
+
+
+def _user_project(tmp_path: Path, small_model: str) -> tuple[Path, str, Path, list[str]]:
+    """The user's folder outside the checkout (script, requirements.txt, model, data), the package's name, the
+    folder its wheel is found in (pip's find-links, as an index), and the script's flags."""
+    links, module = tmp_path / "links", f"xcuser{uuid.uuid4().hex[:6]}"
+    wheel(links, module, "1.0")
+    proj = tmp_path / "myproject"
+    (proj / "data").mkdir(parents=True)
+    (proj / "run_glue.py").write_text(IMPORTS.format(module=module) + GLUE_LIKE)
+    (proj / "requirements.txt").write_text(f"{module}==1.0\n")
+    shutil.copytree(small_model, proj / "model")
+    _csv(proj / "data" / "train.csv", USER_ROWS)
+    _csv(proj / "data" / "validation.csv", 16)
+    flags = ["--model_name_or_path", "model", "--train_file", "data/train.csv", "--validation_file",
+             "data/validation.csv", "--do_train", "--do_eval", "--per_device_train_batch_size", str(USER_BATCH),
+             "--num_train_epochs", str(USER_EPOCHS), "--logging_steps", "5", "--seed", "42", "--report_to",
+             "tensorboard", "--disable_tqdm", "True", "--output_dir", "out"]
+    return proj, module, links, flags
+
+
+def _user_steps(text: str) -> int:
+    """Steps a Trainer script's log shows: one loss line every 5 (--logging_steps)."""
+    return 5 * text.count("{'loss':")
+
+
+def test_your_own_project_is_supervised_by_the_head_replaced_and_recovered_with_your_folder_and_runs_gone(
+        twin, small_model, tmp_path):
+    """From the user's own folder (outside the checkout): a run_glue.py-style script, its model, data and a
+    requirements.txt naming a package the image lacks, `fab train --workdir . --detach --max-restarts 2`. The snapshot
+    and the wheels go to S3; the supervisor runs on the head (in its namespace, from the product's code shipped under
+    its home) and reaches the nodes with the mesh key from SSM; the package imports on every rank. The user edits
+    the script and deletes the data; the head is killed mid-run: the group's replacement takes the chain over at
+    boot and the run goes on. Then the operator's runs/ deleted and a spot notice on node1: the checkpoint reaches
+    S3, the group replaces node1, the head restarts the run there from the snapshot and it ends ok at the full step
+    count. A second checkout follows the taken-over run's log through that restart to the end (fab logs -f), lists
+    the chain, pulls its outputs and finds TensorBoard event files of both runs of the chain."""
     from cluster import shipping
 
     before = twin.group_ids("twin-nodes")
-    args = list(FakeIMDS.short_args(small_model))
-    # 480 steps at TWIN_PACE, 2 minutes: from step 8 to the notice is the kill, the replacement's boot and its
-    # take-over; what is left, the resumed run trains. The default 30 s heartbeat: the new head takes over once EC2
-    # says the old head's instance is gone, not after the beat's 2 minutes. The secret must outlive its first head
-    args[args.index("--max_train_samples") + 1] = "3840"
-    env = {**twin.env, "MYSECRET": SECRET}
+    proj, module, links, flags = _user_project(tmp_path, small_model)
+    env = {**twin.env, "MYSECRET": SECRET, **pip_env(links)}
     code = f"{Path.home()}/.xeon-cluster/code/{shipping.code_hash(tops=shipping.HEAD_SHIPPED)}"  # what fab ships
-    res = fab("train", "--nodes", "2", "--detach", "--max-restarts", "2", "--env", "XC_NOTICE_POLL_S=0.5", *TWIN_PACE,
-              "--env", "MYSECRET", "--", *args, env=env, timeout=300)
+    # a pin of another torch: one line, nothing started
+    (proj / "requirements.txt").write_text(f"{module}==1.0\ntorch==2.5.0\n")
+    refused = fab_at(proj, "train", "--nodes", "2", "--workdir", ".", "--script", "run_glue.py", "--detach", "--",
+                     *flags, env=env, timeout=300)
+    errors = [line for line in refused.stderr.splitlines() if line.startswith("error:")]
+    assert refused.returncode != 0 and len(errors) == 1 and errors[0].startswith(
+        "error: requirements.txt pins torch==2.5.0, but the nodes' "), refused.stderr
+    assert not re.search(r"run \S+ (detached|started)", refused.stdout), refused.stdout
+    (proj / "requirements.txt").write_text(f"{module}==1.0\n")
+    # the default 30 s heartbeat: the new head takes over once EC2 says the old head's instance is gone, not after
+    # the beat's 2 minutes. The secret must outlive its first head
+    res = fab_at(proj, "train", "--nodes", "2", "--workdir", ".", "--script", "run_glue.py", "--detach",
+                 "--max-restarts", "2", "--save-every", "0", "--env", "XC_NOTICE_POLL_S=0.5", *TWIN_PACE,
+                 "--env", "MYSECRET", "--", *flags, env=env, timeout=300)
     assert res.returncode == 0 and "detached under its supervisor on the head twin-head" in res.stdout, \
         res.stdout[-3000:] + res.stderr[-3000:]
+    assert "this machine may close now" in res.stdout and "requirements requirements.txt: 1 wheel(s)" in res.stdout
     first = re.search(r"run (\S+) detached", res.stdout)[1]
     ssm = twin.client("ssm")
     kept = ssm.get_parameter(Name=f"/xeon-cluster/twin/runs/{first}/MYSECRET", WithDecryption=True)["Parameter"]
@@ -194,10 +327,19 @@ def test_the_head_supervises_is_replaced_and_recovers_a_spot_notice_with_the_ope
             found[pid] = ns.stdout.strip()
         return found
 
+    def logged(run_id: str) -> str:
+        return twin.fab("logs", run_id, timeout=60).stdout
+
     old_head = _head_ns(twin)
     assert set(supervisors().values()) == {old_head}
-    wait_until("step 8", lambda: _steps(twin, first) >= 8, 300, poll=2)  # each look is a fab logs
-    at_kill = _steps(twin, first)
+    wait_until("step 10", lambda: _user_steps(logged(first)) >= 10, 300, poll=2)
+    text = logged(first)
+    for rank in (0, 1):
+        assert re.search(rf"^\[{rank} \S+\] rank {rank} imported {module} 1\.0$", text, re.MULTILINE), text[-3000:]
+    at_kill = _user_steps(text)
+    # the user goes on working in the folder: the script edited, the data deleted
+    (proj / "run_glue.py").write_text("raise SystemExit('the edited folder ran, not the snapshot')\n")
+    shutil.rmtree(proj / "data")
     # what a node may write (its role: runs/*/output/*), newer than the chain's own: not a chain, and no stop to one
     twin.client("s3").put_object(Bucket=twin.env["XC_STORE"][5:].split("/", 1)[0], Body=b'{"code": "../../../x"}',
                                  Key=f"{twin.env['XC_STORE'][5:].split('/', 1)[1]}/runs/{first}/output/supervisor.json")
@@ -213,7 +355,7 @@ def test_the_head_supervises_is_replaced_and_recovers_a_spot_notice_with_the_ope
     assert processes_with_env(f"XC_RUN_ID={first}")  # its ranks never stopped: node 0's wrapper holds them
     print(f"head killed -> its replacement supervises the chain: {took_s:.1f}s (default heartbeat, 30 s)")
     assert took_s < 90, took_s  # the stale wait alone would be 120 s
-    stored = _steps(twin, first)  # what the store has of its log now: the killed head's parts, maybe some of the new
+    stored = _user_steps(logged(first))  # what the store has of its log now
     shutil.rmtree(twin.env["XC_RUNS_DIR"], ignore_errors=True)  # nothing of the run is kept on this machine
     node1 = twin.status_ids()["twin-1"]
     # from a second checkout (nothing of this one's state or runs), pointed at the twin by the printed line; it
@@ -221,10 +363,9 @@ def test_the_head_supervises_is_replaced_and_recovers_a_spot_notice_with_the_ope
     elsewhere = {**twin.env, "XC_STATE_DIR": str(tmp_path / "state"), "XC_RUNS_DIR": str(tmp_path / "runs")}
     with FabProcess("logs", first, "-f", env=elsewhere, merge=True) as follow:
         # the taken-over run's own progress, live: later steps than the store had reach it only from the new head
-        follow.wait_for(lambda line: (progress_step(line) or 0) > stored, 120)
+        follow.wait_for(lambda line: _user_steps(follow.stdout) > stored, 120)
         assert _chain(elsewhere, first) == [(first, "running")]  # shown while it goes on, not at its end
         # 30 s to checkpoint into S3 before EC2 takes node1 (AWS gives 120): at 5 s a loaded machine lost the race
-        # and the run was recorded failed (no durable checkpoint), then restarted from step 0
         said = twin.fab("local-notice", "node1", "--kind", "spot", "--after", "30", timeout=60)
         assert said.returncode == 0 and node1 in said.stdout, said.stdout + said.stderr
         after = twin.wait_replaced(node1, timeout=150)  # EC2 took it, the group launched another, which booted
@@ -236,24 +377,31 @@ def test_the_head_supervises_is_replaced_and_recovers_a_spot_notice_with_the_ope
     lines = followed.stdout.strip().splitlines()
     assert followed.returncode == 0 and f"run {first} preempted; resumed as run {resumed}" in lines, lines[-30:]
     assert lines[-1].startswith(f"run {resumed} finished in "), lines[-30:]
-    assert "[progress] step" in followed.stdout
+    assert "the edited folder ran" not in followed.stdout
     bucket, prefix = twin.env["XC_STORE"][5:].split("/", 1)
-    keys = [o["Key"] for o in twin.client("s3").list_objects_v2(Bucket=bucket, Prefix=f"{prefix}/runs/{first}/")
-            .get("Contents", [])]
-    assert any("/checkpoints/checkpoint-" in k for k in keys), keys  # the notice's checkpoint, durable in S3
     summary = json.loads(twin.client("s3").get_object(Bucket=bucket, Key=f"{prefix}/runs/{first}/summary.json")[
         "Body"].read())
-    assert summary["preempted"]["step"] > at_kill, (summary["preempted"], at_kill)  # it trained on under the new head
+    step = summary["preempted"]["step"]
+    assert step > at_kill, (summary["preempted"], at_kill)  # it trained on under the new head
+    keys = [o["Key"] for o in twin.client("s3").list_objects_v2(Bucket=bucket, Prefix=f"{prefix}/runs/{first}/")
+            .get("Contents", [])]
+    assert f"{prefix}/runs/{first}/checkpoints/checkpoint-{step}/xc-complete" in keys, keys  # durable in S3
+    log = fab("logs", resumed, env=elsewhere, timeout=60).stdout
+    assert f"global step {step}" in log, log[-3000:]  # the Trainer continued from the notice's checkpoint
+    assert f"rank 1 imported {module} 1.0" in log  # the replacement node1 got the package from the store
     pulled = fab("pull", resumed, env=elsewhere, timeout=120)
     assert pulled.returncode == 0, pulled.stdout + pulled.stderr
-    out = tmp_path / "runs" / resumed
-    for name in ("output/all_results.json", "output/model.safetensors", "output/trainer_state.json"):
+    out = tmp_path / "runs" / resumed / "output"
+    for name in ("all_results.json", "model.safetensors", "trainer_state.json"):
         assert (out / name).is_file(), name
-    assert json.loads((out / "results.json").read_text())["resumed_from_step"] >= 8
+    assert json.loads((out / "trainer_state.json").read_text())["global_step"] == USER_STEPS
+    board = fab("tensorboard", resumed, "--no-serve", env={**elsewhere, "HOME": str(tmp_path / "home")}, timeout=120)
+    assert board.returncode == 0 and f"from 2 runs: {first} -> {resumed}" in board.stdout, board.stdout + board.stderr
+    events = list((tmp_path / "home" / ".cache" / "xeon-cluster" / "tensorboard" / first / first).glob("*tfevents*"))
+    assert len(events) >= 2, events  # the first run's and the resumed run's
     wait_until("the supervisor's exit", lambda: not processes_with_env(f"XC_SUPERVISOR={first}"), 60)
     assert not processes_with_env(f"XC_RUN_ID={first}") and not processes_with_env(f"XC_RUN_ID={resumed}")
-    # the replacement head restarted the run with the secret from SSM (not 'lost the values of its secrets'), and
-    # deleted it when the chain ended
+    # the replacement head restarted the run with the secret from SSM, and deleted it when the chain ended
     left = ssm.describe_parameters(ParameterFilters=[{"Key": "Path", "Option": "Recursive",
                                                       "Values": [f"/xeon-cluster/twin/runs/{first}"]}])["Parameters"]
     assert left == [], left
