@@ -4,7 +4,8 @@ and one Auto Scaling group over it, in the placement group, holding the stack's 
 Why an Auto Scaling group and not an EC2 Fleet of type maintain: both replace a reclaimed spot node
 by themselves, but only the group rolls a changed launch template (instance refresh) with a cap of
 100% healthy capacity, so a new AMI or user data never doubles the spot vCPU quota or the placement
-group; it also replaces nodes ahead of reclaim (capacity rebalancing). Node order is not the
+group; it can also replace nodes ahead of reclaim (capacity rebalancing, off unless capacityRebalance is
+true: the early replacement ends the run even when no reclaim follows). Node order is not the
 group's business: cluster.aws makes the node holding the master role tag node 0.
 """
 from __future__ import annotations
@@ -145,7 +146,7 @@ class Nodes(pulumi.ComponentResource):
             min_size=settings.node_count, max_size=settings.node_count, desired_capacity=settings.node_count,
             vpc_zone_identifiers=[network.subnet.id], placement_group=network.placement_group.name,
             health_check_type="EC2", health_check_grace_period=120,
-            capacity_rebalance=settings.spot,
+            capacity_rebalance=settings.capacity_rebalance,  # spot only (settings.py)
             mixed_instances_policy={
                 "instances_distribution": instances_distribution(settings),
                 "launch_template": {

@@ -41,6 +41,9 @@ class ClusterSettings:
     node_count: int = 4
     spot: bool = True
     max_spot_price: str = ""  # USD per hour per node; "" = pay up to the on-demand price
+    # The group replaces a node on a rebalance recommendation and terminates it, ending the run, even when no
+    # interruption would have come; off, the ranks only checkpoint then and a real reclaim still gives 2 minutes.
+    capacity_rebalance: bool = False
     allow_world_ssh: bool = False
     ssh_user: str = "ubuntu"
     root_volume_gib: int = 100
@@ -142,6 +145,9 @@ class ClusterSettings:
             if self.max_spot_price_usd is None or self.max_spot_price_usd <= 0:
                 raise ClusterError(f"maxSpotPrice {self.max_spot_price!r} must be a positive USD amount per node-hour", fix=
                                    f"{_fix('maxSpotPrice', '2.50')} or remove it")
+        if self.capacity_rebalance and not self.spot:
+            raise ClusterError("capacityRebalance is true but spot is false (it rebalances spot nodes only)", fix=
+                               "run 'pulumi config rm capacityRebalance' or 'pulumi config set spot true'")
         if not MIN_ROOT_GIB <= self.root_volume_gib <= 16384:
             raise ClusterError(f"rootVolumeGib {self.root_volume_gib} must be between {MIN_ROOT_GIB} and 16384", fix=
                                f"{_fix('rootVolumeGib', '100')}")

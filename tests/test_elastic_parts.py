@@ -88,6 +88,29 @@ def test_the_run_goes_on_with_the_most_ready_nodes_that_divide_it():
         elastic.go_on_size(_rec(world=3), ready=2, least=2, full=3)
 
 
+def test_ready_nodes_the_batch_leaves_out_are_named_idle_in_the_same_line(monkeypatch):
+    said = []
+    monkeypatch.setattr(restarts, "ready_prefix", lambda spec, full, endpoint: 3)
+    req = TrainRequest(min_nodes=1, grow_back=True)
+    size, gave_up = restarts._smaller(_rec(world=4), ClusterError("node3 is gone"), req, 4, "aws:c", "", said.append)
+    assert (size, gave_up) == (2, None) and len(said) == 1 and "\n" not in said[0]
+    assert said[0] == (
+        "node3 is gone: going on with 2 of 4 node(s) at the same global batch (--min-nodes 1); back to full size at "
+        "the next checkpoint once they return; 1 ready node(s) sit idle, still billed: no count from 3 to 3 "
+        "(1 rank(s) each) divides the run's 4 per-device batch(es) per step; a gradient accumulation 3x as large "
+        "(the per-device batch 3x smaller keeps the global batch) would let 3 in, and --min-nodes 3 ends the chain "
+        "instead of going on with idle nodes")
+    # every ready node taken: nothing more is said
+    assert elastic.idle_note(_rec(world=4), ready=2, size=2, full=4) == ""
+    assert elastic.idle_note(_rec(world=2), ready=2, size=1, full=2) == ""  # the full size is not "going on smaller"
+    # 2 ranks a node, accumulation 2: 16 per-device batches per step; 3 ready nodes need 6 | 16 x 3
+    rec = _rec(world=8, ppn=2, args=("--per_device_train_batch_size", "8", "--gradient_accumulation_steps", "2"))
+    assert elastic.go_on_size(rec, ready=3, least=1, full=4) == 2
+    assert "1 ready node(s) sit idle" in elastic.idle_note(rec, 3, 2, 4)
+    assert "divides the run's 16 per-device batch(es)" in elastic.idle_note(rec, 3, 2, 4)
+    assert "accumulation 3x as large" in elastic.idle_note(rec, 3, 2, 4)
+
+
 def _steps(sampler: order.GlobalOrder, world: int, accum: int, per_device: int) -> list[set[int]]:
     """What each optimizer step trains on, sharded as Accelerate shards: stream batch k to rank k mod world."""
     stream = list(sampler)

@@ -184,6 +184,11 @@ def test_on_demand_has_no_spot_in_the_group(program):
     assert group["capacityRebalance"] is False
 
 
+def test_capacity_rebalance_is_the_stacks_choice(program):
+    """capacityRebalance true hands rebalance recommendations to the group (it replaces the node at once)."""
+    assert node_group(program(capacityRebalance="true").mocks).inputs["capacityRebalance"] is True
+
+
 def test_one_self_replacing_group_holds_the_nodes_in_one_zone_and_placement_group(program):
     run = program(nodeCount="3", availabilityZone="us-east-1c", clusterName="bert",
                   fallbackInstanceTypes="r7iz.metal-16xl")
@@ -200,7 +205,8 @@ def test_one_self_replacing_group_holds_the_nodes_in_one_zone_and_placement_grou
     asg = node_group(m).inputs
     assert (asg["minSize"], asg["maxSize"], asg["desiredCapacity"]) == (3, 3, 3)
     assert asg["vpcZoneIdentifiers"] == [subnet.id] and asg["placementGroup"] == group.inputs["name"] == "bert-us-east-1c"
-    assert asg["healthCheckType"] == "EC2" and asg["capacityRebalance"] is True
+    # off by default: a rebalance recommendation checkpoints and trains on instead of ending the run
+    assert asg["healthCheckType"] == "EC2" and asg["capacityRebalance"] is False
     template = asg["mixedInstancesPolicy"]["launchTemplate"]
     assert template["launchTemplateSpecification"] == {"launchTemplateId": lt.id, "version": "3"}
     assert template["overrides"] == [{"instanceType": "r7iz.16xlarge"}, {"instanceType": "r7iz.metal-16xl"}]

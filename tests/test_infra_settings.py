@@ -22,6 +22,7 @@ def settings(**config) -> ClusterSettings:
 def test_defaults_are_a_valid_spot_cluster():
     s = settings()
     assert (s.cluster_name, s.availability_zone, s.node_count, s.spot, s.image) == ("dev", "us-east-1a", 4, True, "bake")
+    assert s.capacity_rebalance is False and settings(capacityRebalance="true").capacity_rebalance is True
     assert s.instance.amx and s.tags == {"xeon-cluster:cluster": "dev", "xeon-cluster:stack": "dev"}
 
 
@@ -48,6 +49,8 @@ def test_strings_from_pulumi_are_parsed_into_types():
     ({"maxSpotPrice": "cheap"}, "maxSpotPrice", "pulumi config set maxSpotPrice"),
     ({"maxSpotPrice": "-1"}, "maxSpotPrice", "positive"),
     ({"maxSpotPrice": "2.5", "spot": "false"}, "maxSpotPrice", "pulumi config rm maxSpotPrice"),
+    ({"capacityRebalance": "true", "spot": "false"}, "capacityRebalance", "pulumi config rm capacityRebalance"),
+    ({"capacityRebalance": "maybe"}, "capacityRebalance", "true or false"),
     ({"region": "mars-1"}, "region", "pulumi config set region"),
     ({"availabilityZone": "eu-west-1a"}, "availabilityZone", "us-east-1b"),
     ({"rootVolumeGib": "8"}, "rootVolumeGib", "between 40 and 16384"),

@@ -266,7 +266,8 @@ def _smaller(rec, wait_exc: ClusterError, req: TrainRequest, full: int, spec: st
         say(f"not going on smaller: {why.what}")
         return None, f"not going on smaller: {why.what}"
     say(f"{wait_exc.what}: going on with {size} of {full} node(s) at the same global batch (--min-nodes "
-        f"{req.min_nodes})" + ("; back to full size at the next checkpoint once they return" if req.grow_back else ""))
+        f"{req.min_nodes})" + ("; back to full size at the next checkpoint once they return" if req.grow_back else "")
+        + elastic.idle_note(rec, ready, size, full))
     return size, None
 
 

@@ -8,6 +8,7 @@ ends the segment's ranks, and the supervisor resumes from that checkpoint on N n
 from __future__ import annotations
 
 import logging
+import math
 import re
 import threading
 from collections.abc import Callable
@@ -24,13 +25,17 @@ from training.runtime.paths import RunPaths, checkpoint_name
 log = logging.getLogger(__name__)
 
 
+def _divisor(rec: records.RunRecord) -> tuple[int, int]:
+    """The run's per-device batches per optimizer step (accumulation x ranks) and its ranks per node."""
+    request = rec.request or {}
+    like = TrainRequest(script=rec.script, module=rec.module, env=dict(request.get("env") or {}))
+    return micro_batches(like, list(rec.args), int(rec.world_size or 1)), int(rec.ppn or 1)
+
+
 def go_on_size(rec: records.RunRecord, ready: int, least: int, full: int) -> int:
     """The node count the run goes on with: the most of the ready ones from least to full-1 that divide its
     batch; raises ClusterError (one line, the record's reason) when none does."""
-    request = rec.request or {}
-    like = TrainRequest(script=rec.script, module=rec.module, env=dict(request.get("env") or {}))
-    units = micro_batches(like, list(rec.args), int(rec.world_size or 1))
-    ppn = int(rec.ppn or 1)
+    units, ppn = _divisor(rec)
     if ready < least:
         raise ClusterError(f"only {ready} of {full} node(s) answered, fewer than --min-nodes {least}")
     sizes = smaller_sizes(units, ppn, least, min(ready, full - 1))
@@ -39,6 +44,20 @@ def go_on_size(rec: records.RunRecord, ready: int, least: int, full: int) -> int
                            f"{min(ready, full - 1)} ({ppn} rank(s) each) divides the run's {units} per-device "
                            "batch(es) per step")
     return sizes[0]
+
+
+def idle_note(rec: records.RunRecord, ready: int, size: int, full: int) -> str:
+    """The end of go_on_size's one-line message: empty when the run takes every ready node, else how many sit
+    idle, still billed, why (the batch divisor) and what to change."""
+    ready = min(ready, full - 1)
+    if ready <= size:
+        return ""
+    units, ppn = _divisor(rec)
+    times = ppn * ready // math.gcd(units, ppn * ready)  # the accumulation factor that `ready` nodes divide
+    return (f"; {ready - size} ready node(s) sit idle, still billed: no count from {size + 1} to {ready} "
+            f"({ppn} rank(s) each) divides the run's {units} per-device batch(es) per step; a gradient accumulation "
+            f"{times}x as large (the per-device batch {times}x smaller keeps the global batch) would let {ready} in, "
+            f"and --min-nodes {size + 1} ends the chain instead of going on with idle nodes")
 
 
 class GrowBack(threading.Thread):
