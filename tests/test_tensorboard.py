@@ -73,7 +73,10 @@ def test_event_files_reach_the_store_while_it_trains_and_a_chain_is_one_run_in_t
     folder = tmp_path / "home" / ".cache" / "xeon-cluster" / "tensorboard" / first / first
     assert f"tensorboard {second}: 2 event file(s) from 2 runs: {first} -> {second} in {folder}" in res.stdout, \
         res.stdout
-    assert len(list(folder.glob("*tfevents*"))) == 2
+    names = sorted(p.name for p in folder.glob("*tfevents*"))
+    # the two runs' files, the chain's start before them and between them (by name, the order TensorBoard reads them
+    # in) the mark of the resume
+    assert len(names) == 4 and names[0].endswith(".xc-start") and names[2].endswith(f".xc-resume-{second}"), names
 
     port = _free_port()
     with FabProcess("tensorboard", first, "--port", str(port), "--store", url, env=env, merge=True) as served:

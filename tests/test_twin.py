@@ -291,15 +291,6 @@ def test_your_own_project_is_supervised_by_the_head_replaced_and_recovered_with_
     proj, module, links, flags = _user_project(tmp_path, small_model)
     env = {**twin.env, "MYSECRET": SECRET, **pip_env(links)}
     code = f"{Path.home()}/.xeon-cluster/code/{shipping.code_hash(tops=shipping.HEAD_SHIPPED)}"  # what fab ships
-    # a pin of another torch: one line, nothing started
-    (proj / "requirements.txt").write_text(f"{module}==1.0\ntorch==2.5.0\n")
-    refused = fab_at(proj, "train", "--nodes", "2", "--workdir", ".", "--script", "run_glue.py", "--detach", "--",
-                     *flags, env=env, timeout=300)
-    errors = [line for line in refused.stderr.splitlines() if line.startswith("error:")]
-    assert refused.returncode != 0 and len(errors) == 1 and errors[0].startswith(
-        "error: requirements.txt pins torch==2.5.0, but the nodes' "), refused.stderr
-    assert not re.search(r"run \S+ (detached|started)", refused.stdout), refused.stdout
-    (proj / "requirements.txt").write_text(f"{module}==1.0\n")
     # the default 30 s heartbeat: the new head takes over once EC2 says the old head's instance is gone, not after
     # the beat's 2 minutes. The secret must outlive its first head
     res = fab_at(proj, "train", "--nodes", "2", "--workdir", ".", "--script", "run_glue.py", "--detach",
