@@ -97,6 +97,18 @@ def test_event_files_reach_the_store_while_it_trains_and_a_chain_is_one_run_in_t
         assert [p[1] for p in points] == [1, 2, 3, 4], points
         assert [p[0] < resumed_at for p in points] == [True, True, False, False], (points, resumed_at)
 
+    def serving() -> list[str]:
+        found = []
+        for proc in Path("/proc").iterdir():
+            try:
+                if f"--port\0{port}\0" in (proc / "cmdline").read_text():
+                    found.append(proc.name)
+            except OSError:
+                continue
+        return found
+    # fab ended (killed, as the test's exit does it): its TensorBoard with it, nothing left serving
+    assert wait_until("TensorBoard's end with fab's", lambda: not serving(), 20, poll=0.5)
+
 
 def test_bad_input_is_one_line(tmp_path):
     env = {"XC_CLUSTER": "", "XC_STORE": "", "HOME": str(tmp_path)}

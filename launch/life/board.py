@@ -6,8 +6,10 @@ one folder, named for the chain's first run, under ~/.cache/xeon-cluster/tensorb
 """
 from __future__ import annotations
 
+import ctypes
 import json
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -152,6 +154,18 @@ class Board:
         return lines
 
 
+try:
+    _PRCTL = ctypes.CDLL(None).prctl  # looked up here, not in the forked child
+except (OSError, AttributeError):
+    _PRCTL = None
+
+
+def _dies_with_parent() -> None:
+    """In the child, before exec: the kernel kills it when fab ends, however fab ends (a SIGKILL runs no finally)."""
+    if _PRCTL is not None:
+        _PRCTL(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
 def tensorboard_command() -> list[str]:
     exe = Path(sys.executable).parent / "tensorboard"
     if exe.is_file():
@@ -176,7 +190,10 @@ def serve(board: Board, port: int, refresh_s: float = REFRESH_S) -> int:
     # the Python loader: it drops a run's points past the step a resumed run restarts at (purge_orphaned_data), so a
     # chain is one curve; the faster Rust loader keeps both runs' points of the steps done twice
     proc = subprocess.Popen([*command, "--logdir", str(board.root), "--host", "127.0.0.1", "--port", str(port),
-                             "--reload_interval", "5", "--load_fast", "false", "--purge_orphaned_data", "true"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+                             "--reload_interval", "5", "--load_fast", "false", "--purge_orphaned_data", "true"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=_dies_with_parent)  # noqa: PLW1509 - one prctl call, no lock taken
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a stopped fab stops its TensorBoard (the finally below)
     board.say(f"TensorBoard at http://127.0.0.1:{port}/ (Ctrl-C stops it); pulling new event files every "
               f"{refresh_s:.0f} s while a run goes on")
     try:
@@ -193,6 +210,7 @@ def serve(board: Board, port: int, refresh_s: float = REFRESH_S) -> int:
         if proc.poll() is None:
             proc.terminate()
             try:
-                proc.wait(10)
-            except subprocess.TimeoutExpired:
+                proc.wait(5)
+            except subprocess.TimeoutExpired:  # TensorBoard can sit out a SIGTERM
                 proc.kill()
+                proc.wait()
