@@ -205,12 +205,20 @@ def shape(twin: Twin, i: int, link: str | None, latency: str | None) -> None:
             _try([*tc, "qdisc", "del", "dev", dev, "root"])  # none there is fine
 
 
+def bridge_mac(bridge: str) -> str:
+    """A fixed, locally administered MAC for a bridge. Without one, the bridge takes the lowest MAC of its ports and
+    changes it as nodes come and go: the namespaces' ARP entries for its address (the operator, the twin's control
+    plane) then go stale, and their traffic to it stops for 30-60 s, until the entry is probed again."""
+    digest = hashlib.sha256(bridge.encode()).digest()
+    return ":".join(f"{b:02x}" for b in (0x02, *digest[:5]))
+
+
 def build(twin: Twin, subnet: str, shapes: list[tuple[str | None, str | None]]) -> None:
     """Make whatever of the bridge and the nodes' namespaces, links and hosts files is missing (idempotent)."""
     net = ipaddress.IPv4Network(subnet)
     links, spaces = set(_links()), set(_spaces())
     if twin.bridge not in links:
-        _run(["ip", "link", "add", twin.bridge, "type", "bridge"])
+        _run(["ip", "link", "add", twin.bridge, "address", bridge_mac(twin.bridge), "type", "bridge"])
     _run(["ip", "addr", "replace", f"{net[1]}/{net.prefixlen}", "dev", twin.bridge])
     _run(["ip", "link", "set", twin.bridge, "up"])
     hosts = ("# written by 'fab local-up --netns', removed by 'fab local-down'\n127.0.0.1 localhost\n"

@@ -236,7 +236,7 @@ def up(count: int, state: Path | None = None) -> dict:
               "router": router, "bridge": names.bridge, "nodes": count, "key": str(local.operator_key(state)),
               "made_dirs": [], "venv": str(twin_image.venv(PROFILE)), "public": public, "operator": operator}
     try:
-        netns._run(["ip", "link", "add", names.bridge, "type", "bridge"])
+        netns._run(["ip", "link", "add", names.bridge, "address", netns.bridge_mac(names.bridge), "type", "bridge"])
         netns._run(["ip", "addr", "add", f"{router}/{ipaddress.IPv4Network(vpc).prefixlen}", "dev", names.bridge])
         netns._run(["ip", "addr", "add", f"{operator}/24", "dev", names.bridge])
         netns._run(["ip", "link", "set", names.bridge, "up"])

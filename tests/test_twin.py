@@ -113,6 +113,9 @@ def test_up_in_a_minute_and_status_lists_the_instances_from_the_ec2_api(twin):
     assert twin.up_s <= 60, f"fab local-up --aws took {twin.up_s:.0f} s"
     assert twin.env["XC_CLUSTER"] == "aws:twin" and twin.env["XC_STORE"].startswith("s3://xc-twin-")
     assert re.match(r"http://198\.1[89]\.\d+\.1:\d+$", twin.env["XC_AWS_ENDPOINT_URL"])  # the twin's own range
+    # the bridge's MAC is its own (set, not the lowest of its ports'): a node joining or leaving does not change it
+    bridge = json.loads((Path(twin.env["XC_STATE_DIR"]) / "twin" / "twin.json").read_text())["bridge"]
+    assert Path(f"/sys/class/net/{bridge}/addr_assign_type").read_text().strip() == "3"  # NET_ADDR_SET
     shown = twin.status_ids()
     assert set(shown) == {"twin-0", "twin-1", "twin-head"}
     # the checkout that started it uses it without the export line, as after 'fab local-up'
