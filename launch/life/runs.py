@@ -269,12 +269,21 @@ def _log_from_store(store: str, run_id: str, out: TextIO) -> bool:
     return True
 
 
+RESTART_GRACE_S = 30.0  # a few of the supervisor's publishes (every ~5 s)
+
+
+def may_restart(rec: RunRecord) -> bool:
+    """A supervised run that ended so that its supervisor may resume it (a preemption, a lost node)."""
+    return bool(rec.supervisor) and not rec.gave_up and (
+        rec.status == Status.PREEMPTED or (rec.status == Status.FAILED and bool(rec.lost_nodes)))
+
+
 def _follow_store(store: str, run_id: str, out: TextIO, poll_s: float, head: Node | None, runs_dir: Path) -> str:
     """Follow a run the store records (a head's supervisor publishes its log.txt every few seconds): on to the
     run it restarted as, until the chain's last run has ended (or its silent supervisor is confirmed gone)."""
     while True:
         rec = RunRecord.from_json(store_lib.read_summary(store, run_id) or {"run_id": run_id})
-        router, shown, last = OutputRouter(detach.log_plan(rec), out, io.StringIO()), 0, False
+        router, shown, last, grace = OutputRouter(detach.log_plan(rec), out, io.StringIO()), 0, False, 0.0
         parts: dict[str, bytes] = {}  # the log's parts already read: they never change
         while True:
             text = store_lib.read_log(store, run_id, parts) or ""
@@ -285,7 +294,11 @@ def _follow_store(store: str, run_id: str, out: TextIO, poll_s: float, head: Nod
                 break
             rec, _ = head_lib.judge(RunRecord.from_json(store_lib.read_summary(store, run_id) or rec.to_json()),
                                     store, head, runs_dir)
-            last = bool(rec.restarted_as) or (rec.status is not None and rec.status.terminal)
+            ended = rec.status is not None and rec.status.terminal
+            if ended and not rec.restarted_as and may_restart(rec):
+                # its supervisor records the restart a moment after the end: the store may show the end first
+                ended = (grace := grace or time.monotonic() + RESTART_GRACE_S) <= time.monotonic()
+            last = bool(rec.restarted_as) or ended
             time.sleep(poll_s)  # once more after the end: the log is published after the record
         router.flush_rest()
         if not rec.restarted_as:
