@@ -22,6 +22,21 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def wait_up(url: str, proc: subprocess.Popen, what: str, said) -> None:
+    """Until the moto server at url answers; killed, and the test failed with said() (its log), if it ends or takes
+    over 30 s."""
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            urllib.request.urlopen(f"{url}/moto-api/", timeout=1).close()
+            return
+        except OSError:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                proc.kill()
+                pytest.fail(f"{what} did not start: {said()}")
+            time.sleep(0.1)
+
+
 @pytest.fixture(scope="session")
 def moto_server():
     """URL of a moto server process, shared by the worker's modules and stopped at the session's end."""
@@ -32,17 +47,11 @@ def moto_server():
         proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
                                 stdout=subprocess.DEVNULL, stderr=log)
         url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                urllib.request.urlopen(f"{url}/moto-api/", timeout=1).close()
-                break
-            except OSError:
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    proc.kill()
-                    log.seek(0)
-                    pytest.fail(f"moto server did not start: {log.read().decode()[-2000:]}")
-                time.sleep(0.1)
+
+        def said() -> str:
+            log.seek(0)
+            return log.read().decode()[-2000:]
+        wait_up(url, proc, "moto server", said)
         yield url
         proc.kill()  # holds nothing worth a graceful stop, which takes werkzeug seconds
         proc.wait()

@@ -6,11 +6,9 @@ from __future__ import annotations
 
 import subprocess
 import sys
-import time
-import urllib.request
 
 import pytest
-from moto_fixture import _free_port, client, isolate_aws
+from moto_fixture import _free_port, client, isolate_aws, wait_up
 
 from core.constants import PROJECT_ROOT
 
@@ -27,16 +25,9 @@ def twin_moto(tmp_path, monkeypatch):
     with log.open("wb") as out:
         proc = subprocess.Popen([sys.executable, "-c", serve, str(port)], cwd=PROJECT_ROOT, stdout=subprocess.DEVNULL,
                                 stderr=out)
-    url, deadline = f"http://127.0.0.1:{port}", time.monotonic() + 30
+    url = f"http://127.0.0.1:{port}"
     try:
-        while True:
-            try:
-                urllib.request.urlopen(f"{url}/moto-api/", timeout=1).close()
-                break
-            except OSError:
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    pytest.fail(f"the twin's moto did not start: {log.read_text()[-2000:]}")
-                time.sleep(0.1)
+        wait_up(url, proc, "the twin's moto", lambda: log.read_text()[-2000:])
         isolate_aws(monkeypatch, tmp_path)
         for var, value in (("AWS_ACCESS_KEY_ID", "xc-twin"), ("AWS_SECRET_ACCESS_KEY", "xc-twin"),
                            ("XC_AWS_ENDPOINT_URL", url)):  # as cluster.twin.use points the operator's process
