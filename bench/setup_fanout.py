@@ -35,7 +35,7 @@ ROW = re.compile(r"^(node\d+)\s+(ok|already set up|FAILED)\s+([\d.]+)$", re.MULT
 
 def free_port(nodes: int) -> int:
     for _ in range(50):
-        port = random.randint(20000, 40000)
+        port = random.randint(20000, 32000)  # below the kernel's ephemeral range (32768 by default)
         try:
             for i in range(nodes):
                 with socket.socket() as s:

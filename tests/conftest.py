@@ -63,10 +63,19 @@ def _port_free(port: int, hosts) -> bool:
     return True
 
 
+def _below_ephemeral() -> int:
+    """The first port the kernel hands out for outgoing connections: a port above it can be taken by any ssh or
+    HTTP client of a neighbouring test between our check and the listen (EADDRINUSE at init_process_group)."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
 def free_cluster_port(nodes: int, first: int = 2) -> int:
     hosts = [f"127.0.0.{first + i}" for i in range(nodes)]
     for _ in range(50):
-        port = random.randint(20000, 40000)
+        port = random.randint(20000, max(20010, _below_ephemeral() - 2))
         if _port_free(port, hosts) and _port_free(port + 1, hosts):  # sshd, and each node's metadata service
             return port
     raise RuntimeError("no free port for the local cluster")
