@@ -36,8 +36,11 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "bench"))
+sys.path.insert(0, str(ROOT))
 
 from glue_single_node import cpu_line, load_line
+
+from training.runtime import events
 
 FAB = str(ROOT / ".venv" / "bin" / "fab")
 # fab train's lines that end a phase (their first words), in order
@@ -64,9 +67,9 @@ def phases(start: float, lines: list[tuple[float, str]]) -> dict[str, float]:
         for name, prefix in FAB_MARKS:
             if name not in at and text.startswith(prefix):
                 at[name] = t
-        if "[timeline]" in text:
-            name, value = text.split("[timeline]", 1)[1].split()
-            at.setdefault(name, float(value))
+        mark = events.first([text], events.MARK)
+        if mark is not None:
+            at.setdefault(mark.payload["name"], mark.time)
     missing = [m for m in ["cli", *(n for n, _ in FAB_MARKS), *RANK_MARKS] if m not in at]
     if missing:
         raise SystemExit(f"the run printed no mark for {', '.join(missing)}; its output:\n"

@@ -153,8 +153,8 @@ print(f"allreduce rank={rank} world={world} ok={int(ok)} init_s={t1 - t0:.3f} al
       f"backend={dist.get_backend()}", flush=True)
 dist.destroy_process_group()
 if ok:
-    from training.runtime.wire import FINISHED_TAG
-    print(FINISHED_TAG, "rank", rank, flush=True)
+    from training.runtime import events
+    events.emit(events.RunEvent(events.FINISHED, rank))
 sys.exit(0 if ok else 1)
 '''
 

@@ -178,7 +178,7 @@ def _run(cluster: Cluster, req: TrainRequest, plan: launcher.LaunchPlan, facts: 
         mirror = outputs.CheckpointMirror(master.node, r.run_dir, r.remote_output, req.fetch_model)
         mirror.start()
     with (r.run_dir / "log.txt").open("w") as log_file:
-        router = OutputRouter(plan, out, log_file, on_line=recovery.hook(r.run_dir, record) if recovery else None)
+        router = OutputRouter(plan, out, log_file, on_event=recovery.hook(r.run_dir, record) if recovery else None)
         ctrl_c = CtrlC(nodes, plan.run_id, say)
         watch = Watchdog(nodes, plan.run_id, lambda: cleanup(nodes, plan.run_id))
         try:

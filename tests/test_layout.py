@@ -207,3 +207,31 @@ def test_no_code_splits_an_errors_text():
     """Errors carry what and fix as fields (core.errors.ClusterError, training.runtime.store.StoreError)."""
     split = [(m, i) for m, i, line in _code_lines() if 'partition("; ")' in line or 'split("; ")' in line]
     assert split == [], split
+
+
+EVENT_TAGS = ("[progress]", "[finished]", "[preempted]", "[timeline]", "[rebalance]", "[store]")
+
+
+def _strings(path: Path) -> list[tuple[int, str]]:
+    """A module's string constants, its docstrings left out (they may quote a line)."""
+    tree = ast.parse(path.read_text())
+    docs = {id(n.body[0].value) for n in ast.walk(tree)
+            if isinstance(n, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and n.body
+            and isinstance(n.body[0], ast.Expr) and isinstance(n.body[0].value, ast.Constant)}
+    return [(n.lineno, n.value) for n in ast.walk(tree)
+            if isinstance(n, ast.Constant) and isinstance(n.value, str) and id(n) not in docs]
+
+
+def test_only_the_event_codec_writes_or_parses_a_ranks_tagged_lines():
+    """A rank's progress, end, notice, marks and checkpoint news are RunEvents: training/runtime/events.py alone
+    turns them into lines and back; launch, doctor and the jobs handle events."""
+    outside = [(name, line, text) for name, path in modules().items() if name != "training.runtime.events"
+               for line, text in _strings(path) if any(tag in text for tag in EVENT_TAGS)]
+    assert outside == [], outside
+
+
+def test_the_tag_check_sees_a_tag_in_code_and_not_in_a_docstring(tmp_path):
+    probe = tmp_path / "probe.py"
+    probe.write_text('"""A module that quotes [progress] in its docstring."""\nLINE = f"[finished] rank {0}"\n')
+    found = [text for _, text in _strings(probe) if any(tag in text for tag in EVENT_TAGS)]
+    assert found == ["[finished] rank "], found

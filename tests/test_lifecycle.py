@@ -199,7 +199,7 @@ def test_preempted_brings_its_checkpoint_home(tmp_path, monkeypatch):
     ck = f"{HOME}/runs/r1/output/checkpoint-20"
     n0 = FakeNode("node0", files={f"{ck}/model.safetensors": b"w", f"{ck}/{spot.COMPLETE_MARKER}": b"{}"})
     r = _run(tmp_path, monkeypatch, n0, FakeNode("node1"))
-    notice = "[0] " + Notice(SPOT, rank=1, step=20, checkpoint="checkpoint-20", durable=False).format()
+    notice = "[0] " + Notice(SPOT, rank=1, step=20, checkpoint="checkpoint-20", durable=False).event().line()
     lifecycle.end(r, Outcome(0, [notice], set(), 8.0), print)  # exit 0: the notice alone is no preemption
     assert records.load(tmp_path / "r1").status == Status.OK
     r = _run(tmp_path / "b", monkeypatch, n0, FakeNode("node1"))
@@ -222,7 +222,7 @@ def test_a_notice_whose_checkpoint_is_not_durable_resumes_from_the_previous_comp
     store.put_bytes(f"{RunPaths('r1').store_checkpoint(10)}/{spot.COMPLETE_MARKER}", b"{}")
     r = _run(tmp_path, monkeypatch, FakeNode("node0"), FakeNode("node1"))
     r.record.env["XC_STORE"] = url
-    notice = "[0] " + Notice(GROUP, rank=1, step=20, checkpoint="checkpoint-20", durable=False).format()
+    notice = "[0] " + Notice(GROUP, rank=1, step=20, checkpoint="checkpoint-20", durable=False).event().line()
     with pytest.raises(Preempted) as exc:
         lifecycle.end(r, Outcome(notice_lib.EXIT, [notice], set(), 8.0), print)
     assert "not durable" in exc.value.what and "step 10" in exc.value.what
@@ -251,7 +251,7 @@ def test_a_store_that_does_not_answer_is_its_own_cause_retried_and_the_run_stays
     r = _run(tmp_path, monkeypatch, FakeNode("node0"), FakeNode("node1"))
     url = f"file://{tmp_path / 'store'}"  # the records' copies go there; its checkpoints are what fails
     r.record.env["XC_STORE"] = url
-    notice = "[0] " + Notice(GROUP, rank=1, step=20, checkpoint="checkpoint-20", durable=True).format()
+    notice = "[0] " + Notice(GROUP, rank=1, step=20, checkpoint="checkpoint-20", durable=True).event().line()
     with pytest.raises(Preempted) as exc:  # Preempted: restarts.why_restart restarts it
         lifecycle.end(r, Outcome(notice_lib.EXIT, [notice], set(), 8.0), print)
     assert asked == ["r1"] * lifecycle.STORE_TRIES and lifecycle.STORE_TRIES >= 2
@@ -282,7 +282,7 @@ def test_a_store_that_does_not_answer_is_its_own_cause_retried_and_the_run_stays
 def test_preempted_without_a_checkpoint_is_a_failure(tmp_path, monkeypatch):
     r = _run(tmp_path, monkeypatch, FakeNode("node0"), FakeNode("node1"))
     with pytest.raises(NodeFailure):
-        lifecycle.end(r, Outcome(75, ["[0] " + Notice(SPOT, 0, 5, "checkpoint-5", False).format()], set(), 8.0), print)
+        lifecycle.end(r, Outcome(75, ["[0] " + Notice(SPOT, 0, 5, "checkpoint-5", False).event().line()], set(), 8.0), print)
     assert records.load(tmp_path / "r1").status == Status.FAILED
 
 

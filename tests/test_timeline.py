@@ -16,7 +16,7 @@ def test_marks_print_only_on_rank_0_and_only_when_asked(monkeypatch, capsys):
     timeline.mark("y", is_main=False)
     assert capsys.readouterr().out == "" and timeline.callbacks(False) == []
     timeline.mark("z", at=12.5)
-    assert capsys.readouterr().out == f"{timeline.TAG} z 12.500\n"
+    assert capsys.readouterr().out == "[timeline] z 12.500\n"
 
 
 def test_the_process_start_is_when_the_process_began():

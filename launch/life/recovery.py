@@ -12,18 +12,14 @@ without the mark: its first progress line), so `fab runs` shows it while the run
 from __future__ import annotations
 
 import logging
-import re
 import time
 from pathlib import Path
 
 from launch.life import records
-from training.runtime import timeline
+from training.runtime import events
 from training.runtime.paths import RunPaths
-from training.runtime.wire import PROGRESS_TAG
 
 log = logging.getLogger(__name__)
-
-FIRST_STEP = f"{timeline.TAG} first_step "
 
 
 class Recovery:
@@ -46,20 +42,20 @@ class Recovery:
         self.launched_at = time.time()
 
     def hook(self, run_dir: Path, record):
-        """The router's line hook: on the first optimizer step's mark (or first progress line), record the cost."""
-        def seen(text: str) -> None:
+        """The router's event hook: on the first optimizer step's mark (or first progress event), record the cost."""
+        def seen(event: events.RunEvent) -> None:
             if self.done:
                 return
-            if text.startswith(FIRST_STEP):
-                at = float(text[len(FIRST_STEP):].split()[0])
-            elif text.startswith(PROGRESS_TAG):
+            marked = event.kind == events.MARK and event.payload.get("name") == "first_step"
+            if marked:
+                at = event.time
+            elif event.kind == events.PROGRESS:
                 at = time.time()
             else:
                 return
             self.done = True
             try:
-                records.noted(run_dir, record, recovery=self.figures(at, "mark" if text.startswith(FIRST_STEP)
-                                                                     else "progress line"))
+                records.noted(run_dir, record, recovery=self.figures(at, "mark" if marked else "progress line"))
             except Exception:
                 log.warning("run %s: its recovery figures were not recorded", record.run_id, exc_info=True)
         return seen
@@ -88,7 +84,7 @@ class Recovery:
     def _last_step(self) -> int | None:
         """The highest step the run that ended printed (a lost node: no notice says where it was)."""
         try:
-            steps = [int(s) for s in re.findall(r"\[progress\] step (\d+)/", self.log_path.read_text(errors="replace"))]
+            steps = events.steps(self.log_path.read_text(errors="replace"))
         except OSError:
             return None
         return max(steps) if steps else None

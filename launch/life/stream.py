@@ -10,8 +10,7 @@ from typing import TextIO
 
 from launch.plan import launcher
 from launch.ship import secrets
-from training.runtime.notice import TAG as NOTICE_TAG
-from training.runtime.wire import FINISHED_TAG
+from training.runtime import events
 
 log = logging.getLogger(__name__)
 
@@ -22,9 +21,9 @@ class OutputRouter(io.TextIOBase):
     RANK_LINE = re.compile(r"^\[(\d+)\] ?(.*)$")
     CHUNK_TAG = re.compile(r"\[(\d+)\] ?")
 
-    def __init__(self, plan: launcher.LaunchPlan, out: TextIO, log_file: TextIO, on_line=None):
+    def __init__(self, plan: launcher.LaunchPlan, out: TextIO, log_file: TextIO, on_event=None):
         self.plan, self.out, self.log_file = plan, out, log_file
-        self.on_line = on_line  # called with each of rank 0's lines (a resumed run's recovery figures)
+        self.on_event = on_event  # called with each of rank 0's events (a resumed run's recovery figures)
         self.noticed_at: float | None = None  # when rank 0's typed notice line came by (Unix seconds)
         self.buffer = ""
         self.partial: dict[int, str] = {}  # a rank's text written without its newline yet
@@ -32,7 +31,7 @@ class OutputRouter(io.TextIOBase):
         self.tty = hasattr(out, "isatty") and out.isatty()
         self.progress_shown = False
         self.lines: list[str] = []
-        self.finished: set[int] = set()  # ranks that printed FINISHED_TAG: their work is done
+        self.finished: set[int] = set()  # ranks whose finished event came by: their work is done
 
     def write(self, text: str) -> int:
         with self.lock:
@@ -79,15 +78,17 @@ class OutputRouter(io.TextIOBase):
             rank = int(m.group(1))
             host = self.plan.rank_host(rank) if rank < self.plan.world_size else "?"
             text = m.group(2)
-            if text.startswith(FINISHED_TAG):
+            event = events.parse(text, rank)
+            kind = event.kind if event is not None else None
+            if kind == events.FINISHED:
                 self.finished.add(rank)
             if rank == 0:
-                if self.noticed_at is None and text.startswith(NOTICE_TAG):
+                if self.noticed_at is None and kind == events.NOTICE:
                     self.noticed_at = time.time()
-                if self.on_line is not None:
-                    self.on_line(text)
+                if self.on_event is not None and event is not None:
+                    self.on_event(event)
             shown = f"[{rank} {host}] {text}"
-            if self.tty and text.startswith("[progress]"):
+            if self.tty and kind == events.PROGRESS:
                 self.out.write("\r\x1b[K" + shown)
                 self.out.flush()
                 self.progress_shown = True

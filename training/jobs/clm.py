@@ -26,6 +26,7 @@ from pathlib import Path
 
 from training.jobs import common, dist
 from training.jobs.clm_data import TINY, DataArguments, ModelArguments, TokenBlocks, prepared_folder
+from training.runtime import events
 from training.speed import levers
 
 log = logging.getLogger("training.jobs.clm")
@@ -48,8 +49,8 @@ def eval_callback(history: list):
             loss = float(metrics["eval_loss"])
             history.append({"step": state.global_step, "eval_loss": loss, "perplexity": perplexity(loss)})
             if state.is_world_process_zero:
-                print(f"{common.PROGRESS_TAG} eval step {state.global_step} loss {loss:.4f} "
-                      f"perplexity {perplexity(loss):.2f}", flush=True)
+                events.emit(events.RunEvent(events.EVAL, 0, state.global_step,
+                                            payload={"loss": loss, "perplexity": perplexity(loss)}))
 
     return EvalLog()
 

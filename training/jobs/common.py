@@ -13,8 +13,7 @@ from pathlib import Path
 
 import numpy as np
 
-from training.runtime import startup, tbsync
-from training.runtime.wire import FINISHED_TAG, PROGRESS_TAG
+from training.runtime import events, startup, tbsync
 from training.speed.levers import has_flag
 
 log = logging.getLogger("training")
@@ -31,19 +30,6 @@ def setup_logging(is_main: bool) -> None:
     datasets.utils.logging.set_verbosity_warning()
     transformers.utils.logging.disable_progress_bar()  # rank 0 prints progress lines instead
     datasets.utils.logging.disable_progress_bar()
-
-
-def progress_line(step: int, total: int, started: float, loss: float | None = None,
-                  epoch: float | None = None) -> str:
-    elapsed = time.monotonic() - started
-    eta = elapsed / step * (total - step) if step else 0.0
-    parts = [f"{PROGRESS_TAG} step {step}/{total} ({100 * step / max(total, 1):.0f}%)"]
-    if loss is not None and math.isfinite(loss):
-        parts.append(f"loss {loss:.4f}")
-    if epoch is not None:
-        parts.append(f"epoch {epoch:.2f}")
-    parts.append(f"elapsed {elapsed:.0f}s eta {eta:.0f}s")
-    return " ".join(parts)
 
 
 def progress_callback(every: int | None = None):
@@ -70,7 +56,7 @@ def progress_callback(every: int | None = None):
             due = step == 1 or step % step_every == 0 or step == total or time.monotonic() - self.last > 30
             if state.is_world_process_zero and due:
                 self.last = time.monotonic()
-                print(progress_line(step, total, self.started, self.loss, state.epoch), flush=True)
+                events.emit(events.progress(step, total, time.monotonic() - self.started, self.loss, state.epoch))
 
     return Progress()
 
@@ -383,7 +369,7 @@ def finish(info, args, results: dict, started: float, line: str | None = None, t
     # again until every rank has said so, so that such a crash costs neither results nor the record.
     if torch.distributed.is_initialized():
         torch.distributed.barrier()
-    print(f"{FINISHED_TAG} rank {info.rank}", flush=True)
+    events.emit(events.RunEvent(events.FINISHED, info.rank))
     if torch.distributed.is_initialized():
         torch.distributed.barrier()
         torch.distributed.destroy_process_group()

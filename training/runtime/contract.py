@@ -24,7 +24,7 @@ from pathlib import Path
 
 # preempt at the top, not where it is used: the rank hook imports this module with a user's own `training` set
 # aside, and a later `from training import ...` would find theirs (training/hook/sitecustomize.py)
-from training.runtime import notice, paths, preempt, publish, spot, store
+from training.runtime import events, notice, paths, preempt, publish, spot, store
 
 log = logging.getLogger("training.runtime.contract")
 NOTICE_KEY, DONE_KEY = "xc/notice", "xc/notice-durable"
@@ -121,8 +121,8 @@ class Agent(threading.Thread):
             step = latest[0] if latest else -1
             if self.publisher is not None and step >= 0:
                 ok = self.publisher.wait(preempt.wait_seconds(self.notice["cause"])) and self.publisher.confirmed(step)
-            print(notice.Notice(cause=self.notice["cause"], rank=int(self.notice["rank"]), step=step,
-                                checkpoint=notice.checkpoint_name(step), durable=ok).format(), flush=True)
+            events.emit(notice.Notice(cause=self.notice["cause"], rank=int(self.notice["rank"]), step=step,
+                                      checkpoint=notice.checkpoint_name(step), durable=ok).event())
             if self.kv is not None:
                 self.kv.set(DONE_KEY, "1" if ok else "0")
         elif self.kv is not None:

@@ -1,17 +1,15 @@
-"""What a rank reports when a run stops for a notice: one line, written and read only here.
+"""What a rank reports when a run stops for a notice, as a RunEvent (training.runtime.events writes and reads it).
 
-Rank 0 prints ``Notice.format()`` and every rank exits ``EXIT`` (75); fab reads it back with ``Notice.parse``.
+Rank 0 emits ``Notice.event()`` and every rank exits ``EXIT`` (75); fab reads it back with ``Notice.parse``.
 A run is preempted when the line is there and the run did not end 0 (see launch.life.lifecycle for why not exactly 75).
 """
 from __future__ import annotations
 
-import json
 from collections.abc import Iterable
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
-from training.runtime import paths
+from training.runtime import events, paths
 
-TAG = "[preempted]"
 EXIT = 75  # EX_TEMPFAIL: try again later
 
 SPOT = "spot interruption"
@@ -28,23 +26,18 @@ class Notice:
     checkpoint: str  # its folder name, checkpoint-<step>
     durable: bool  # confirmed in the cluster's store by every rank; False without a store or when the upload failed
 
-    def format(self) -> str:
-        return f"{TAG} {json.dumps(asdict(self), sort_keys=True)}"
+    def event(self) -> events.RunEvent:
+        return events.RunEvent(events.NOTICE, self.rank, self.step, payload={
+            "cause": self.cause, "checkpoint": self.checkpoint, "durable": self.durable})
 
     @staticmethod
     def parse(lines: Iterable[str]) -> Notice | None:
-        """The first notice line among a run's output lines (mpirun may prefix them), or None."""
-        for line in lines:
-            at = line.find(TAG + " {")
-            if at < 0:
-                continue
-            try:
-                raw = json.loads(line[at + len(TAG) + 1:])
-                return Notice(cause=str(raw["cause"]), rank=int(raw["rank"]), step=int(raw["step"]),
-                              checkpoint=str(raw["checkpoint"]), durable=bool(raw["durable"]))
-            except (ValueError, KeyError, TypeError):
-                continue
-        return None
+        """The first notice among a run's output lines (mpirun may prefix them), or None."""
+        e = events.first(lines, events.NOTICE)
+        if e is None:
+            return None
+        return Notice(cause=e.payload["cause"], rank=e.rank, step=e.step, checkpoint=e.payload["checkpoint"],
+                      durable=e.payload["durable"])
 
 
 def checkpoint_name(step: int) -> str:

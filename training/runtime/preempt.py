@@ -6,7 +6,7 @@
   TensorBoard sync (tbsync.sync_callback).
 - ``resume_checkpoint(trainer)``: XC_RESUME_URL fetched from the store, XC_RESUME_FROM checked (complete, fits).
 - ``end_if_noticed(trainer)``: after train() returns on a notice: is the notice's checkpoint durable (confirmed in
-  the store, agreed by every rank)? rank 0 prints ``notice.Notice(...).format()``, the node lets its Auto Scaling
+  the store, agreed by every rank)? rank 0 emits ``notice.Notice(...).event()``, the node lets its Auto Scaling
   group take it only once that is safe (spot.release_node), every rank exits ``notice.EXIT`` (75).
 - ``patch(Trainer)``: what the rank hook applies to the Trainer class (once) so that every Trainer a script trains
   gets the above, plus the loss fix for mean-loss heads (``fix_mean_loss``).
@@ -20,7 +20,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from training.runtime import notice, publish, spot, startup, store, tbsync
+from training.runtime import events, notice, publish, spot, startup, store, tbsync
 
 log = logging.getLogger("training.runtime.preempt")
 
@@ -156,8 +156,8 @@ def end_if_noticed(trainer) -> None:
             log.error("the notice's checkpoint (step %s) is not durable in the store%s", cb.step,
                       "" if guard.publisher is not None else " (no store: XC_STORE is not set)")
         step = cb.step if saved else -1
-        print(notice.Notice(cause=cb.cause, rank=cb.preempted_by, step=step,
-                            checkpoint=notice.checkpoint_name(step), durable=ok).format(), flush=True)
+        events.emit(notice.Notice(cause=cb.cause, rank=cb.preempted_by, step=step,
+                                  checkpoint=notice.checkpoint_name(step), durable=ok).event())
     spot.release_node(guard.watcher, rank, local_rank, durable=ok)  # after the checkpoint is safe, never before
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()

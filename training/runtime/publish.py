@@ -15,11 +15,10 @@ import threading
 import time
 from pathlib import Path
 
-from training.runtime import store
+from training.runtime import events, store
 from training.runtime.paths import checkpoint_name
 
 log = logging.getLogger("training.runtime.store")
-DURABLE_TAG = "[store]"  # rank 0's line once a checkpoint counts in the store
 ON_NOTICE_S = 100  # a spot notice leaves ~120 s: the checkpoint must be durable well before the node goes
 # A group termination is held by the lifecycle hook for its heartbeat (300 s, infra/nodes.py TERMINATION_HEARTBEAT_S),
 # counted from before the notice was seen: less the poll, the step, the save and the ranks' exit.
@@ -67,13 +66,13 @@ class Publisher(threading.Thread):
                 where = store.publish_checkpoint(snap, step=step, run_id=self.run_id, url=self.url)
                 self.durable.append(step)
                 size = sum(p.stat().st_size for p in snap.rglob("*") if p.is_file())
-                print(f"{DURABLE_TAG} checkpoint step {step} durable in {where}: {size / 1e6:.0f} MB uploaded in "
-                      f"{time.monotonic() - started:.1f}s ({time.monotonic() - saved_at:.1f}s after its save)",
-                      flush=True)
+                events.emit(events.RunEvent(events.DURABLE, 0, step, payload={
+                    "ok": True, "where": where, "bytes": size, "seconds": time.monotonic() - started,
+                    "after": time.monotonic() - saved_at}))
             except store.StoreError as exc:
                 self.failed.append(str(exc))
                 self.failed_steps.append(step)
-                print(f"{DURABLE_TAG} error: checkpoint step {step} did not reach the store: {exc}", flush=True)
+                events.emit(events.RunEvent(events.DURABLE, 0, step, payload={"ok": False, "error": str(exc)}))
             finally:
                 shutil.rmtree(snap, ignore_errors=True)
                 self.todo.task_done()

@@ -21,6 +21,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+from training.runtime import events
 from training.runtime import notice as _notice
 from training.runtime.paths import COMPLETE_MARKER, checkpoint_name, mark_complete
 
@@ -40,8 +41,6 @@ CLUSTER_ENV = "/etc/xeon-cluster/cluster.env"  # written by the nodes' cloud-ini
 TOKEN_TTL_S = 21600
 POLL_S = 5.0  # AWS's advice for instance-action; XC_NOTICE_POLL_S in the ranks' environment changes it
 POLL_ENV = "XC_NOTICE_POLL_S"
-PREEMPTED_TAG = _notice.TAG  # aliases: training.runtime.notice owns the line and the code
-REBALANCE_TAG = "[rebalance]"
 PREEMPTED_EXIT = _notice.EXIT
 DEFAULT_SAVE_EVERY = "600s"
 # A floor under each optimizer step, slept out on every rank before the step's notice check: a rehearsal's short run
@@ -279,7 +278,7 @@ def spot_callback(watcher: NoticeWatcher | None = None, save_every: str | None =
                 if flags[2] > 0:
                     self.rebalance_saved = True
                     if rank == 0:
-                        print(f"{REBALANCE_TAG} step={state.global_step}: checkpoint now, training goes on", flush=True)
+                        events.emit(events.RunEvent(events.REBALANCE, 0, state.global_step))
                 control.should_save = True
             return control
 

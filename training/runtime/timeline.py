@@ -6,7 +6,8 @@ from __future__ import annotations
 import os
 import time
 
-TAG = "[timeline]"
+from training.runtime import events
+
 ENV = "XC_TIMELINE"
 
 
@@ -26,7 +27,7 @@ def process_start() -> float:
 
 def mark(name: str, is_main: bool = True, at: float | None = None) -> None:
     if enabled(is_main):
-        print(f"{TAG} {name} {time.time() if at is None else at:.3f}", flush=True)
+        events.emit(events.RunEvent(events.MARK, 0, None, time.time() if at is None else at, {"name": name}))
 
 
 def start(is_main: bool) -> None:
