@@ -99,7 +99,7 @@ def ensure_verified_code(conn, home: str, digest: str, tarball: bytes) -> str:
     return dest
 
 
-def standalone(tail: str, modules: tuple[str, ...] = ("paths", "notice", "s3client", "store", "spot")) -> str:
+def standalone(tail: str, modules: tuple[str, ...] = ("paths", "events", "notice", "s3client", "store", "spot")) -> str:
     """A Python program for a node that has python but not the shipped code (a probe before setup, a check
     between runs): the named training/runtime modules travel inside it as text and import as `training.runtime.<name>`;
     `tail` runs after them and imports what it needs."""
