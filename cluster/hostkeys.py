@@ -21,7 +21,9 @@ import os
 import re
 from pathlib import Path
 
+from cluster import local
 from cluster.node import Node
+from core.constants import TAG_HOST_KEY
 from core.errors import ClusterError
 
 log = logging.getLogger(__name__)
@@ -88,8 +90,6 @@ def console_text(output: str | None) -> str:
 
 def tag_host_keys(tags: dict[str, str]) -> list[tuple[str, str]]:
     """(keytype, base64) pairs from the instance's xeon-cluster:host-key:<type> tags; malformed ones are skipped."""
-    from core.constants import TAG_HOST_KEY
-
     keys = []
     for key, value in sorted(tags.items()):
         keytype = key.removeprefix(TAG_HOST_KEY)
@@ -137,8 +137,6 @@ def channels_agree(node: Node, instance: str, tagged: list[tuple[str, str]],
 
 def known_hosts_path(cluster: str) -> Path:
     """<state folder>/aws-<cluster>/known_hosts, next to the local cluster's state."""
-    from cluster import local
-
     if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", cluster):
         raise ClusterError(f"cluster name {cluster!r} is not a plain name (letters, digits, '.', '_', '-')", fix=
                            "fix the instances' xeon-cluster:cluster tag")

@@ -14,6 +14,7 @@ import shlex
 from collections.abc import Callable
 from pathlib import Path
 
+from cluster import aws, local  # aws is light: boto3 and the Pulumi CLI are used only when called
 from cluster.node import Node
 from core.constants import REMOTE_PYTHON
 from core.errors import ClusterError
@@ -27,12 +28,8 @@ def default_cluster() -> str:
     to start one."""
     if os.environ.get("XC_CLUSTER"):
         return os.environ["XC_CLUSTER"]
-    from cluster import local
-
     if (local.state_dir() / "state.json").exists():
         return "local"
-    from cluster import aws  # light: boto3 and the Pulumi CLI are used only when called
-
     return "pulumi" if aws.selected_stack_cluster() else "local"
 
 
@@ -135,14 +132,10 @@ def load_head(cluster: str | None = None) -> Node | None:
     has no running instance; a pulumi:STACK spec, which names no AWS cluster here: use aws:NAME)."""
     kind, _, arg = (cluster or default_cluster()).partition(":")
     if kind == "local":
-        from cluster import local
-
         return local.head(local.state_dir(arg or None))
     if kind == "hosts" and arg:
         return parse_hosts(arg)[1]
     if kind == "aws":
-        from cluster import aws
-
         return aws.aws_head(arg)
     return None
 
@@ -154,20 +147,14 @@ def _hosts_source(arg: str) -> list[Node]:
 
 
 def _local_source(arg: str) -> list[Node]:
-    from cluster import local
-
     return local.nodes(local.state_dir(arg or None))
 
 
 def _aws_source(arg: str) -> list[Node]:
-    from cluster import aws  # needs boto3: imported only for an aws cluster
-
     return aws.aws_nodes(arg)
 
 
 def _pulumi_source(arg: str) -> list[Node]:
-    from cluster import aws
-
     return aws.pulumi_nodes(arg)
 
 

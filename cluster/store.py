@@ -16,6 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+from cluster import aws, inventory
 from core.constants import PROJECT_ROOT
 from core.errors import ClusterError
 from training.runtime import paths
@@ -63,8 +64,6 @@ def stack_store(spec: str | None) -> str | None:
 
     if not shutil.which("pulumi"):
         return None
-    from cluster import aws
-
     kind, _, arg = spec.partition(":")
     try:
         outputs = aws.stack_outputs(arg if kind == "pulumi" else "")
@@ -79,9 +78,7 @@ def stack_store(spec: str | None) -> str | None:
 def choose(flag: str | None = None, config: dict | None = None, spec: str | None = None) -> Choice:
     """--store > XC_STORE > fabric.yaml xc.store > the stack's storeUrl > the local folder."""
     if spec is None:
-        from cluster.inventory import default_cluster
-
-        spec = default_cluster()
+        spec = inventory.default_cluster()
     return replace(_choose(flag, config, spec), spec=spec)
 
 

@@ -23,6 +23,7 @@ import sys
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from cluster import aws
 from cluster.sweep_delete import ORDER, delete_all
 from cluster.sweep_list import FATAL_CODES, SOURCES, Orphan
 from core import catalog
@@ -119,9 +120,7 @@ def target(spec: str | None) -> tuple[str, str | None]:
     if kind == "aws":
         return arg or os.environ.get("XC_AWS_CLUSTER", ""), None
     if kind == "pulumi":
-        from cluster.aws import stack_place
-
-        name, region = stack_place(arg)
+        name, region = aws.stack_place(arg)
         if not name:
             raise ClusterError(f"stack {arg or '(selected)'} names no cluster in its outputs or its config "
                                "(clusterName)", fix="pass --cluster aws:NAME with the stack's clusterName")
@@ -132,8 +131,6 @@ def target(spec: str | None) -> tuple[str, str | None]:
 def _selected_stack() -> tuple[str, str] | None:
     """(clusterName or "", region) of the stack selected in the project; None without a Pulumi CLI, project or stack."""
     import shutil
-
-    from cluster import aws
 
     project = Path(os.environ.get("XC_PULUMI_DIR") or aws.PROJECT_DIR)
     if not shutil.which("pulumi") or not (project / "Pulumi.yaml").is_file():
@@ -150,14 +147,12 @@ def live_stores(c: Clients, found: Look) -> dict[str, str] | None:
     """While the cluster's Auto Scaling groups exist (its nodes may be writing): bucket -> the group whose store it is
     (each group's TAG_STORE); None when no group exists. Raises when a group does not say which store it writes:
     --include-store would then empty the store under it."""
-    from cluster.aws import node_group
-
     groups = [o.id for o in found.orphans if o.kind == "auto scaling group"]
     if "Auto Scaling groups" in found.unchecked:
         raise ClusterError(f"--include-store: the Auto Scaling groups of cluster {found.cluster} could not be listed, "
                            "so whether one still writes to its store is unknown; nothing was deleted",
                            fix="grant autoscaling:DescribeAutoScalingGroups (docs/iam-policy.json) and run it again")
-    names = list(dict.fromkeys([*groups, node_group(found.cluster)]))
+    names = list(dict.fromkeys([*groups, aws.node_group(found.cluster)]))
     live = c["autoscaling"].describe_auto_scaling_groups(AutoScalingGroupNames=names).get("AutoScalingGroups", [])
     if not live:
         return None

@@ -8,6 +8,9 @@ import functools
 import time
 from collections.abc import Callable
 
+from cluster import aws
+from training.runtime.paths import LOG_TAG
+
 # The order of deletion, and of the table fab sweep prints.
 ORDER = (
     "auto scaling group", "ec2 fleet", "spot fleet", "spot request", "instance", "launch template", "ami",
@@ -206,11 +209,8 @@ def _store_objects(c, o) -> None:
     while the cluster's Auto Scaling groups exist: its head and nodes read them."""
     from botocore.exceptions import ClientError
 
-    from cluster.aws import head_group, node_group
-    from training.runtime.paths import LOG_TAG
-
     live = c["autoscaling"].describe_auto_scaling_groups(
-        AutoScalingGroupNames=[node_group(o.cluster), head_group(o.cluster)]).get("AutoScalingGroups", [])
+        AutoScalingGroupNames=[aws.node_group(o.cluster), aws.head_group(o.cluster)]).get("AutoScalingGroups", [])
     if live:
         raise Failed(f"the Auto Scaling group {live[0]['AutoScalingGroupName']} still exists, and its head and "
                      "nodes may need them; run 'pulumi destroy' first")

@@ -251,7 +251,7 @@ def up(count: int, state: Path | None = None) -> dict:
         record["made_dirs"] = _mount_points()
         _write(state, record)
         use(record)  # the program's own calls (prices, caller identity) go to the twin too
-        from cluster import twin_program
+        from cluster import twin_program  # lazy: the Pulumi program (~5 ms of fab's start-up) only twin-up runs
 
         config = {"adminCidr": f"{operator}/32", "sshPublicKey": local.operator_key(state).with_suffix(".pub").read_text(),
                   "nodeCount": count, "vpcCidr": vpc, "region": REGION, "availabilityZone": ZONE,

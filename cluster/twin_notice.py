@@ -11,7 +11,7 @@ import sys
 import time
 from pathlib import Path
 
-from cluster import local
+from cluster import aws, local
 from cluster.twin import DEFAULT_AFTER, KINDS, _spawn, booted, clients, read, require, state_dir, write_imds
 from core.errors import ClusterError
 
@@ -29,8 +29,6 @@ def resolve(name: str, record: dict) -> dict:
         return by_id[name]
     m = re.fullmatch(rf"(?:node|{re.escape(record['cluster'])}-)(\d+)", name)
     if m:
-        from cluster import aws
-
         ec2, _ = clients(record)
         order = [i["InstanceId"] for i in aws.order_nodes(ec2, aws.members(aws._running(ec2, [
             {"Name": "tag:aws:autoscaling:groupName", "Values": [record["groups"]["nodes"]]}]), record["cluster"],

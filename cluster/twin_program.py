@@ -21,7 +21,7 @@ from collections.abc import Callable
 from typing import ClassVar
 
 from cluster import twin_stack
-from core.constants import PROJECT_ROOT
+from core.constants import PROJECT_ROOT, TAG_SSH_USER
 
 log = logging.getLogger(__name__)
 PROJECT = "xeon-cluster"
@@ -262,8 +262,6 @@ class Twin:
 
     def _user(self, tags: dict | None) -> dict | None:
         """The twin's instances log in as this machine's user (sshUser names a user of the real AMI)."""
-        from core.constants import TAG_SSH_USER
-
         return {**tags, TAG_SSH_USER: self.ssh_user} if tags and TAG_SSH_USER in tags else tags
 
     def group(self, name, i):

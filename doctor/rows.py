@@ -4,6 +4,7 @@ from __future__ import annotations
 import logging
 
 from cluster.node import Node
+from core.catalog import CATALOG
 from core.report import CLUSTER, Row
 from doctor import checks
 from launch.life.cleanup import runs_alive
@@ -23,13 +24,8 @@ MIN_FREE_GIB = 5.0  # wheels, the HF cache and checkpoints of a small model
 def amx_expectation(node: Node, topo: topology.Topology) -> tuple[bool | None, str]:
     """(whether the node should have AMX, on what grounds); (None, ...) when nothing tells."""
     itype = node.labels.get("instance_type")
-    if itype:
-        try:
-            from core.catalog import CATALOG
-        except ImportError:  # the operator may have installed node_setup without the infra extra
-            CATALOG = {}
-        if itype in CATALOG:
-            return CATALOG[itype].amx, f"instance type {itype}"
+    if itype in CATALOG:
+        return CATALOG[itype].amx, f"instance type {itype}"
     if "amx" in node.labels:
         return bool(node.labels["amx"]), "the node's amx label"
     by_model = checks.model_has_amx(topo.model)

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import time
 
+from cluster import aws, local
 from cluster.resolve import Cluster
 from core.report import Row
 from doctor.rows import runs_rows
+from infra import cost
 
 
 def cluster_line(cluster: Cluster) -> str:
@@ -36,8 +38,6 @@ def table(header: tuple[str, ...], rows: list[tuple[str, ...]]) -> list[str]:
 
 
 def local_rows(cluster: Cluster) -> tuple[list[tuple[str, ...]], float]:
-    from cluster import local
-
     now = time.time()
     rows = [(n["name"], f"{n['host']}:{n['port']}", "local sshd" + (" (head)" if n["name"] == local.HEAD else ""), "-",
              "running" if n["running"] else "DOWN",
@@ -47,9 +47,6 @@ def local_rows(cluster: Cluster) -> tuple[list[tuple[str, ...]], float]:
 
 def aws_rows(cluster: Cluster) -> tuple[list[tuple[str, ...]], float]:
     from datetime import datetime, timezone
-
-    from cluster import aws
-    from infra import cost
 
     now = datetime.now(timezone.utc)
     rows, total = [], 0.0

@@ -14,6 +14,8 @@ from dataclasses import dataclass
 from core import catalog
 from core.constants import MAX_NODES, TAG_CLUSTER, TAG_STACK
 from core.errors import ClusterError
+from infra.cost import HEAD_USD_H
+from node_setup import profiles
 
 IMAGE_MODES = ("bake", "base")
 UBUNTU_PYTHON = {"22.04": (3, 10), "24.04": (3, 12)}  # the release's python3
@@ -170,9 +172,7 @@ class ClusterSettings:
         if not re.fullmatch(r"[a-z][a-z0-9-]*\.[a-z0-9-]+", self.build_instance_type):
             raise ClusterError(f"buildInstanceType {self.build_instance_type!r} is not an EC2 instance type", fix=
                                f"{_fix('buildInstanceType', 'c6i.2xlarge')}")
-        from node_setup.profiles import load_profiles
-
-        known = load_profiles()
+        known = profiles.load_profiles()
         if self.profile not in known:
             raise ClusterError(f"profile {self.profile!r} is not a software profile", fix=f"use one of {', '.join(known)} "
                                f"({_fix('profile', next(iter(known)))})")
@@ -184,8 +184,6 @@ class ClusterSettings:
                                f"{_fix('ubuntuVersion', '24.04')}")
 
     def _check_head(self):
-        from infra.cost import HEAD_USD_H
-
         if self.head_instance_type not in HEAD_USD_H:
             known = ", ".join(HEAD_USD_H)
             raise ClusterError(f"headInstanceType {self.head_instance_type!r} is not a head type this project knows "

@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 from typing import TextIO
 
-from cluster import keys, shipping
+from cluster import keys, local, resolve, shipping
 from cluster.node import Node
 from cluster.remote import connect, fan_out, run
 from cluster.resolve import Cluster
@@ -291,9 +291,6 @@ DEMO_ARGS = ["--num_train_epochs", "2", "--per_device_train_batch_size", "8", "-
 
 def demo(nodes: int = 2, port: int | None = None, out: TextIO = sys.stdout) -> RunResult:
     """Local cluster up, fine-tune on the bundled paraphrase set, cluster down (even on failure)."""
-    from cluster import local
-    from cluster.resolve import open_cluster
-
     req = TrainRequest(nodes=nodes, job="glue", args=list(DEMO_ARGS))
     store = store_run.store_lib.choose(None, None, "local")  # [store] XC_STORE, else the local folder: no server
     req = store_run.apply(req, store, "local")
@@ -303,7 +300,7 @@ def demo(nodes: int = 2, port: int | None = None, out: TextIO = sys.stdout) -> R
     try:
         store_run.store_lib.check(store, "local")
         out.write(store.line() + "\n")
-        result = train(open_cluster("local"), req, out)
+        result = train(resolve.open_cluster("local"), req, out)
         out.write(result_line(result) + "\n")
         return result
     finally:

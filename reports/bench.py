@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import TextIO
 
 from cluster.resolve import Cluster
+from core.catalog import CATALOG
 from core.errors import ClusterError
 from launch.life import records
 from launch.plan.request import TrainRequest, new_run_id, validate
@@ -137,8 +138,6 @@ def check_comparable(runs: list[RunRecord]) -> None:
 
 def node_price(node: dict) -> float | None:
     """On-demand USD/h of a node from its instance type label (AWS inventory); None if unknown."""
-    from core.catalog import CATALOG
-
     kind = (node.get("labels") or {}).get("instance_type")
     return CATALOG[kind].on_demand_usd_h if kind in CATALOG else None
 

@@ -14,10 +14,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from cluster.shipping import PROJECT_ROOT
+from core.catalog import CATALOG
 from core.constants import REMOTE_VENV
 from core.errors import ClusterError
 from core.render import render
-from launch.plan import launcher
+from launch.plan import launcher, request
 from launch.ship import jobdata
 from node_setup import profiles
 
@@ -56,8 +57,6 @@ class PodSize:
 
 def pod_size(instance_type: str) -> PodSize:
     """A node's pod: its vCPUs and memory less a reserve for the kubelet, daemons and the OS."""
-    from core.catalog import CATALOG
-
     if instance_type not in CATALOG:
         raise ClusterError(f"--instance-type {instance_type!r} is not in the catalog", fix=f"use one of "
                            f"{', '.join(CATALOG)} or add a row to core/catalog.py")
@@ -118,9 +117,7 @@ def job_env(req: KubeRequest, size: PodSize, backend: str) -> list[tuple[str, st
 def render_kube(req: KubeRequest, out_dir: Path) -> dict[str, Path]:
     """Write pytorchjob.yaml, Dockerfile, node_setup.sh and training/ into out_dir."""
     validate(req)
-    from launch.plan.request import local_files
-
-    for flag, path in local_files(req.args):  # pods see the PVC and the image, not this machine
+    for flag, path in request.local_files(req.args):  # pods see the PVC and the image, not this machine
         if not path.startswith(MOUNT + "/"):
             log.warning("%s %s: the pods read it at that path; copy it to the PVC (%s/...) and pass that path",
                         flag, path, MOUNT)

@@ -235,3 +235,43 @@ def test_the_tag_check_sees_a_tag_in_code_and_not_in_a_docstring(tmp_path):
     probe.write_text('"""A module that quotes [progress] in its docstring."""\nLINE = f"[finished] rank {0}"\n')
     found = [text for _, text in _strings(probe) if any(tag in text for tag in EVENT_TAGS)]
     assert found == ["[finished] rank "], found
+
+
+MAX_INNER_IMPORTS = 10  # a heavy stack only some commands or some ranks need (torch, urllib); each says why
+
+
+def inner_imports(path: Path) -> list[tuple[int, str]]:
+    """(line, source line) of each import of a project module (or a relative one) inside a function body."""
+    tops = {*PACKAGES, *TOP}
+    lines = path.read_text().splitlines()
+    found = {}
+    for fn in ast.walk(ast.parse(path.read_text())):
+        if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            continue
+        for node in ast.walk(fn):  # a nested function's imports are seen twice: keyed by position, counted once
+            if isinstance(node, ast.ImportFrom):
+                names = [node.module or ""] if node.level == 0 else None
+            elif isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            else:
+                continue
+            if names is None or any(n.split(".")[0] in tops for n in names):
+                found[(node.lineno, node.col_offset)] = lines[node.lineno - 1]
+    return [(line, text) for (line, _), text in sorted(found.items())]
+
+
+def test_project_imports_inside_functions_are_few_and_said_why():
+    """A project module is imported at the top of a module, where its readers and the cycle check see it; the
+    few imported inside a function (a stack too heavy for every command or rank) say why on their line."""
+    inner = [(name, line, text.strip()) for name, path in modules().items() for line, text in inner_imports(path)]
+    assert len(inner) <= MAX_INNER_IMPORTS, inner
+    unexplained = [(name, line, text) for name, line, text in inner if "#" not in text]
+    assert unexplained == [], unexplained
+
+
+def test_the_inner_import_count_sees_one_in_a_probe_module(tmp_path):
+    probe = tmp_path / "probe.py"
+    probe.write_text('"""from core import errors"""\nimport os\n\n\ndef f():\n    def g():\n'
+                     '        from core import errors\n        from . import sibling\n        import json\n'
+                     '        return errors, sibling, json\n    return g, os\n')
+    assert inner_imports(probe) == [(7, "        from core import errors"), (8, "        from . import sibling")]

@@ -387,9 +387,12 @@ def test_the_baked_venv_holds_what_the_heads_supervisor_imports(name):
     from launch.life.head import SUPERVISOR_IMPORTS
 
     modules = {m.strip() for m in SUPERVISOR_IMPORTS.removeprefix("import ").split(",")}
-    dist = {"yaml": "pyyaml"}
+    dist = {"yaml": "pyyaml", "packaging": "transformers"}  # packaging: a requirement of transformers' own
     have = {P.normalize(p.name) for p in P.load_profile(name).packages}
     assert {P.normalize(dist.get(m, m)) for m in modules} <= have
+    from importlib.metadata import requires
+
+    assert any(r.split(">")[0].split("=")[0].strip() == "packaging" for r in requires("transformers"))
 
 
 def test_supervisor_imports_names_what_a_supervisor_loads():

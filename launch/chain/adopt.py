@@ -33,6 +33,9 @@ from core.errors import ClusterError, NodeFailure, Preempted, Unreachable
 from launch.life import detach, head, records
 from launch.life.lifecycle import Outcome, Run, end
 from launch.life.records import RunRecord, Status
+from launch.plan.request import TrainRequest
+from launch.ship import run_secrets, secrets
+from training.runtime import store
 from training.runtime.paths import RunPaths, node_run_of
 from training.runtime.spot import cluster_env
 
@@ -57,8 +60,6 @@ def save_job(url: str, chain: str, spec: str, req, max_restarts: int, restart_wa
              secrets_at: str | None = None) -> None:
     """`secrets`: the names of the chain's secret --env values and arguments (a record keeps them masked);
     `secrets_at`: the cluster under whose SSM path fab keeps their values (launch.ship.run_secrets), if it did."""
-    from launch.ship import run_secrets
-
     job = {"chain": chain, "spec": spec, "max_restarts": max_restarts, "restart_wait": restart_wait,
            "min_nodes": req.min_nodes, "grow_back": req.grow_back,
            "secrets": sorted(run_secrets.of_request(req)), "secrets_at": secrets_at, "code": digest}
@@ -227,9 +228,7 @@ def as_exception(rec: RunRecord) -> ClusterError | None:
 
 def head_store() -> str:
     """The store of the cluster this head heads: xc-head-boot passes its cluster.env's on."""
-    from training.runtime.store import store_url
-
-    return store_url() or ""
+    return store.store_url() or ""
 
 
 def main() -> int:
@@ -238,8 +237,6 @@ def main() -> int:
     if not url:
         print("xc-head-adopt: no store (XC_STORE): nothing to take over", flush=True)
         return 0
-    from training.runtime.spot import cluster_env
-
     name = os.environ.get(head.HEAD_ENV) or cluster_env().get("XC_HEAD_GROUP", "head")  # as fab names the head
     runs_dir = head.runs_here()
     folder = runs_dir / ".supervisors"
@@ -288,24 +285,19 @@ def kept_secrets(job: dict) -> dict[str, str] | None:
         return {}
     if not job.get("secrets_at"):
         return None
-    from launch.ship import run_secrets
-
     return run_secrets.fetch(job["secrets_at"], job["chain"], names)
 
 
 def adopted_request(url: str, job: dict, rec: RunRecord, runs_dir: Path, values: dict[str, str] | None = None):
     """The request the chain's restart loop goes on with: the record's, with what the record does not keep (the
     secrets' `values`: the record has them masked)."""
-    from launch.plan.request import TrainRequest
-    from launch.ship import secrets
-
     summary = store_lib.read_summary(url, rec.run_id) or rec.to_json()
     values = values or {}
     env = dict(summary["request"].get("env") or {})
     env.update({k: v for k, v in values.items() if k in env})
     request = {**summary["request"], "args": secrets.fill_masked(summary["request"]["args"], values)}
     req = TrainRequest.from_record(request, env, set(job.get("secrets") or ()), runs_dir=runs_dir,
-                                   nodes=len(rec.nodes) or None)
+                                 nodes=len(rec.nodes) or None)
     return dataclasses.replace(req, min_nodes=job.get("min_nodes"), grow_back=job.get("grow_back", True), wrapped=True)
 
 

@@ -24,6 +24,7 @@ from launch.life import resume as resume_lib
 from launch.life.records import RunResult
 from launch.plan.request import TrainRequest, new_run_id
 from launch.run import train
+from launch.ship import secrets
 from training.runtime import timeline
 from training.runtime.paths import RunPaths
 
@@ -135,8 +136,7 @@ def next_request(run_id: str, req: TrainRequest, say) -> TrainRequest:
                 say(f"no checkpoint of {run_id} came home before it ended: starting it again from step 0")
                 return req
             current = earlier
-    from launch.ship import secrets  # the record masks secret arguments: this run's own values go on
-
+    # the record masks secret arguments: this run's own values go on
     nxt = dataclasses.replace(nxt, args=secrets.unmask_args(nxt.args, req.args))
     return dataclasses.replace(nxt, master_port=req.master_port, valueless=nxt.valueless | req.valueless,
                                env={**nxt.env, **{k: v for k, v in req.env.items() if k in nxt.env}})  # *** in records

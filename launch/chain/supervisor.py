@@ -23,14 +23,18 @@ import time
 from pathlib import Path
 from typing import TextIO
 
+from cluster import aws, keys, local, mesh, remote, resolve, shipping
 from cluster.node import Node
+from cluster.resolve import Cluster
 from core.constants import PROJECT_ROOT
-from core.errors import ClusterError
+from core.errors import ClusterError, format_error
+from launch.chain import adopt, restarts
 from launch.life import head, records
 from launch.life.cleanup import runs_alive
-from launch.life.records import Status
+from launch.life.records import Status, result_line
 from launch.plan.request import new_run_id
 from launch.ship import run_secrets
+from training.runtime import spot
 from training.runtime.paths import RunPaths
 
 log = logging.getLogger(__name__)
@@ -43,10 +47,8 @@ def detached(cluster, r, out: TextIO) -> bool:
     """`fab train --detach`: on a cluster with a head every detached run is supervised there (--max-restarts 0
     included); without one this machine keeps the role (one line says so): a supervised run's supervisor starts
     here, a plain detached run is left to the caller (node 0's wrapper). True when the run was started."""
-    from launch.chain.restarts import check_min_nodes, refuse_base_image
-
-    refuse_base_image(cluster, r.max_restarts)  # here, before a supervisor starts anywhere
-    check_min_nodes(cluster, r.req)
+    restarts.refuse_base_image(cluster, r.max_restarts)  # here, before a supervisor starts anywhere
+    restarts.check_min_nodes(cluster, r.req)
     why = head.stays_here(cluster.head, r.req, asked=r.no_head)
     if why is None:
         start_on_head(cluster, r.req, r.max_restarts, r.restart_wait, out)
@@ -64,9 +66,6 @@ def start_on_head(cluster, req, max_restarts: int, restart_wait: float, out: Tex
     here, and ends. It runs from the head's own copy of the project's code (shipping.HEAD_SHIPPED under
     <head home>/code/<hash>, shipped once per revision), not from this checkout. Nothing of the run is left on this
     machine."""
-    from cluster import local, shipping
-    from cluster.remote import connect, remote_home
-
     label = "script" if req.script or req.module else req.job
     req = dataclasses.replace(req, run_id=req.run_id or new_run_id(label), detach=False)
     secret_env = run_secrets.of_request(req)
@@ -80,7 +79,7 @@ def start_on_head(cluster, req, max_restarts: int, restart_wait: float, out: Tex
     if cluster.head.labels.get("aws_head"):
         _mesh_key_to_ssm(cluster)
     try:
-        conn = connect(cluster.head)
+        conn = remote.connect(cluster.head)
     except ClusterError as exc:  # nothing sent yet: no run folder, no process anywhere
         raise ClusterError(f"the head {cluster.head.name} does not answer ({exc.what}): run {req.run_id} was not "
                            "started", fix="check the head with 'fab status' and 'fab doctor', or pass --no-head to "
@@ -89,11 +88,9 @@ def start_on_head(cluster, req, max_restarts: int, restart_wait: float, out: Tex
     tarball = shipping.code_tarball(tops=shipping.HEAD_SHIPPED)
     env["XC_CODE_DIGEST"] = digest
     if cluster.head.labels.get("aws_head") and req.store:  # what a replacement head takes the chain over with
-        from launch.chain import adopt
-
         adopt.put_code(req.store, digest, tarball)
     with conn:
-        code = shipping.ensure_code(conn, remote_home(conn), digest, tarball)
+        code = shipping.ensure_code(conn, remote.remote_home(conn), digest, tarball)
         command = (f"cd {shlex.quote(code)} && exec env " + " ".join(shlex.quote(f"{k}={v}") for k, v in env.items())
                    + f" {shlex.quote(cluster.head.python)} -m launch.chain.supervisor --on-head")
         if secrets_at:
@@ -114,8 +111,6 @@ def start_on_head(cluster, req, max_restarts: int, restart_wait: float, out: Tex
 def _mesh_key_to_ssm(cluster) -> None:
     """An AWS head reaches the nodes with the cluster's key, which it reads from SSM (cluster.mesh): put it there, and
     authorize it on the nodes, before the head is asked to start anything."""
-    from cluster import keys, mesh
-
     key, _ = keys.cluster_key(cluster)
     mesh.publish(cluster.head.labels["aws_head"], key)
     keys.setup_keys(cluster)
@@ -124,16 +119,12 @@ def _mesh_key_to_ssm(cluster) -> None:
 def _aws_head_env(spec: str) -> None:
     """On an AWS head: boto3's region from the head's cluster.env (cloud-init's), and the mesh key from SSM as this
     cluster's key in the head's own state folder (XC_SSH_KEY): what fab's SSH to the nodes uses."""
-    from cluster import aws, local, mesh
-    from cluster.resolve import Cluster, aws_state_name
-    from training.runtime.spot import cluster_env
-
-    conf = cluster_env()
+    conf = spot.cluster_env()
     if conf.get("XC_REGION"):
         os.environ.setdefault("AWS_REGION", conf["XC_REGION"])
     os.environ[aws.ADDRESS_ENV] = "private"  # inside the VPC: the nodes admit the head's group on private addresses
     name = spec.partition(":")[2] or conf.get("XC_CLUSTER", "")
-    state = local.state_dir().parent / aws_state_name(name)
+    state = local.state_dir().parent / resolve.aws_state_name(name)
     comment = f"xeon-cluster {Cluster(spec=spec, nodes=(), state=state).name}"  # as cluster.keys.cluster_key writes it
     os.environ["XC_SSH_KEY"] = str(mesh.fetch(name, state, comment))
 
@@ -141,8 +132,6 @@ def _aws_head_env(spec: str) -> None:
 def on_head() -> int:
     """On the head: the job from stdin's one line; the runs under this machine's work root; the supervisor started
     with XC_SUPERVISOR=<run id> (start below), its plan lines printed until its ranks run."""
-    from core.errors import format_error
-
     job = pickle.loads(base64.b64decode(sys.stdin.readline()))
     req = dataclasses.replace(job["req"], runs_dir=head.runs_here())
     os.environ["XC_RUNS_DIR"] = str(req.runs_dir)
@@ -227,11 +216,6 @@ def _ranks_running(run_dir: Path) -> bool:
 
 
 def main() -> int:
-    from cluster.resolve import open_cluster
-    from core.errors import format_error
-    from launch.chain import restarts
-    from launch.life.records import result_line
-
     logging.basicConfig(level=logging.DEBUG if os.environ.get("XC_DEBUG") else logging.INFO, format="%(message)s",
                         stream=sys.stdout)
     for noisy in ("paramiko", "invoke", "fabric", "botocore", "boto3"):
@@ -248,13 +232,12 @@ def main() -> int:
     if chain:  # on a head: its records, log and heartbeat reach the store while it lives
         head.Beat(chain, req.runs_dir, req.store).start()
     if kept:
-        from launch.chain import adopt
-
         adopt.save_job(req.store, chain, job["spec"], req, job["max_restarts"], job["restart_wait"],
                        os.environ["XC_CODE_DIGEST"], job.get("secrets_at"))
     try:
-        result = restarts.train_with_restarts(open_cluster(job["spec"]), dataclasses.replace(req, wrapped=True),
-                                              job["max_restarts"], job["restart_wait"])
+        result = restarts.train_with_restarts(resolve.open_cluster(job["spec"]),
+                                              dataclasses.replace(req, wrapped=True), job["max_restarts"],
+                                              job["restart_wait"])
     except ClusterError as exc:
         sys.stdout.write(format_error(exc) + "\n")
         return exc.exit_code
@@ -269,11 +252,6 @@ def main() -> int:
 def adopted(chain: str) -> int:
     """`--adopt CHAIN`, started by launch.chain.adopt on a head that replaced the chain's: follow its newest run to
     its end, then go on with the chain's restart loop (the restarts it has left)."""
-    from cluster.resolve import open_cluster
-    from core.errors import format_error
-    from launch.chain import adopt, restarts
-    from launch.life.records import result_line
-
     url = adopt.head_store()
     job = adopt.load_job(url, chain) if url else None
     if job is None:
@@ -284,10 +262,10 @@ def adopted(chain: str) -> int:
     os.environ["XC_RUNS_DIR"] = str(runs_dir)
     head.Beat(chain, runs_dir, url).start()
     try:
-        cluster = open_cluster(job["spec"], require_running=None)  # the nodes' host keys, recorded on this head
+        cluster = resolve.open_cluster(job["spec"], require_running=None)  # the nodes' host keys, recorded on this head
 
         def members() -> set[str]:  # node 0 no longer among them: gone, a lost node for the restart loop
-            return {adopt.node_id(n) for n in open_cluster(job["spec"], require_running=None).nodes}
+            return {adopt.node_id(n) for n in resolve.open_cluster(job["spec"], require_running=None).nodes}
 
         rec, ids = adopt.pending_outcome(url, chain, runs_dir, sys.stdout, members)
         ended = adopt.as_exception(rec)

@@ -25,6 +25,7 @@ from core.constants import REMOTE_HOME
 from core.errors import ClusterError
 from launch.life import records
 from launch.life.records import RunRecord, Status
+from launch.plan import request
 from training.runtime.paths import RunPaths, runs_under
 from training.runtime.spot import cluster_env
 
@@ -59,8 +60,9 @@ def runs_on_head(head: Node | None) -> bool:
     return head is not None and bool(head.labels.get("local") or head.labels.get("aws_head"))
 
 
-# What a supervisor imports beyond the standard library (node_setup/profiles.toml gives the baked venv all of them).
-SUPERVISOR_IMPORTS = "import boto3, fabric, invoke, jinja2, paramiko, yaml"
+# What a supervisor imports beyond the standard library (node_setup/profiles.toml gives the baked venv all of them;
+# packaging comes with transformers).
+SUPERVISOR_IMPORTS = "import boto3, fabric, invoke, jinja2, packaging, paramiko, yaml"
 
 
 def lacks_venv(node: Node) -> bool:
@@ -83,10 +85,8 @@ def files_here(node: Node, req) -> str | None:
     nothing: the head, and every node, takes them from there."""
     if not node.labels.get("aws_head") or req.snapshot:
         return None
-    from launch.plan.request import local_files
-
     named = [f"--workdir {req.workdir}"] if req.workdir else [f"--script {req.script}"] if req.script else []
-    named += [f"{flag} {path}" for flag, path in local_files(req.args)]
+    named += [f"{flag} {path}" for flag, path in request.local_files(req.args)]
     return ", ".join(named) or None
 
 

@@ -10,11 +10,12 @@ import shlex
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from cluster import store as store_lib
 from cluster.node import Node
 from cluster.remote import connect, run
 from core.constants import HOME_EXPR
 from core.errors import ClusterError, Interrupted, NodeFailure, NodeLost, Preempted
-from launch.life import records
+from launch.life import records, store_run
 from launch.life.cleanup import Sweep, runs_alive, sweep
 from launch.life.records import Cause, RunRecord, RunResult, Status, supervisor_alive
 from launch.life.stream import failed_rank
@@ -98,8 +99,6 @@ def end(r: Run, o: Outcome, say) -> RunResult:
     if o.exit_code != 0:
         swept = r.sweep()
         if len(o.finished) != r.plan.world_size:  # the job did not publish its outputs itself
-            from launch.life import store_run
-
             store_run.publish_outputs(r)
         node, reason = o.watch_failure or failed_rank(o.lines, r.plan)
         # oneCCL may abort a rank during interpreter shutdown: once every rank has finished its work
@@ -125,8 +124,6 @@ def end(r: Run, o: Outcome, say) -> RunResult:
     else:
         results = fetch_results(r) if r.is_job else userscript.trainer_results(r.run_dir / "output")
         if not r.is_job:  # a script's outputs came home to runs/<id>/output: the store keeps them for any checkout
-            from launch.life import store_run
-
             store_run.publish_outputs(r)
         if r.record.detached:  # nobody watched its processes: nothing may be left
             extra = {"cleanup": r.sweep().to_dict()}
@@ -179,8 +176,6 @@ def _store_steps(url: str, run_id: str, tries: int | None = None) -> list[int] |
     """The run's complete checkpoints in the store; None when the store did not answer in ``tries`` attempts
     (expired credentials, a network cut): unknown, which is not 'no checkpoint'."""
     import time
-
-    from cluster import store as store_lib
 
     tries = tries or STORE_TRIES
     for attempt in range(1, tries + 1):

@@ -15,6 +15,7 @@ from cluster.node import Node
 from cluster.remote import connect, run
 from core.constants import HOME_EXPR
 from core.errors import ClusterError
+from launch.life import records
 from launch.life.cleanup import runs_alive
 from training.runtime.paths import RunPaths
 
@@ -65,8 +66,6 @@ def take(nodes: list[Node], run_id: str, say, runs_dir: Path | None = None) -> N
 
 def _ended(summary: Path) -> bool:
     """A run that wrote its final record; a detached or attached run records 'running' while it goes on."""
-    from launch.life import records
-
     rec = records.load_or_none(summary.parent)
     return rec is not None and rec.status is not None and rec.status.terminal
 

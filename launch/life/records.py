@@ -15,8 +15,11 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from cluster import store as store_lib
 from core import procs
 from core.errors import ClusterError, NoRecord
+from launch.plan import batch, launcher
+from launch.ship import secrets
 from training.runtime import notice
 from training.runtime.store import STORE_ENV
 
@@ -262,9 +265,6 @@ class RunResult:
 
 def new_record(cluster, req, plan, facts, args: list[str]) -> RunRecord:
     """The record of a run about to start (status None until it is first written)."""
-    from launch.plan import launcher
-    from launch.ship import secrets
-
     return RunRecord(
         run_id=plan.run_id, cluster=cluster.spec, nodes=[f.node.to_dict() for f in facts],
         job=req.job if not req.script else None, script=req.script, args=secrets.mask_args(args), module=req.module,
@@ -280,10 +280,8 @@ def new_record(cluster, req, plan, facts, args: list[str]) -> RunRecord:
 
 
 def _segment(req, plan, args: list[str]) -> dict:
-    from launch.plan.batch import micro_batches
-
     return {"nodes": len(plan.nodes), "world_size": plan.world_size,
-            "accumulation": micro_batches(req, args, plan.world_size) // plan.world_size,
+            "accumulation": batch.micro_batches(req, args, plan.world_size) // plan.world_size,
             "from_step": req.resume.step if req.resume else 0}
 
 
@@ -296,9 +294,8 @@ def _reached(record: RunRecord, step) -> None:
 def _commit(run_dir: Path, record: RunRecord) -> RunRecord:
     Path(run_dir).mkdir(parents=True, exist_ok=True)
     record._save(run_dir)
-    from cluster import store  # [store] the records beside the run's checkpoints; never raises
-
-    store.publish_records(run_dir, record.store, ended=record.status != Status.RUNNING)
+    # [store] the records beside the run's checkpoints; never raises
+    store_lib.publish_records(run_dir, record.store, ended=record.status != Status.RUNNING)
     return record
 
 

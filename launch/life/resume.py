@@ -16,6 +16,7 @@ from core.errors import ClusterError, NoCheckpoint, NoRecord
 from launch.life import records
 from launch.plan.request import Resume, TrainRequest, file_digest
 from launch.ship import secrets
+from launch.ship import workdir as workdir_lib
 from training.runtime.paths import RunPaths, latest_checkpoint
 
 
@@ -98,8 +99,6 @@ def resume_request(run_id: str, runs_dir: Path, nodes: int | None = None, fetch_
 def same_code(run_id: str, request: dict, shipped: dict | None, changed_ok: bool = False) -> None:
     """A resumed --script/--workdir run without a snapshot of its code runs the folder here: it must be there, and
     its content hash (or the lone script's) what the record keeps, unless `changed_ok` (--code current)."""
-    from launch.ship import workdir as workdir_lib
-
     if request.get("workdir"):
         path = request["workdir"]
         if not Path(path).is_dir():

@@ -8,11 +8,13 @@ import signal
 import time
 from pathlib import Path
 
+from cluster import store as store_lib
 from cluster.resolve import Cluster
 from core.errors import ClusterError, NodeFailure
-from launch.life import lock, records
+from launch.life import head, lock, records
 from launch.life.cleanup import runs_alive, sweep
 from launch.life.records import Status
+from launch.ship import run_secrets
 from training.runtime.paths import RunPaths
 
 RUN_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
@@ -59,8 +61,6 @@ def _record(run_dir: Path, run_id: str, store: str | None) -> records.RunRecord 
     """The run's record at home, else the store's copy (a run a head's supervisor ran)."""
     rec = records.load_or_none(run_dir)
     if rec is None and store:
-        from cluster import store as store_lib
-
         summary = store_lib.read_summary(store, run_id)
         rec = records.RunRecord.from_json(summary) if summary else None
     return rec
@@ -71,13 +71,9 @@ def _end_on_head(cluster: Cluster, rec: records.RunRecord | None) -> bool:
     sup = (rec.supervisor if rec else None) or {}
     if not sup.get("head") or cluster.head is None or cluster.head.name != sup["head"]:
         return False
-    from launch.life import head
-
     chain = sup.get("chain") or rec.run_id
     ended = bool(head.end_on(cluster.head, chain))
     if cluster.head.labels.get("aws_head"):  # the chain is over: its secrets leave SSM (launch.ship.run_secrets)
-        from launch.ship import run_secrets
-
         run_secrets.delete_chain(cluster.head.labels["aws_head"], chain)
     return ended
 

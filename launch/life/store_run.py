@@ -9,6 +9,7 @@ from cluster import store as store_lib
 from core.errors import ClusterError
 from launch.plan.request import TrainRequest
 from launch.ship import secrets
+from training.runtime import store as training_store
 from training.runtime.store import STORE_ENV
 
 log = logging.getLogger(__name__)
@@ -44,8 +45,6 @@ def publish_outputs(r) -> None:
     if fetched) into the store beside its records, so 'fab pull' brings them to any checkout.
     From here, not node 0: the run's secrets, the only credentials a node off AWS has, are gone by now. Never
     raises: the run's ending is recorded whatever the store does."""
-    from training.runtime import store as training_store
-
     url = r.record.store
     if not url:
         return

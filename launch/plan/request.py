@@ -125,8 +125,6 @@ class TrainRequest:
         """What a record keeps to run this again (--resume, --max-restarts): secrets as ***, and the key of the run's
         code snapshot in the store; without one (no store), the digests of the data files and the lone script, which
         a resume must then find unchanged here."""
-        from launch.ship import secrets
-
         own = self.snapshot is None  # else the snapshot's manifest has the digests, and these files may not be here
         return {"job": self.job, "script": self.script, "workdir": self.workdir, "module": self.module,
                 "launcher": self.launcher, "requirements": self.requirements, "pylayer": self.pylayer,

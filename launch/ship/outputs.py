@@ -15,6 +15,7 @@ from pathlib import Path
 from cluster.node import Node
 from cluster.remote import connect, run
 from core.errors import ClusterError
+from launch.ship import chart
 from training.runtime.paths import (
     CHECKPOINT_GLOB,
     COMPLETE_MARKER,
@@ -164,6 +165,4 @@ def draw_loss(state_file: Path, png: Path) -> Path | None:
                                                           ("eval loss", points("eval_loss"), "points")) if pts]
     if not series:
         return None
-    from launch.ship.chart import line_chart
-
-    return line_chart(series, png, "step", "loss")
+    return chart.line_chart(series, png, "step", "loss")

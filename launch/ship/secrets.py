@@ -12,6 +12,8 @@ from __future__ import annotations
 import logging
 import re
 
+from cluster import remote
+
 log = logging.getLogger(__name__)
 
 MASK = "***"
@@ -144,12 +146,10 @@ def remove_script(run_dir: str) -> str:
 
 def forget(where) -> None:
     """Remove secrets.env from each (node, run folder); never raises (the clean-up sweep removes it too)."""
-    from cluster.remote import connect, run
-
     for node, run_dir in where:
         try:
-            with connect(node) as conn:
-                run(conn, remove_script(run_dir), timeout=30)
+            with remote.connect(node) as conn:
+                remote.run(conn, remove_script(run_dir), timeout=30)
         except Exception as exc:  # an unreachable node: the sweep of the failure tries again
             log.debug("removing %s on %s", FILE, node.name, exc_info=True)
             log.warning("could not remove %s from %s: %s", FILE, node.name, exc)

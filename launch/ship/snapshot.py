@@ -23,6 +23,8 @@ import tarfile
 import tempfile
 from pathlib import Path
 
+from cluster import remote
+from cluster.store import PUBLIC_ENV
 from core.errors import ClusterError
 from launch.ship import workdir as workdir_lib
 from launch.ship.datafiles import file_digest, local_files, rewrite_files
@@ -220,15 +222,12 @@ def fetch(conn, python: str, code_dir: str, run_dir: str, home: str, key: str, e
     when it had it. Raises ClusterError."""
     import shlex
 
-    from cluster.remote import run
-    from cluster.store import PUBLIC_ENV
-
     q = shlex.quote
     store_env = " ".join(f"{k}={q(v)}" for k, v in env.items() if k in (store_lib.STORE_ENV, *PUBLIC_ENV))
     command = (f"cd {q(run_dir)} && {{ [ ! -f ./secrets.env ] || . ./secrets.env; }} && env {store_env} "
                f"PYTHONPATH={q(code_dir)} {q(python)} -m training.runtime.snapshot {q(key)} "
                f"{q(home + '/' + shared.FOLDER)} {q(run_dir)}")
-    res = run(conn, command, timeout=600)
+    res = remote.run(conn, command, timeout=600)
     lines = [ln for ln in res.stdout.splitlines() if ln.startswith("{")]
     try:
         said = json.loads(lines[-1])

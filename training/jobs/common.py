@@ -13,7 +13,9 @@ from pathlib import Path
 
 import numpy as np
 
-from training.runtime import events, startup, tbsync
+from training.jobs import dist
+from training.runtime import events, publish, startup, tbsync
+from training.speed import mfu
 from training.speed.levers import has_flag
 
 log = logging.getLogger("training")
@@ -259,8 +261,6 @@ def ipex_optimizers(model, args, info):
         return model, (None, None)
     import torch
 
-    from training.jobs import dist
-
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, weight_decay=args.weight_decay)
     model, optimizer = dist.optimize_with_ipex(model, optimizer, info)
     return model, (optimizer, None)
@@ -316,16 +316,14 @@ def train_and_record(trainer, results: dict, train_ds, info) -> None:
     --save_every, resumed from XC_RESUME_FROM, and the job's end on a notice (training.runtime.preempt: exit 75)."""
     if train_ds is None:
         return
-    from training.jobs import dist
-    from training.runtime import preempt, spot
+    from training.jobs import order  # lazy: torch (~1000 modules), which the job's module does not import
+    from training.runtime import preempt, spot  # lazy: urllib.request, http.client, ssl (+25% on the job's import)
 
     dist.ready_for_ddp(trainer)
     resume = preempt.resume_checkpoint(trainer)
     if resume:
         results["resumed_from_step"] = spot.trainer_state_step(resume)
     preempt.attach(trainer)  # the same as the rank hook gives users' Trainer scripts (it finds this one attached)
-    from training.jobs import order
-
     order.keep(trainer, train_ds, info.world_size, length_grouping(trainer.args))  # the same batches per step at any node count (--min-nodes)
     startup.settle()
     train_start = time.monotonic()
@@ -334,11 +332,10 @@ def train_and_record(trainer, results: dict, train_ds, info) -> None:
     results["train"] = dict(out.metrics, samples=len(train_ds), wall_s=time.monotonic() - train_start,
                             global_step=out.global_step)
     results["ddp"] = dist.ddp_stats(trainer)
-    from training.speed import mfu
-
     mfu.record(results, trainer, bool(trainer.args.bf16))
-    from training.speed import native  # the path each kernel took, and why torch's where it did
+    from training.speed import native  # lazy: subprocess, tempfile, ctypes (+5% on the job's import)
 
+    # the path each kernel took, and why torch's where it did
     results["speed"] = {"model": "compiled" if trainer.args.torch_compile else "eager", **native.report()}
 
 
@@ -359,8 +356,6 @@ def finish(info, args, results: dict, started: float, line: str | None = None, t
     if info.is_main:
         path = write_results(args.output_dir, results)
         log.info("results written to %s", path)
-        from training.runtime import publish
-
         publish.output(args.output_dir)
         if line:
             print(f"[result] {line}", flush=True)

@@ -83,9 +83,7 @@ def resolve_precision(requested: str | None = None) -> str:
     elif mfu.amx_matmuls():
         speedup = float("inf")  # AMX: 8x fp32's matmul on Sapphire Rapids (README), not worth a second of measuring
     else:
-        from training.speed.mfu import bf16_speedup
-
-        speedup = bf16_speedup()
+        speedup = mfu.bf16_speedup()
     agreed = torch.tensor([speedup], dtype=torch.float64)
     if tdist.is_initialized():  # every rank takes part, whatever its CPU, and all pick the same
         tdist.all_reduce(agreed, op=tdist.ReduceOp.MIN)

@@ -178,7 +178,7 @@ def main(argv: list[str] | None = None) -> int:
 
     argv = common.job_argv(argv, info.precision)
     model_args, data_args, args = common.parse_job_args(argv, ModelArguments, DataArguments)
-    from training.speed import master
+    from training.speed import encoder, master  # lazy: torch (~1000 modules), which the job's module does not import
 
     master.check(model_args, args, argv)  # bad flags: before loading anything
 
@@ -207,7 +207,7 @@ def main(argv: list[str] | None = None) -> int:
     model = common.mean_loss_per_rank(
         AutoModelForSequenceClassification.from_pretrained(model_path, config=config, cache_dir=model_args.cache_dir,
                                                            attn_implementation=attn))
-    levers.apply(model, model_args, argv)
+    encoder.apply(model, model_args, argv)
     timeline.mark("model_loaded", info.is_main)
     label_to_id = None if is_regression or hasattr(label_feature, "names") else {v: i for i, v in enumerate(label_list)}
     padding = "max_length" if data_args.pad_to_max_length else False

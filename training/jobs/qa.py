@@ -271,7 +271,7 @@ def main(argv: list[str] | None = None) -> int:
 
     argv = common.job_argv(argv, info.precision)
     model_args, data_args, args = common.parse_job_args(argv, ModelArguments, DataArguments)
-    from training.speed import master
+    from training.speed import encoder, master  # lazy: torch (~1000 modules), which the job's module does not import
 
     master.check(model_args, args, argv)  # bad flags: before loading anything
 
@@ -288,7 +288,7 @@ def main(argv: list[str] | None = None) -> int:
         raise ValueError(f"{model_args.model_name_or_path} has no fast tokenizer; run_qa needs its offset mapping")  # noqa: TRY004
     model = common.mean_loss_per_rank(
         AutoModelForQuestionAnswering.from_pretrained(model_path, config=config, cache_dir=model_args.cache_dir))
-    levers.apply(model, model_args, argv)
+    encoder.apply(model, model_args, argv)
     max_len = min(data_args.max_seq_length, tokenizer.model_max_length)
     padding = "max_length" if data_args.pad_to_max_length else False
 

@@ -18,6 +18,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from training.speed import native
+
 ATTENTION = "xc_eager"  # eager attention with this dropout on its probabilities
 
 
@@ -86,8 +88,6 @@ def _kernels(lib, dtype):
 
 
 def _native_lib(x: torch.Tensor, kernel: str):
-    from training.speed import native
-
     if x.device.type != "cpu" or x.dtype not in (torch.bfloat16, torch.float32):
         native.took(kernel, f"torch ({x.dtype} on {x.device.type}: the kernel takes bf16 or fp32 on the CPU)")
         return None

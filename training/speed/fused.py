@@ -14,6 +14,7 @@ import types
 
 import torch
 
+from training.speed import native
 from training.speed.fastdrop import FastDropout, mask_seed
 
 ROW_MAX = 4096  # kernels.c's ROW_MAX: wider layer norms take the block's own forward
@@ -74,8 +75,6 @@ def _native(kernel: str, module, *tensors):
     """training/speed/native's library where the block trains in bf16 on CPU with a gradient, else None."""
     if not (module.training and torch.is_grad_enabled()):
         return None
-    from training.speed import native
-
     if any(t is None or t.device.type != "cpu" or t.dtype != torch.bfloat16 for t in tensors):
         native.took(kernel, "torch (the kernel is for bf16 weights and activations on the CPU)")
         return None

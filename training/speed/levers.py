@@ -1,12 +1,12 @@
 """Speed levers the bundled jobs share: for the encoders (glue, qa) cheap dropout and frozen word embeddings,
-as flags of their ModelArguments, and applying them to a loaded model; for the causal LM (clm) blocked or fused
-attention, one-kernel GELU, cheap dropout and the chunked head and loss (causal_lm_config, causal_lm)."""
+as flags of their ModelArguments (training/speed/encoder.py applies them to a loaded model); for the causal LM
+(clm) blocked or fused attention, one-kernel GELU, cheap dropout and the chunked head and loss (causal_lm_config,
+causal_lm)."""
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass, field
 
-log = logging.getLogger("training.speed.levers")
+from training.speed import mfu
 
 
 @dataclass
@@ -24,32 +24,6 @@ class SpeedArguments:
                 "with fp32 master copies in AdamW instead of autocast casting every weight every step"})
 
 
-def apply(model, args: SpeedArguments, argv: list[str]) -> None:
-    """Fast dropout and frozen embeddings on model, as args say. A resumed checkpoint that trained the
-    embeddings (started before they were frozen by default) keeps training them unless the flag was given."""
-    from training.speed import fastdrop, fused
-
-    if args.fast_dropout:
-        fastdrop.install(model)
-    fused.install(model)  # bf16 training with training/speed/native's kernels only; else the block's own forward
-    if args.freeze_embeddings and not has_flag(argv, "--freeze_embeddings", "--no_freeze_embeddings"):
-        args.freeze_embeddings = not resumes_trained_embeddings(model)
-    if args.freeze_embeddings:
-        model.get_input_embeddings().weight.requires_grad_(False)
-
-
-def resumes_trained_embeddings(model) -> bool:
-    """Whether XC_RESUME_FROM's optimizer stepped every weight of model."""
-    from training.runtime import spot, store
-
-    store.fetch_resume()  # XC_RESUME_URL onto this node first: the job reads the checkpoint before training
-    resume = spot.resume_from()
-    if not resume or spot.optimizer_tensors(resume) != sum(1 for p in model.parameters() if p.requires_grad):
-        return False
-    log.warning("%s trained the word embeddings: the resumed run trains them too (--freeze_embeddings False)", resume)
-    return True
-
-
 def causal_lm_config(config, args) -> None:
     """Before the model is built: attention dropout as --attention_dropout says (0 lets torch's fused CPU
     attention run: its flash kernel has no dropout, so sdpa falls back to materialising every score matrix in
@@ -64,7 +38,7 @@ def causal_lm(model, args) -> dict:
     """After: fast dropout, causal attention in blocks (training/speed/blockattn.py) and the chunked head and loss
     (training/speed/lmloss.py). Returns what was applied, for results.json (fast_dropout: how many dropout modules
     were swapped)."""
-    from training.speed import blockattn, fastdrop, lmloss
+    from training.speed import blockattn, fastdrop, lmloss  # lazy: torch, which a job's flags (above) do not need
 
     # GPT-2's eager attention scales and masks its own way: its probabilities keep torch's dropout
     swapped = fastdrop.install(model, attention=False) if args.fast_dropout else 0
@@ -94,7 +68,5 @@ def forced(value, flag: str) -> bool | None:
 
 def block_attention(value) -> bool:
     """--block_attention: auto takes the blocks where the CPU has no AMX (or oneDNN is capped below it)."""
-    from training.speed import mfu
-
     chosen = forced(value, "--block_attention")
     return not mfu.amx_matmuls() if chosen is None else chosen

@@ -7,6 +7,8 @@ import math
 
 import torch
 
+from training.speed import levers, native
+
 
 class MasterAdamW(torch.optim.AdamW):
     """AdamW over fp32 copies of a bf16 model's parameters. step() takes the bf16 gradients into the copies,
@@ -95,8 +97,6 @@ class MasterAdamW(torch.optim.AdamW):
 
     def _native_step_ready(self) -> bool:
         if self._native is None:
-            from training.speed import native
-
             plain = all(not g.get(k) for g in self.param_groups for k in ("amsgrad", "maximize", "capturable",
                                                                             "differentiable"))
             # the kernel takes one beta1, beta2 and eps for every tensor
@@ -117,8 +117,6 @@ class MasterAdamW(torch.optim.AdamW):
         """AdamW as torch's fused step computes it, in one pass over each weight (training/speed/native/kernels.c):
         the bf16 gradient read where autograd left it, the bf16 weight written from its new master. torch's
         path: a copy of every gradient to fp32, the fused step, a copy of every master back to bf16."""
-        from training.speed import native
-
         n = len(self.masters)
         group_of = {id(m): g for g in self.param_groups for m in g["params"]}
         ptrs = {k: (ctypes.c_void_p * n)() for k in ("grad", "weight", "master", "m", "v")}
@@ -183,8 +181,6 @@ class MasterAdamW(torch.optim.AdamW):
 def wanted(value, bf16: bool, ipex: bool, optim_flag: bool = False) -> bool:
     """--bf16_weights: auto takes them wherever the run trains in bf16 and neither IPEX nor the user's --optim
     chooses the optimizer."""
-    from training.speed import levers
-
     chosen = levers.forced(value, "--bf16_weights")
     if chosen is False:
         return False
@@ -199,18 +195,14 @@ def wanted(value, bf16: bool, ipex: bool, optim_flag: bool = False) -> bool:
 
 def check(model_args, args, argv: list[str]) -> None:
     """--bf16_weights' value against the run's precision and --optim, before the job loads anything."""
-    from training.speed.levers import has_flag
-
-    wanted(model_args.bf16_weights, args.bf16, False, has_flag(argv, "--optim"))
+    wanted(model_args.bf16_weights, args.bf16, False, levers.has_flag(argv, "--optim"))
 
 
 def install(model, model_args, args, optimizers, argv: list[str], trainer_cls):
     """(model, optimizers) for the Trainer: the model in bf16 with MasterAdamW where --bf16_weights says and the
     run trains; model_args.bf16_weights becomes what was chosen (results.json)."""
-    from training.speed.levers import has_flag
-
     model_args.bf16_weights = args.do_train and wanted(model_args.bf16_weights, args.bf16, optimizers != (None, None),
-                                                       has_flag(argv, "--optim"))
+                                                       levers.has_flag(argv, "--optim"))
     if not model_args.bf16_weights:
         return model, optimizers
     return bf16_master(model, args, trainer_cls.get_decay_parameter_names(None, model))
