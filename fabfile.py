@@ -194,7 +194,7 @@ def train(c, flags: flags_lib.TrainFlags):
     runs_lib.reap_all(request_lib.RUNS)  # runs whose fab died: recorded abandoned before this one starts
     if (r.supervised or req.detach) and supervisor_lib.detached(chosen, dataclasses.replace(r, req=req), sys.stdout):
         return  # on the cluster's head when it has one, else here
-    result = restarts_lib.train_with_restarts(chosen, req, r.max_restarts, r.restart_wait)
+    result = restarts_lib.train_with_restarts(chosen, req)
     if not result.detached:
         print(records.result_line(result))
 

@@ -14,7 +14,7 @@ import time
 import pytest
 
 from cluster import store as store_lib
-from core.errors import NodeFailure, Preempted
+from core.errors import ClusterError, NodeFailure, Preempted
 from launch.chain import adopt
 from launch.life import detach, head
 from launch.life.records import RunRecord, Status
@@ -271,7 +271,7 @@ def test_the_boot_script_lists_run_folders_only_never_the_objects_under_them(aws
     assert {name for name, _ in calls} == {"ListObjectsV2", "HeadObject", "GetObject"}
 
 
-def _orphan(tmp_path, monkeypatch, *fakes) -> str:
+def _orphan(tmp_path, monkeypatch, *fakes, request: dict | None = None) -> str:
     """A chain `c1` whose run goes on under node 0's wrapper with no head (its record in a file store, running),
     on fake nodes at the SSH boundary (tests/fake_node.py); returns the store's URL."""
     from fake_node import FakeCluster
@@ -285,7 +285,7 @@ def _orphan(tmp_path, monkeypatch, *fakes) -> str:
     url = (tmp_path / "store").as_uri()
     _run(url, "c1", Status.RUNNING, nodes=[n.to_dict() for n in fc.nodes], job="glue", ppn=1, world_size=len(fakes),
          detached=True, remote_run="/h/runs/c1", remote_output="/h/runs/c1/output", started_at=time.time() - 60,
-         env={"XC_STORE": url})
+         env={"XC_STORE": url}, request=request)
     return url
 
 
@@ -363,9 +363,9 @@ def test_an_adopted_chain_whose_node_0_is_gone_restarts_or_is_concluded(tmp_path
     from launch.life.records import RunResult
     from launch.ship import run_secrets
 
-    url = _orphan(tmp_path, monkeypatch, FakeNode("node0", reachable=False), FakeNode("node1", procs={"c1": 1}))
-    job = {"chain": "c1", "spec": "aws:dev", "max_restarts": max_restarts, "restart_wait": 60, "min_nodes": None,
-           "grow_back": True, "secrets": ["HF_TOKEN"], "secrets_at": "dev", "code": "0123456789abcdef"}
+    url = _orphan(tmp_path, monkeypatch, FakeNode("node0", reachable=False), FakeNode("node1", procs={"c1": 1}),
+                  request={"recovery": {"max_restarts": max_restarts, "restart_wait": 60}})  # the record's policy
+    job = {"chain": "c1", "spec": "aws:dev", "secrets": ["HF_TOKEN"], "secrets_at": "dev", "code": "0123456789abcdef"}
     store_lib.put_record(url, "c1", adopt.JOB, json.dumps(job).encode())
 
     class Beat:
@@ -391,8 +391,8 @@ def test_an_adopted_chain_whose_node_0_is_gone_restarts_or_is_concluded(tmp_path
     monkeypatch.setattr(adopt, "adopted_request", lambda url, job, rec, runs_dir, values: "the request")
     monkeypatch.setattr(run_secrets, "delete", lambda at, chain, names: deleted.append((at, chain, list(names))))
 
-    def train_with_restarts(cluster, req, max_restarts, restart_wait, ended=None, restarts_done=0):
-        handed.append((req, max_restarts, ended, restarts_done))
+    def train_with_restarts(cluster, req, ended=None, restarts_done=0):
+        handed.append((req, ended, restarts_done))
         return RunResult(run_id="c1-2", run_dir=tmp_path / "runs" / "c1-2", exit_code=0, wall_s=1.0, results=None)
 
     monkeypatch.setattr(restarts, "train_with_restarts", train_with_restarts)
@@ -402,8 +402,27 @@ def test_an_adopted_chain_whose_node_0_is_gone_restarts_or_is_concluded(tmp_path
     assert adopt.load_job(url, "c1") is None and deleted == [("dev", "c1", ["HF_TOKEN"])]
     if max_restarts:
         assert got == 0 and len(handed) == 1
-        req, of, ended, done = handed[0]
-        assert (req, of, done) == ("the request", max_restarts, 0)
+        req, ended, done = handed[0]
+        assert (req, done) == ("the request", 0)
         assert isinstance(ended, NodeFailure) and ended.lost == ["node0"] and ended.run_id == "c1"
     else:
         assert got == 1 and handed == []
+
+
+def test_the_recovery_policy_lives_in_the_record_and_a_taken_over_chain_keeps_it(tmp_path):
+    """--max-restarts, --restart-wait, --min-nodes and --no-grow-back are the request's (TrainRequest.recovery): the
+    record keeps them, and the request a replacement head goes on with has them back, with no job field beside it."""
+    from launch.plan.request import Recovery, TrainRequest
+
+    policy = Recovery(max_restarts=3, restart_wait=45, min_nodes=1, grow_back=False)
+    req = TrainRequest(nodes=2, job="glue", args=["--seed", "1"], recovery=policy)
+    kept = req.to_record()
+    assert kept["recovery"] == {"max_restarts": 3, "restart_wait": 45, "min_nodes": 1, "grow_back": False}
+    url = (tmp_path / "store").as_uri()
+    _run(url, "c1", Status.PREEMPTED, request=kept, nodes=[{}, {}])
+    rec = RunRecord.from_json(store_lib.read_summary(url, "c1"))
+    again = adopt.adopted_request(url, {"secrets": []}, rec, tmp_path / "runs", {})
+    assert again.recovery == policy and again.wrapped and again.nodes == 2
+    assert TrainRequest.from_record({**kept, "recovery": None}, {}, set()).recovery == Recovery()  # older records
+    with pytest.raises(ClusterError, match="--min-nodes 0 must be 1 or more"):
+        Recovery(max_restarts=1, min_nodes=0)

@@ -15,7 +15,7 @@ from launch.chain.train_flags import TrainFlags, resolve
 from launch.life import elastic, runs
 from launch.life.records import RunRecord, Status
 from launch.plan import batch
-from launch.plan.request import TrainRequest
+from launch.plan.request import Recovery, TrainRequest
 from training.jobs import order
 from training.runtime import preempt
 
@@ -34,15 +34,15 @@ def test_bad_min_nodes_is_one_line_naming_the_fix(tmp_path):
             _resolve(tmp_path, **flags)
         assert err.value.what.startswith(said) and err.value.fix, (flags, err.value.what)
     r = _resolve(tmp_path, min_nodes="1", nodes="2", max_restarts="2", no_grow_back=True)
-    assert (r.req.min_nodes, r.req.grow_back) == (1, False)
-    assert _resolve(tmp_path).req.min_nodes is None
+    assert r.req.recovery == Recovery(max_restarts=2, restart_wait=600, min_nodes=1, grow_back=False)
+    assert _resolve(tmp_path).req.recovery.min_nodes is None
 
 
 def test_min_nodes_above_the_clusters_size_is_refused_before_anything_starts():
     cluster = SimpleNamespace(spec="local", nodes=("n0", "n1"))
     with pytest.raises(ClusterError, match=r"--min-nodes 3 is above the run's 2 node\(s\)"):
-        restarts.check_min_nodes(cluster, TrainRequest(min_nodes=3))
-    assert restarts.check_min_nodes(cluster, TrainRequest(min_nodes=1)) == 2
+        restarts.check_min_nodes(cluster, TrainRequest(recovery=Recovery(max_restarts=1, min_nodes=3)))
+    assert restarts.check_min_nodes(cluster, TrainRequest(recovery=Recovery(max_restarts=1, min_nodes=1))) == 2
 
 
 def test_a_bundled_job_accumulates_more_on_fewer_ranks_and_less_when_it_grows_back():
@@ -91,7 +91,7 @@ def test_the_run_goes_on_with_the_most_ready_nodes_that_divide_it():
 def test_ready_nodes_the_batch_leaves_out_are_named_idle_in_the_same_line(monkeypatch):
     said = []
     monkeypatch.setattr(restarts, "ready_prefix", lambda spec, full, endpoint: 3)
-    req = TrainRequest(min_nodes=1, grow_back=True)
+    req = TrainRequest(recovery=Recovery(max_restarts=1, min_nodes=1, grow_back=True))
     size, gave_up = restarts._smaller(_rec(world=4), ClusterError("node3 is gone"), req, 4, "aws:c", "", said.append)
     assert (size, gave_up) == (2, None) and len(said) == 1 and "\n" not in said[0]
     assert said[0] == (

@@ -467,7 +467,7 @@ def test_the_supervisors_job_crosses_a_pipe_even_with_a_scanned_workdir(tmp_path
     import pickle
 
     from launch.chain import supervisor
-    from launch.plan.request import TrainRequest, validate
+    from launch.plan.request import Recovery, TrainRequest, validate
 
     (tmp_path / "train.py").write_text("print(1)\n")
     req = TrainRequest(job=None, script="train.py", workdir=str(tmp_path), runs_dir=tmp_path / "runs",
@@ -476,6 +476,7 @@ def test_the_supervisors_job_crosses_a_pipe_even_with_a_scanned_workdir(tmp_path
     assert req.checked and req.checked[0] is not None  # plan_run will not scan --workdir again
     with pytest.raises(dataclasses.FrozenInstanceError):
         req.env = {}  # resolved once: a step that needs another request makes one
-    job = pickle.loads(supervisor.payload("local", req, 2, 60))
-    assert job["req"].checked is None and job["req"].workdir == str(tmp_path) and job["max_restarts"] == 2
+    req = dataclasses.replace(req, recovery=Recovery(max_restarts=2, restart_wait=60))
+    job = pickle.loads(supervisor.payload("local", req))
+    assert job["req"].checked is None and job["req"].workdir == str(tmp_path) and job["req"].recovery.max_restarts == 2
     assert job["req"].env == {"HF_TOKEN": "s3cret"}  # on the pipe only: fab writes no file with it

@@ -3,6 +3,7 @@ again and resumes by itself. Unit tests of the decisions, and one run on a real 
 preempted through a fake IMDS and then loses a node outright (sshd and processes killed)."""
 from __future__ import annotations
 
+import dataclasses
 import io
 import json
 import re
@@ -18,7 +19,7 @@ from core.errors import ClusterError, NodeFailure, Preempted
 from launch.chain import restarts
 from launch.life import records
 from launch.life.records import RunRecord, RunResult, Status, load
-from launch.plan.request import TrainRequest
+from launch.plan.request import Recovery, TrainRequest
 from launch.run import DEMO_ARGS
 from training.runtime import spot
 from training.runtime.paths import checkpoint_step
@@ -115,8 +116,9 @@ def test_restarts_resume_from_the_newest_checkpoint_along_the_resume_chain(tmp_p
         def flush(self):
             pass
 
-    first = TrainRequest(nodes=2, job="glue", runs_dir=tmp_path, master_port=29611)
-    assert restarts.train_with_restarts(LOCAL, first, max_restarts=1, restart_wait=5, out=Out()).run_id == "c"
+    first = TrainRequest(nodes=2, job="glue", runs_dir=tmp_path, master_port=29611,
+                         recovery=Recovery(max_restarts=1, restart_wait=5))
+    assert restarts.train_with_restarts(LOCAL, first, out=Out()).run_id == "c"
     again = calls[1]
     # the run that was lost waits as 'restarting' and is resumed under a name of its own: the record says so
     assert again.restart_of == "b" and load(tmp_path / "b").restart["ended"] == "failed"
@@ -134,12 +136,12 @@ def test_a_head_that_took_a_chain_over_counts_the_restarts_the_chain_already_had
     monkeypatch.setattr(restarts, "open_cluster", lambda spec, **_: LOCAL)
     monkeypatch.setattr(restarts, "wait_for_nodes", lambda *a, **k: None)
     lost = NodeFailure("run b failed", ["node1"], run_id="b", lost=["node1"])
-    out, req = io.StringIO(), TrainRequest(nodes=2, job="glue", runs_dir=tmp_path)
-    assert restarts.train_with_restarts(LOCAL, req, max_restarts=2, out=out, ended=lost, restarts_done=1).run_id == "c"
+    out, req = io.StringIO(), TrainRequest(nodes=2, job="glue", runs_dir=tmp_path, recovery=Recovery(max_restarts=2))
+    assert restarts.train_with_restarts(LOCAL, req, out=out, ended=lost, restarts_done=1).run_id == "c"
     assert "restart 2 of 2: run b lost node1" in out.getvalue()
     assert load(tmp_path / "b").restart["attempt"] == 2
     with pytest.raises(NodeFailure):
-        restarts.train_with_restarts(LOCAL, req, max_restarts=2, out=io.StringIO(), ended=lost, restarts_done=2)
+        restarts.train_with_restarts(LOCAL, req, out=io.StringIO(), ended=lost, restarts_done=2)
 
 
 def test_no_restart_left_ends_with_the_failure_and_the_wait_problem(tmp_path, monkeypatch):
@@ -154,18 +156,18 @@ def test_no_restart_left_ends_with_the_failure_and_the_wait_problem(tmp_path, mo
     monkeypatch.setattr(restarts, "missing", lambda *a: "node1 has a spot interruption notice")
     req = TrainRequest(nodes=2, runs_dir=tmp_path)
     with pytest.raises(Preempted) as exc:
-        restarts.train_with_restarts(LOCAL, req, max_restarts=0, out=io.StringIO())
+        restarts.train_with_restarts(LOCAL, req, out=io.StringIO())
     assert str(exc.value).endswith("resume with 'fab train --resume a'")
     with pytest.raises(Preempted) as exc:
-        restarts.train_with_restarts(LOCAL, req, max_restarts=2, restart_wait=0, out=io.StringIO(),
-                                     poll_s=0)
+        restarts.train_with_restarts(LOCAL, dataclasses.replace(req, recovery=Recovery(max_restarts=2, restart_wait=0)),
+                                     out=io.StringIO(), poll_s=0)
     assert str(exc.value).startswith("the cluster did not have 2 node(s) within --restart-wait 0s (node1 has a "
                                      "spot interruption notice); run a preempted")
     assert exc.value.run_id == "a" and exc.value.exit_code == 75
     rec = load(tmp_path / "a")  # waited as 'restarting', and ends as it ended when the wait gave up
     assert rec.status == Status.PREEMPTED and rec.restart is None
     with pytest.raises(ClusterError, match="--max-restarts -1 must be 0 or more"):
-        restarts.train_with_restarts(LOCAL, req, max_restarts=-1)
+        Recovery(max_restarts=-1)
 
 
 def _home_steps(run_dir: Path) -> list[int]:

@@ -55,7 +55,7 @@ def test_the_store_keeps_the_names_and_a_replacement_head_gets_the_values_back(a
     # a bare --env KEY, a name that reads as a secret, and secret job arguments under their flags' names (as
     # --resume reads them): each masked in the record
     assert kept == {"MYSECRET": "hush-1", "HF_TOKEN": "hush-2", "HUB_TOKEN": "hush-3", "API_KEY": "hush-4"}
-    adopt.save_job(store, "c1", "aws:bert", req, 2, 60.0, "digest", secrets_at="bert")
+    adopt.save_job(store, "c1", "aws:bert", req, "digest", secrets_at="bert")
     saved = (tmp_path / "store").rglob("*.json")
     text = "".join(p.read_text() for p in saved)
     assert not [v for v in kept.values() if v in text]  # names only

@@ -56,13 +56,11 @@ def put_code(url: str, digest: str, tarball: bytes) -> None:
     store_lib.put_once(url, code_key(digest), tarball)
 
 
-def save_job(url: str, chain: str, spec: str, req, max_restarts: int, restart_wait: float, digest: str,
-             secrets_at: str | None = None) -> None:
+def save_job(url: str, chain: str, spec: str, req, digest: str, secrets_at: str | None = None) -> None:
     """`secrets`: the names of the chain's secret --env values and arguments (a record keeps them masked);
     `secrets_at`: the cluster under whose SSM path fab keeps their values (launch.ship.run_secrets), if it did."""
-    job = {"chain": chain, "spec": spec, "max_restarts": max_restarts, "restart_wait": restart_wait,
-           "min_nodes": req.min_nodes, "grow_back": req.grow_back,
-           "secrets": sorted(run_secrets.of_request(req)), "secrets_at": secrets_at, "code": digest}
+    job = {"chain": chain, "spec": spec, "secrets": sorted(run_secrets.of_request(req)), "secrets_at": secrets_at,
+           "code": digest}  # the recovery policy is in the runs' records (TrainRequest.recovery), not here
     store_lib.put_record(url, chain, JOB, json.dumps(job, indent=2).encode())
 
 
@@ -298,7 +296,7 @@ def adopted_request(url: str, job: dict, rec: RunRecord, runs_dir: Path, values:
     request = {**summary["request"], "args": secrets.fill_masked(summary["request"]["args"], values)}
     req = TrainRequest.from_record(request, env, set(job.get("secrets") or ()), runs_dir=runs_dir,
                                  nodes=len(rec.nodes) or None)
-    return dataclasses.replace(req, min_nodes=job.get("min_nodes"), grow_back=job.get("grow_back", True), wrapped=True)
+    return dataclasses.replace(req, wrapped=True)
 
 
 if __name__ == "__main__":

@@ -153,29 +153,26 @@ def refuse_base_image(cluster: Cluster, max_restarts: int) -> None:
                                "or 'pulumi config set image bake' and 'pulumi up'")
 
 
-def train_with_restarts(cluster: Cluster, req: TrainRequest, max_restarts: int = 0, restart_wait: float = 600,
-                        out: TextIO = sys.stdout, poll_s: float = POLL_S, ended: ClusterError | None = None,
-                        restarts_done: int = 0) -> RunResult:
-    """Run, and after a preemption or a lost node wait for the cluster and resume, up to max_restarts times.
-    The run that ended is recorded `restarting` while this waits, and names the run it was resumed as. With
-    req.min_nodes, a wait that ends short of every node goes on with fewer (launch.life.elastic). `ended`: a run
-    of the chain already ended so (a head that took the chain over, launch.chain.adopt): handled first, with the
-    chain's `restarts_done` already counted against max_restarts."""
+def train_with_restarts(cluster: Cluster, req: TrainRequest, out: TextIO = sys.stdout, poll_s: float = POLL_S,
+                        ended: ClusterError | None = None, restarts_done: int = 0) -> RunResult:
+    """Run, and after a preemption or a lost node wait for the cluster and resume, as the request's recovery policy
+    says (req.recovery, which every run of the chain keeps in its record). The run that ended is recorded
+    `restarting` while this waits, and names the run it was resumed as. With min_nodes, a wait that ends short of
+    every node goes on with fewer (launch.life.elastic). `ended`: a run of the chain already ended so (a head that
+    took the chain over, launch.chain.adopt): handled first, with the chain's `restarts_done` already counted."""
     def say(msg: str) -> None:
         out.write(msg + "\n")
         out.flush()
 
-    if max_restarts < 0:
-        raise ClusterError(f"--max-restarts {max_restarts} must be 0 or more", "pass 0 or more")
-    if restart_wait < 0:
-        raise ClusterError(f"--restart-wait {restart_wait} must be 0 or more seconds", "pass 0 or more")
+    max_restarts, restart_wait = req.recovery.max_restarts, req.recovery.restart_wait
     refuse_base_image(cluster, max_restarts)
     full = check_min_nodes(cluster, req)
     endpoint = req.env.get("XC_IMDS_ENDPOINT") or ""  # else the node's own (a local node's sshd sets it)
     attempt = restarts_done
     while True:
         grow = None
-        if req.min_nodes is not None and req.grow_back and req.nodes is not None and req.nodes < full:
+        policy = req.recovery
+        if policy.min_nodes is not None and policy.grow_back and req.nodes is not None and req.nodes < full:
             req = dataclasses.replace(req, run_id=req.run_id or new_run_id("script" if req.script or req.module
                                                                            else req.job))
             grow = elastic.GrowBack(req.run_id, req.runs_dir, req.store, full,
@@ -239,34 +236,36 @@ def _all_back(spec: str, full: int, endpoint: str) -> bool:
 
 def check_min_nodes(cluster: Cluster, req: TrainRequest) -> int:
     """The run's full size; --min-nodes above it is refused before anything starts."""
-    full = req.nodes or len(cluster.nodes)
-    if req.min_nodes is not None and req.min_nodes > full:
-        raise ClusterError(f"--min-nodes {req.min_nodes} is above the run's {full} node(s)",
+    full, least = req.nodes or len(cluster.nodes), req.recovery.min_nodes
+    if least is not None and least > full:
+        raise ClusterError(f"--min-nodes {least} is above the run's {full} node(s)",
                            fix=f"pass --min-nodes from 1 to {full}")
     return full
 
 
 def _carry(nxt: TrainRequest, req: TrainRequest, restart_of: str) -> TrainRequest:
-    """The next segment's request: what the record does not keep (the elastic policy) carried over; rank 0 marks
-    its first step, where recovery_s ends."""
+    """The next segment's request (its recovery policy is the record's); rank 0 marks its first step, where
+    recovery_s ends."""
     return dataclasses.replace(nxt, restart_of=restart_of, run_id=None, env={**nxt.env, timeline.ENV: "1"},
-                               min_nodes=req.min_nodes, grow_back=req.grow_back, wrapped=req.wrapped)
+                               wrapped=req.wrapped)
 
 
 def _smaller(rec, wait_exc: ClusterError, req: TrainRequest, full: int, spec: str, endpoint: str, say
              ) -> tuple[int | None, str | None]:
     """With --min-nodes: how many nodes the run goes on with now that the wait ran out, or (None, why not) to give
     up: the record and the log say why in one line."""
-    if req.min_nodes is None or req.min_nodes >= full:
+    policy = req.recovery
+    if policy.min_nodes is None or policy.min_nodes >= full:
         return None, None
     ready = ready_prefix(spec, full, endpoint)
     try:
-        size = elastic.go_on_size(rec, ready, req.min_nodes, full)
+        size = elastic.go_on_size(rec, ready, policy.min_nodes, full)
     except ClusterError as why:
         say(f"not going on smaller: {why.what}")
         return None, f"not going on smaller: {why.what}"
     say(f"{wait_exc.what}: going on with {size} of {full} node(s) at the same global batch (--min-nodes "
-        f"{req.min_nodes})" + ("; back to full size at the next checkpoint once they return" if req.grow_back else "")
+        f"{policy.min_nodes})" + ("; back to full size at the next checkpoint once they return" if policy.grow_back
+                                  else "")
         + elastic.idle_note(rec, ready, size, full))
     return size, None
 

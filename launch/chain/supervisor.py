@@ -32,7 +32,7 @@ from launch.chain import adopt, restarts
 from launch.life import head, records
 from launch.life.cleanup import runs_alive
 from launch.life.records import Status, result_line
-from launch.plan.request import new_run_id
+from launch.plan.request import Recovery, new_run_id
 from launch.ship import run_secrets
 from training.runtime import spot
 from training.runtime.paths import RunPaths
@@ -51,15 +51,15 @@ def detached(cluster, r, out: TextIO) -> bool:
     restarts.check_min_nodes(cluster, r.req)
     why = head.stays_here(cluster.head, r.req, asked=r.no_head)
     if why is None:
-        start_on_head(cluster, r.req, r.max_restarts, r.restart_wait, out)
+        start_on_head(cluster, r.req, out)
         return True
     out.write(head.no_head_line(cluster.spec, cluster.head, r.supervised, why) + "\n")
     if r.supervised:
-        start(cluster.spec, r.req, r.max_restarts, r.restart_wait, out)
+        start(cluster.spec, r.req, out)
     return r.supervised
 
 
-def start_on_head(cluster, req, max_restarts: int, restart_wait: float, out: TextIO) -> str:
+def start_on_head(cluster, req, out: TextIO) -> str:
     """Start the run's supervisor on the cluster's head, over SSH, and return once its first run's ranks run:
     the resolved request goes as one base64 line on the session's stdin (secrets stay in memory, on both ends);
     on the head `--on-head` starts it in a session of its own with XC_SUPERVISOR=<run id>, shows the plan lines
@@ -71,7 +71,7 @@ def start_on_head(cluster, req, max_restarts: int, restart_wait: float, out: Tex
     secret_env = run_secrets.of_request(req)
     # on an AWS head: kept in SSM for a head that takes the chain over (run_secrets); a local head has none
     secrets_at = cluster.head.labels.get("aws_head") if secret_env else None
-    job = base64.b64encode(payload(cluster.spec, req, max_restarts, restart_wait, secrets_at)).decode()
+    job = base64.b64encode(payload(cluster.spec, req, secrets_at)).decode()
     env = {head.HEAD_ENV: cluster.head.name, **{k: os.environ[k] for k in ("XC_DEBUG", "XC_HEARTBEAT_S",
                                                                            "XC_PUBLISH_S") if os.environ.get(k)}}
     if cluster.spec.split(":")[0] == "local":  # how a local cluster is found: its state folder on this one machine
@@ -138,7 +138,7 @@ def on_head() -> int:
     try:
         if job["spec"].split(":")[0] == "aws":
             _aws_head_env(job["spec"])
-        start(job["spec"], req, job["max_restarts"], job["restart_wait"], sys.stdout, env={head.ENV: req.run_id},
+        start(job["spec"], req, sys.stdout, env={head.ENV: req.run_id},
               secrets_at=job.get("secrets_at"))
     except ClusterError as exc:
         sys.stdout.write(format_error(exc) + "\n")
@@ -146,13 +146,12 @@ def on_head() -> int:
     return 0
 
 
-def start(spec: str, req, max_restarts: int, restart_wait: float, out: TextIO, env: dict | None = None,
-          secrets_at: str | None = None) -> str:
+def start(spec: str, req, out: TextIO, env: dict | None = None, secrets_at: str | None = None) -> str:
     """Start the supervisor; return once the first run's ranks all run (its id), or raise what stopped it."""
     folder = Path(req.runs_dir) / FOLDER
     folder.mkdir(parents=True, exist_ok=True)
     log_path = folder / f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}.log"
-    job = payload(spec, req, max_restarts, restart_wait, secrets_at)
+    job = payload(spec, req, secrets_at)
     with log_path.open("wb") as sink:
         proc = subprocess.Popen([sys.executable, "-m", "launch.chain.supervisor"], cwd=PROJECT_ROOT, stdin=subprocess.PIPE,
                                 stdout=sink, stderr=subprocess.STDOUT, start_new_session=True,
@@ -173,7 +172,7 @@ def start(spec: str, req, max_restarts: int, restart_wait: float, out: TextIO, e
                 run_id = m.group(1) if m else None
         out.flush()
         if run_id and _ranks_running(RunPaths(run_id, runs_dir=req.runs_dir).home):
-            out.write(detached_line(run_id, proc.pid, max_restarts, os.environ.get(head.HEAD_ENV)) + "\n")
+            out.write(detached_line(run_id, proc.pid, req.recovery.max_restarts, os.environ.get(head.HEAD_ENV)) + "\n")
             return run_id
         if proc.poll() is not None:
             last = [ln for ln in text.splitlines() if ln.strip()]
@@ -198,12 +197,11 @@ def detached_line(run_id: str, pid: int, max_restarts: int, on_head: str | None)
             f"machine: keep it on and online for recovery (closed, the run trains on but is not restarted); {follow}")
 
 
-def payload(spec: str, req, max_restarts: int, restart_wait: float, secrets_at: str | None = None) -> bytes:
+def payload(spec: str, req, secrets_at: str | None = None) -> bytes:
     """What the supervisor is handed on its stdin. What validate() found stays here (a scanned --workdir holds
     a lock): the supervisor, a process of its own, checks the request once itself. `secrets_at`: the cluster under
     whose SSM path fab put the chain's secrets (launch.ship.run_secrets)."""
-    return pickle.dumps({"spec": spec, "req": dataclasses.replace(req, checked=None), "max_restarts": max_restarts,
-                         "restart_wait": restart_wait, "secrets_at": secrets_at})
+    return pickle.dumps({"spec": spec, "req": dataclasses.replace(req, checked=None), "secrets_at": secrets_at})
 
 
 def _ranks_running(run_dir: Path) -> bool:
@@ -232,12 +230,9 @@ def main() -> int:
     if chain:  # on a head: its records, log and heartbeat reach the store while it lives
         head.Beat(chain, req.runs_dir, req.store).start()
     if kept:
-        adopt.save_job(req.store, chain, job["spec"], req, job["max_restarts"], job["restart_wait"],
-                       os.environ["XC_CODE_DIGEST"], job.get("secrets_at"))
+        adopt.save_job(req.store, chain, job["spec"], req, os.environ["XC_CODE_DIGEST"], job.get("secrets_at"))
     try:
-        result = restarts.train_with_restarts(resolve.open_cluster(job["spec"]),
-                                              dataclasses.replace(req, wrapped=True), job["max_restarts"],
-                                              job["restart_wait"])
+        result = restarts.train_with_restarts(resolve.open_cluster(job["spec"]), dataclasses.replace(req, wrapped=True))
     except ClusterError as exc:
         sys.stdout.write(format_error(exc) + "\n")
         return exc.exit_code
@@ -269,21 +264,21 @@ def adopted(chain: str) -> int:
 
         rec, ids = adopt.pending_outcome(url, chain, runs_dir, sys.stdout, members)
         ended = adopt.as_exception(rec)
-        left = int(job["max_restarts"]) - (len(ids) - 1)
+        policy = Recovery.from_record((rec.request or {}).get("recovery"))  # the chain's, as its record keeps it
+        left = policy.max_restarts - (len(ids) - 1)
         if ended is None or left <= 0:
             sys.stdout.write(f"run {rec.run_id} {rec.status}: the chain is over\n")
             return 0 if rec.status == Status.OK else 1
         values = adopt.kept_secrets(job)
         if values is None:
             run_dir = RunPaths(rec.run_id, runs_dir=runs_dir).home
-            records.restarting(run_dir, len(ids), int(job["max_restarts"]), str(ended.what))
+            records.restarting(run_dir, len(ids), policy.max_restarts, str(ended.what))
             records.restart_given_up(run_dir, "a head replacement lost the values of its secrets (" +
                                      ", ".join(job["secrets"]) + "): 'fab train --resume " + rec.run_id + "' gives them again")
             sys.stdout.write(f"run {rec.run_id}: not restarted: a head replacement lost the values of its secrets\n")
             return 1
         req = adopt.adopted_request(url, job, rec, runs_dir, values)
-        result = restarts.train_with_restarts(cluster, req, int(job["max_restarts"]), float(job["restart_wait"]),
-                                              ended=ended, restarts_done=len(ids) - 1)
+        result = restarts.train_with_restarts(cluster, req, ended=ended, restarts_done=len(ids) - 1)
     except ClusterError as exc:
         sys.stdout.write(format_error(exc) + "\n")
         return exc.exit_code

@@ -12,7 +12,7 @@ from pathlib import Path
 from core.cli import as_int, env_pairs, job_args, valueless_keys
 from core.errors import ClusterError
 from launch.life import resume as resume_lib
-from launch.plan.request import TrainRequest, absolute_files
+from launch.plan.request import Recovery, TrainRequest, absolute_files
 from launch.ship.snapshot import CODE_CHOICES
 
 
@@ -92,10 +92,12 @@ def takes_flags(fn):
 @dataclass(frozen=True)
 class Resolved:
     req: TrainRequest
-    max_restarts: int
-    restart_wait: int
     supervised: bool  # --detach with --max-restarts: a supervisor process of its own runs it
     no_head: bool = False  # --no-head: this machine keeps the supervisor role even where the cluster has a head
+
+    @property
+    def max_restarts(self) -> int:
+        return self.req.recovery.max_restarts
 
 
 def resolve(f: TrainFlags, runs_dir: Path, store: str | None = None) -> Resolved:
@@ -148,10 +150,11 @@ def resolve(f: TrainFlags, runs_dir: Path, store: str | None = None) -> Resolved
     if f.no_grow_back and least is None:
         raise ClusterError("--no-grow-back goes with --min-nodes", fix="pass --min-nodes M too, or drop --no-grow-back")
     supervised = bool(f.detach and restarts)
+    recovery = Recovery(max_restarts=restarts, restart_wait=wait, min_nodes=least, grow_back=not f.no_grow_back)
     req = dataclasses.replace(req, env=env, valueless=valueless, pin=pin, concurrent=bool(f.concurrent),
-                              min_nodes=least, grow_back=not f.no_grow_back,
+                              recovery=recovery,
                               detach=bool(f.detach) and not supervised, **given)
     if f.no_head and not f.detach:
         raise ClusterError("--no-head goes with --detach: an attached run is driven from here anyway",
                            fix="pass --detach too, or drop --no-head")
-    return Resolved(req, restarts, wait, supervised, bool(f.no_head))
+    return Resolved(req, supervised, bool(f.no_head))

@@ -75,6 +75,38 @@ class Resume:
 
 
 @dataclass(frozen=True)
+class Recovery:
+    """How a chain recovers by itself, part of its record: every restart (by its supervisor, or by a head that took
+    the chain over) reads it there. Up to max_restarts restarts, each waiting restart_wait seconds for the cluster;
+    with min_nodes, a wait that ends short goes on with that many nodes or more at the same global batch, and back
+    to full size at a checkpoint once nodes return (grow_back)."""
+
+    max_restarts: int = 0
+    restart_wait: float = 600
+    min_nodes: int | None = None
+    grow_back: bool = True
+
+    def __post_init__(self):
+        if self.max_restarts < 0:
+            raise ClusterError(f"--max-restarts {self.max_restarts} must be 0 or more", "pass 0 or more")
+        if self.restart_wait < 0:
+            raise ClusterError(f"--restart-wait {self.restart_wait} must be 0 or more seconds", "pass 0 or more")
+        if self.min_nodes is not None and self.min_nodes < 1:
+            raise ClusterError(f"--min-nodes {self.min_nodes} must be 1 or more", "pass 1 or more")
+
+    def to_record(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_record(cls, kept: dict | None) -> Recovery:
+        """A record's policy; records written before it was kept there restart as plain --max-restarts 0 runs."""
+        kept = kept or {}
+        least = kept.get("min_nodes")
+        return cls(max_restarts=int(kept.get("max_restarts", 0)), restart_wait=float(kept.get("restart_wait", 600)),
+                   min_nodes=None if least is None else int(least), grow_back=bool(kept.get("grow_back", True)))
+
+
+@dataclass(frozen=True)
 class TrainRequest:
     """What one run does, resolved once from the flags (launch.chain.train_flags) or a record; never changed
     after: a step that needs another request makes one (dataclasses.replace)."""
@@ -112,8 +144,7 @@ class TrainRequest:
     wrapped: bool = False
     # what validate() found (the scanned --workdir), so the plan does not check again; set by validate only
     checked: tuple | None = field(default=None, repr=False, compare=False)
-    min_nodes: int | None = None  # --min-nodes: a restart may go on with this many nodes or more (None: all)
-    grow_back: bool = True  # after going on smaller, back to full size at the next checkpoint once nodes return
+    recovery: Recovery = Recovery()  # --max-restarts, --restart-wait, --min-nodes, --no-grow-back
     concurrent: bool = False  # run even while another run holds the cluster's lock  # chosen by the caller (doctor) so it can end the run by id; default: a new one
 
     @property
@@ -133,7 +164,7 @@ class TrainRequest:
                 "threads": self.threads,
                 "backend": self.backend, "precision": self.precision, "comm_hook": self.comm_hook,
                 "env": secrets.masked(self.env, self.valueless), "save_every": self.save_every, "pin": self.pin,
-                "timeout_s": self.timeout_s,
+                "timeout_s": self.timeout_s, "recovery": self.recovery.to_record(),
                 "script_digest": file_digest(self.script) if own and self.script and not self.workdir else None,
                 "data": {str(Path(p).expanduser().resolve()): file_digest(p) for _, p in local_files(self.args)}
                 if own else {}}
@@ -149,7 +180,8 @@ class TrainRequest:
                    threads=request["threads"],
                    backend=request["backend"], precision=request["precision"], env=env, valueless=valueless,
                    comm_hook=request.get("comm_hook", "none"),  # records before --comm-hook sent fp32
-                   save_every=request["save_every"], pin=request["pin"], timeout_s=request["timeout_s"], **fields)
+                   save_every=request["save_every"], pin=request["pin"], timeout_s=request["timeout_s"],
+                   recovery=Recovery.from_record(request.get("recovery")), **fields)
 
 
 def _parse_auto_int(value: str, flag: str) -> int | None:
@@ -269,10 +301,11 @@ def plan_run(cluster: Cluster, req: TrainRequest, say
         req, args, note = same_global_batch(req, args, req.resume.world_size, world)
         if note:
             say(note)
-    elif req.min_nodes is not None and req.min_nodes < len(nodes):
+    elif req.recovery.min_nodes is not None and req.recovery.min_nodes < len(nodes):
         units = micro_batches(req, args, world)
-        if not smaller_sizes(units, ppn, req.min_nodes, len(nodes) - 1):
-            raise ClusterError(f"--min-nodes {req.min_nodes}: no node count from {req.min_nodes} to {len(nodes) - 1} "
+        least = req.recovery.min_nodes
+        if not smaller_sizes(units, ppn, least, len(nodes) - 1):
+            raise ClusterError(f"--min-nodes {least}: no node count from {least} to {len(nodes) - 1} "
                                f"({ppn} rank(s) each) divides the run's {units} per-device batch(es) per step, so it "
                                "could never go on smaller", fix="pass a --min-nodes whose rank count divides it, or "
                                "--gradient_accumulation_steps that makes it divisible")
