@@ -47,6 +47,28 @@ def test_watcher_thread_reports_a_notice_and_stops_quietly_off_aws():
     assert not off.is_alive() and off.notice is None and off.active is False
 
 
+def test_one_failed_first_look_does_not_turn_the_watcher_off(monkeypatch):
+    """A loaded node's first look at IMDS can time out; the watcher goes on looking and sees the notice after."""
+    imds = FakeIMDS()
+    try:
+        w = spot.NoticeWatcher(imds.url, interval=0.05)
+        real, failed = w.check, []
+
+        def first_fails():
+            if not failed:
+                failed.append(1)
+                raise TimeoutError("timed out")
+            return real()
+
+        monkeypatch.setattr(w, "check", first_fails)
+        w.start()
+        imds.interrupt()
+        w.join(5)
+        assert failed and not w.is_alive() and w.active and w.notice["action"] == "terminate"
+    finally:
+        imds.close()
+
+
 def test_the_poll_interval_comes_from_the_ranks_environment(monkeypatch):
     monkeypatch.delenv(spot.POLL_ENV, raising=False)
     assert spot.NoticeWatcher("http://x").interval == spot.POLL_S == 5.0

@@ -41,6 +41,7 @@ CLUSTER_ENV = "/etc/xeon-cluster/cluster.env"  # written by the nodes' cloud-ini
 TOKEN_TTL_S = 21600
 POLL_S = 5.0  # AWS's advice for instance-action; XC_NOTICE_POLL_S in the ranks' environment changes it
 POLL_ENV = "XC_NOTICE_POLL_S"
+FIRST_TRIES = 3  # looks at IMDS that must all fail before the watcher decides there is none
 PREEMPTED_EXIT = _notice.EXIT
 DEFAULT_SAVE_EVERY = "600s"
 # A floor under each optimizer step, slept out on every rank before the step's notice check: a rehearsal's short run
@@ -151,13 +152,16 @@ class NoticeWatcher(threading.Thread):
         return None
 
     def run(self) -> None:
-        reached = False
+        reached, missed = False, 0
         while not self._halt.is_set():
             try:
                 notice = self.check()
                 reached = True
             except (OSError, ConnectionError) as exc:
-                if not reached:  # no IMDS here: not on EC2 (or it is blocked); stay quiet
+                missed += 1
+                # no IMDS here after FIRST_TRIES looks: not on EC2 (or it is blocked); stay quiet. One slow answer
+                # (a loaded node's first look) is no reason to stop watching for the whole run
+                if not reached and missed >= FIRST_TRIES:
                     log.debug("no instance metadata service at %s (%s): spot watcher off", self.base, exc)
                     self.active = False
                     return
