@@ -97,7 +97,7 @@ class Agent(threading.Thread):
                     self.publisher = publish.Publisher(url, run_id)
                     self.publisher.start()
                 self.submitted.add(step)
-                self.publisher.submit(self.folder / notice.checkpoint_name(step), step)
+                self.publisher.submit(self.folder / paths.checkpoint_name(step), step)
 
     def run(self) -> None:
         while not self._halt.is_set():
@@ -122,7 +122,7 @@ class Agent(threading.Thread):
             if self.publisher is not None and step >= 0:
                 ok = self.publisher.wait(preempt.wait_seconds(self.notice["cause"])) and self.publisher.confirmed(step)
             events.emit(notice.Notice(cause=self.notice["cause"], rank=int(self.notice["rank"]), step=step,
-                                      checkpoint=notice.checkpoint_name(step), durable=ok).event())
+                                      checkpoint=paths.checkpoint_name(step), durable=ok).event())
             if self.kv is not None:
                 self.kv.set(DONE_KEY, "1" if ok else "0")
         elif self.kv is not None:

@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from training.runtime import events, paths
+from training.runtime import events
 
 EXIT = 75  # EX_TEMPFAIL: try again later
 
@@ -38,8 +38,3 @@ class Notice:
             return None
         return Notice(cause=e.payload["cause"], rank=e.rank, step=e.step, checkpoint=e.payload["checkpoint"],
                       durable=e.payload["durable"])
-
-
-def checkpoint_name(step: int) -> str:
-    """One name for a checkpoint on the node, at home and in the store (the Trainer's own)."""
-    return paths.checkpoint_name(step)
