@@ -7,11 +7,9 @@ import json
 import os
 import subprocess
 import sys
-import time
-import urllib.request
 
 import pytest
-from moto_fixture import _free_port, client
+from moto_fixture import _free_port, client, wait_up
 
 from cluster import store as store_lib
 from core.errors import ClusterError
@@ -213,14 +211,7 @@ def strict_moto(tmp_path, monkeypatch):
                             env={**os.environ, "INITIAL_NO_AUTH_ACTION_COUNT": "0"}, stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 30
-    while True:
-        try:
-            urllib.request.urlopen(f"{url}/moto-api/", timeout=1).close()
-            break
-        except OSError:
-            assert proc.poll() is None and time.monotonic() < deadline, "moto did not start"
-            time.sleep(0.1)
+    wait_up(url, proc, "the strict moto server", lambda: "its output is discarded")
     yield url
     proc.kill()
     proc.wait()
