@@ -11,7 +11,7 @@ import json
 import math
 import re
 import time as _time
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
 PROGRESS = "progress"  # rank 0: an optimizer step done; payload: total, loss, epoch, elapsed, eta
@@ -21,7 +21,6 @@ NOTICE = "preempted"  # rank 0: the run stops for a notice; payload: the Notice'
 REBALANCE = "rebalance"  # rank 0: a rebalance recommendation; it saved a checkpoint and trains on
 DURABLE = "store"  # rank 0: a checkpoint reached the store (payload ok=True) or did not (ok=False, error)
 MARK = "timeline"  # rank 0 with XC_TIMELINE=1: a start-up milestone; payload: name; time: when
-KINDS = (PROGRESS, EVAL, FINISHED, NOTICE, REBALANCE, DURABLE, MARK)
 
 
 @dataclass(frozen=True)
@@ -55,26 +54,22 @@ def parse(text: str, rank: int = 0) -> RunEvent | None:
         return None
 
 
-def first(lines: Iterable[str], kind: str) -> RunEvent | None:
-    """The first event of a kind among output lines that may carry mpirun's '[rank] ' or fab's '[rank host] '."""
+def of_lines(lines: Iterable[str]) -> Iterator[RunEvent]:
+    """The events among output lines that may carry mpirun's '[rank] ' or fab's '[rank host] ' prefix, in order."""
     for line in lines:
         m = _RANKED.match(line)
-        rank, text = (int(m.group(1)), m.group(2)) if m else (0, line)
-        event = parse(text, rank)
-        if event is not None and event.kind == kind:
-            return event
-    return None
+        event = parse(m.group(2), int(m.group(1))) if m else parse(line)
+        if event is not None:
+            yield event
+
+
+def first(lines: Iterable[str], kind: str) -> RunEvent | None:
+    return next((e for e in of_lines(lines) if e.kind == kind), None)
 
 
 def steps(text: str) -> list[int]:
     """The optimizer steps a run's log says were done (its progress events), in order."""
-    out = []
-    for line in text.splitlines():
-        m = _RANKED.match(line)
-        event = parse(m.group(2) if m else line)
-        if event is not None and event.kind == PROGRESS:
-            out.append(event.step)
-    return out
+    return [e.step for e in of_lines(text.splitlines()) if e.kind == PROGRESS]
 
 
 def progress(step: int, total: int, elapsed: float, loss: float | None = None, epoch: float | None = None) -> RunEvent:
