@@ -244,7 +244,7 @@ def test_qa_on_two_nodes_beats_the_first_words_baseline(cluster2, tmp_path):
 
     model = AutoModelForQuestionAnswering.from_pretrained(resolve_model(DEFAULT_MODEL))
     whole = sum(p.numel() for p in model.parameters())
-    assert results["freeze_embeddings"] is True and results["fast_dropout"] is True
+    assert results["speed"]["freeze_embeddings"] is True and results["speed"]["fast_dropout"] is True
     # the word embeddings (30522 x 384 for MiniLM), frozen by default
     assert results["trainable_params"] == whole - model.get_input_embeddings().weight.numel()
     assert ev["eval_f1"] > ev["eval_baseline_f1"] + 8, ev
@@ -344,7 +344,7 @@ def test_glue_trains_bf16_weights_by_default_in_bf16_saves_fp32_masters_and_refu
                           env=job_env(XC_PRECISION="bf16"))
     assert bf16.returncode == 0, bf16.stderr[-3000:]
     results = json.loads((tmp_path / "out" / "results.json").read_text())
-    assert results["bf16_weights"] is True and results["precision"] == "bf16"  # auto: bf16 trains bf16 weights
+    assert results["speed"]["bf16_weights"] is True and results["precision"] == "bf16"  # auto: bf16 trains bf16 weights
     assert results["train"]["train_loss"] > 0 and results["eval"]["eval_accuracy"] >= 0
     with safe_open(str(tmp_path / "out" / "model.safetensors"), "pt") as f:  # the fp32 masters, not bf16 weights
         assert {str(f.get_slice(k).get_dtype()) for k in f.keys()} == {"F32"}  # noqa: SIM118 (safe_open is not iterable)
@@ -356,7 +356,7 @@ def test_glue_trains_bf16_weights_by_default_in_bf16_saves_fp32_masters_and_refu
 
 
 def test_bf16_weights_auto_stays_off_where_fp32_ipex_or_the_users_optim_choose():
-    from training.speed.master import wanted
+    from training.speed.levers import bf16_weights_wanted as wanted
 
     assert wanted("auto", bf16=True, ipex=False) is True
     assert wanted("auto", bf16=False, ipex=False) is False
@@ -395,7 +395,7 @@ def test_glue_freeze_embeddings_keeps_the_word_embeddings_and_trains_the_rest(tm
         return next(v for k, v in weights.items() if k.endswith(name))
 
     frozen, full = runs["True"][1], runs["False"][1]
-    assert runs["True"][0]["freeze_embeddings"] is True
+    assert runs["True"][0]["speed"]["freeze_embeddings"] is True
     # the word embeddings (MiniLM's 30522 words x the thin width) leave the trainable count; nothing else does
     assert config["vocab_size"] == 30522
     assert runs["False"][0]["trainable_params"] - runs["True"][0]["trainable_params"] == 30522 * config["hidden_size"]
@@ -428,7 +428,7 @@ def test_glue_resumes_a_checkpoint_that_trained_its_embeddings_and_refuses_a_mis
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "trained the word embeddings: the resumed run trains them too" in resumed.stderr
     results = json.loads((tmp_path / "resumed" / "results.json").read_text())
-    assert results["resumed_from_step"] == 2 and results["freeze_embeddings"] is False
+    assert results["resumed_from_step"] == 2 and results["speed"]["freeze_embeddings"] is False
     assert results["trainable_params"] == json.loads((tmp_path / "first" / "results.json").read_text())["trainable_params"]
     forced = glue("forced", "--freeze_embeddings", "True", resume=checkpoint)
     assert forced.returncode == 2

@@ -11,7 +11,7 @@ transformers = pytest.importorskip("transformers")
 
 from conftest import tiny_gpt2
 
-from training.speed import levers, lmloss
+from training.speed import levers, lmloss, speedup
 
 
 def _inputs(rows=300, width=48, vocab=1000, seed=0):
@@ -91,7 +91,7 @@ def test_the_clm_levers_fuse_gelu_drop_attention_dropout_and_keep_the_function()
     fused = transformers.activations.ACT2FN["gelu_pytorch_tanh"](x)
     assert torch.allclose(fused, transformers.activations.ACT2FN["gelu_new"](x), atol=1e-6)
     model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
-    applied = levers.causal_lm(model, args)
+    applied = speedup.causal_lm(model, args)
     assert applied["chunked_loss"] and applied["fast_dropout"] > 0 and applied["attention_dropout"] == 0.0
     assert not any(type(m) is torch.nn.Dropout for m in model.modules())
     keep = type("A", (), {"attention_dropout": None, "fused_gelu": False})

@@ -289,3 +289,34 @@ def test_the_native_clip_norm_is_foreach_norms_per_weight_rounding_and_all():
     assert opt.clip_grad_norm(1.0).item() == pytest.approx(torch.linalg.vector_norm(want.float()).item(), rel=1e-6)
     params[1].grad = torch.randn(77, 1000).bfloat16().t()  # not contiguous: torch's path
     assert opt._native_norms() is None
+
+
+def test_speed_apply_installs_the_encoder_levers_and_reports_them(tmp_path, monkeypatch):
+    transformers = pytest.importorskip("transformers")
+    from training.speed import fastdrop, speedup
+    from training.speed.levers import SpeedArguments
+
+    monkeypatch.delenv("XC_RESUME_FROM", raising=False)
+    monkeypatch.delenv("XC_RESUME_URL", raising=False)
+    config = transformers.BertConfig(vocab_size=100, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                                     intermediate_size=64, num_labels=2)
+    model = transformers.AutoModelForSequenceClassification.from_config(config)
+    args = transformers.TrainingArguments(output_dir=str(tmp_path), bf16=True, use_cpu=True, report_to=[], do_train=True)
+    seen = []
+    fast = speedup.apply(model, SpeedArguments(), args, [], transformers.Trainer,
+                       lambda m: seen.append(m) or (m, (None, None)))
+    assert seen == [model]  # the job's own optimizers (IPEX's) see the model after the levers, before the masters
+    assert fast.applied == {"fast_dropout": True, "freeze_embeddings": True, "bf16_weights": True,
+                            "attn_implementation": model.config._attn_implementation}
+    assert isinstance(fast.optimizers[0], MasterAdamW) and fast.model.dtype == torch.bfloat16
+    assert not fast.model.get_input_embeddings().weight.requires_grad
+    assert not any(type(m) is torch.nn.Dropout for m in fast.model.modules())
+    assert any(isinstance(m, fastdrop.FastDropout) for m in fast.model.modules())
+    fast.finish()
+    assert fast.model.dtype == torch.float32  # the fp32 masters, for the saved model
+    plain = speedup.apply(transformers.AutoModelForSequenceClassification.from_config(config),
+                        SpeedArguments(fast_dropout=False, freeze_embeddings=False, bf16_weights="False"),
+                        transformers.TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[]), [],
+                        transformers.Trainer)
+    assert plain.optimizers == (None, None) and plain.applied["bf16_weights"] is False
+    assert plain.model.get_input_embeddings().weight.requires_grad

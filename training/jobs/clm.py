@@ -124,11 +124,13 @@ def main(argv: list[str] | None = None) -> int:
             math.ceil(args.num_train_epochs * math.ceil(len(train_ds) / per_step))
         args.eval_steps = max(1, steps // 4)  # four evaluations along the way, plus step 0 and the end
 
-    speed = levers.causal_lm(model, model_args)
-    model, optimizers = common.ipex_optimizers(model, args, info)
+    from training.speed import speedup  # lazy: torch (~1000 modules), which the job's module does not import
+
+    fast = speedup.apply(model, model_args, args, argv, Trainer, lambda m: common.ipex_optimizers(m, args, info))
+    model = fast.model
     history: list[dict] = []
     trainer = Trainer(model=model, args=args, train_dataset=train_ds, eval_dataset=eval_ds,
-                      processing_class=tokenizer, data_collator=default_data_collator, optimizers=optimizers,
+                      processing_class=tokenizer, data_collator=default_data_collator, optimizers=fast.optimizers,
                       callbacks=[common.progress_callback(), eval_callback(history)])
     common.quiet_trainer(trainer)
     hook = dist.comm_hook(trainer)
@@ -138,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
         dataset=data_args.dataset_name, train_file=data_args.train_file, validation_file=data_args.validation_file,
         data_fingerprint=folder.name, tokens=meta["tokens"], vocab_size=meta["vocab_size"],
         tokenizer=meta["tokenizer"], block_size=block_size, parameters=n_params, prepared=str(folder), comm_hook=hook,
-        **speed)
+        speed=fast.applied)
     if eval_ds is not None:
         trainer.evaluate()  # step 0: the loss to beat
     common.train_and_record(trainer, results, train_ds, info)

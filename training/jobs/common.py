@@ -336,7 +336,8 @@ def train_and_record(trainer, results: dict, train_ds, info) -> None:
     from training.speed import native  # lazy: subprocess, tempfile, ctypes (+5% on the job's import)
 
     # the path each kernel took, and why torch's where it did
-    results["speed"] = {"model": "compiled" if trainer.args.torch_compile else "eager", **native.report()}
+    results["speed"] = {**results.get("speed", {}), "model": "compiled" if trainer.args.torch_compile else "eager",
+                        **native.report()}
 
 
 def finish(info, args, results: dict, started: float, line: str | None = None, trainer=None) -> None:

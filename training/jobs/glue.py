@@ -178,9 +178,8 @@ def main(argv: list[str] | None = None) -> int:
 
     argv = common.job_argv(argv, info.precision)
     model_args, data_args, args = common.parse_job_args(argv, ModelArguments, DataArguments)
-    from training.speed import encoder, master  # lazy: torch (~1000 modules), which the job's module does not import
-
-    master.check(model_args, args, argv)  # bad flags: before loading anything
+    levers.check(model_args, args, argv)  # bad flags: before loading anything
+    from training.speed import speedup  # lazy: torch (~1000 modules), which the job's module does not import
 
     raw = load_raw(data_args, model_args)
     timeline.mark("data_loaded", info.is_main)
@@ -207,7 +206,8 @@ def main(argv: list[str] | None = None) -> int:
     model = common.mean_loss_per_rank(
         AutoModelForSequenceClassification.from_pretrained(model_path, config=config, cache_dir=model_args.cache_dir,
                                                            attn_implementation=attn))
-    encoder.apply(model, model_args, argv)
+    fast = speedup.apply(model, model_args, args, argv, Trainer, lambda m: common.ipex_optimizers(m, args, info))
+    model = fast.model
     timeline.mark("model_loaded", info.is_main)
     label_to_id = None if is_regression or hasattr(label_feature, "names") else {v: i for i, v in enumerate(label_list)}
     padding = "max_length" if data_args.pad_to_max_length else False
@@ -239,17 +239,15 @@ def main(argv: list[str] | None = None) -> int:
         predict_ds = common.take(data[split].remove_columns([c for c in ("label",) if c in data[split].column_names]),
                                  data_args.max_predict_samples)
 
-    model, optimizers = common.ipex_optimizers(model, args, info)
-    model, optimizers = master.install(model, model_args, args, optimizers, argv, Trainer)
 
     collator = default_data_collator if data_args.pad_to_max_length else DataCollatorWithPadding(
         tokenizer, pad_to_multiple_of=data_args.pad_to_multiple_of if data_args.pad_to_multiple_of > 1 else None)
     trainer = Trainer(model=model, args=args, train_dataset=train_ds, eval_dataset=eval_ds,
-                      processing_class=tokenizer, data_collator=collator, optimizers=optimizers,
+                      processing_class=tokenizer, data_collator=collator, optimizers=fast.optimizers,
                       compute_metrics=compute_metrics_fn(data_args.task_name, is_regression, num_labels),
                       callbacks=[*timeline.callbacks(info.is_main), common.progress_callback()])  # the mark first
     common.quiet_trainer(trainer)
-    master.attach(trainer, optimizers)
+    fast.attach(trainer)
     hook = dist.comm_hook(trainer)
     results: dict = {"job": "glue", "model": model_args.model_name_or_path, "task": data_args.task_name,
                      "train_file": data_args.train_file, "world_size": info.world_size,
@@ -260,14 +258,12 @@ def main(argv: list[str] | None = None) -> int:
                      "padding": "max_length" if data_args.pad_to_max_length else f"batch/{data_args.pad_to_multiple_of}",
                      "group_by_length": common.length_grouping(args), "max_seq_length": max_len,
                      "per_device_train_batch_size": args.per_device_train_batch_size,
-                     "threads": torch.get_num_threads(), "comm_hook": hook, "attn_implementation": attn,
-                     "bf16_weights": model_args.bf16_weights, "fast_dropout": model_args.fast_dropout,
-                     "freeze_embeddings": model_args.freeze_embeddings,
+                     "threads": torch.get_num_threads(), "comm_hook": hook, "speed": fast.applied,
                      "trainable_params": sum(p.numel() for p in model.parameters() if p.requires_grad),
                      "ddp_bucket_cap_mb": args.ddp_bucket_cap_mb,
                      "gradient_accumulation_steps": args.gradient_accumulation_steps}
     common.train_and_record(trainer, results, train_ds, info)
-    master.restore_fp32(model, optimizers)
+    fast.finish()
     if eval_ds is not None:
         metrics = trainer.evaluate()
         labels = eval_ds["label"]

@@ -271,9 +271,8 @@ def main(argv: list[str] | None = None) -> int:
 
     argv = common.job_argv(argv, info.precision)
     model_args, data_args, args = common.parse_job_args(argv, ModelArguments, DataArguments)
-    from training.speed import encoder, master  # lazy: torch (~1000 modules), which the job's module does not import
-
-    master.check(model_args, args, argv)  # bad flags: before loading anything
+    levers.check(model_args, args, argv)  # bad flags: before loading anything
+    from training.speed import speedup  # lazy: torch (~1000 modules), which the job's module does not import
 
     raw = load_raw(data_args, model_args)
     if args.do_train and "train" not in raw:
@@ -288,7 +287,8 @@ def main(argv: list[str] | None = None) -> int:
         raise ValueError(f"{model_args.model_name_or_path} has no fast tokenizer; run_qa needs its offset mapping")  # noqa: TRY004
     model = common.mean_loss_per_rank(
         AutoModelForQuestionAnswering.from_pretrained(model_path, config=config, cache_dir=model_args.cache_dir))
-    encoder.apply(model, model_args, argv)
+    fast = speedup.apply(model, model_args, args, argv, Trainer, lambda m: common.ipex_optimizers(m, args, info))
+    model = fast.model
     max_len = min(data_args.max_seq_length, tokenizer.model_max_length)
     padding = "max_length" if data_args.pad_to_max_length else False
 
@@ -308,15 +308,13 @@ def main(argv: list[str] | None = None) -> int:
                 eval_examples, features, tokenizer, repr(data_args), max_len, padding),
                 remove_columns=eval_examples.column_names, desc="eval windows", num_proc=data_args.preprocessing_num_workers)
 
-    model, optimizers = common.ipex_optimizers(model, args, info)
-    model, optimizers = master.install(model, model_args, args, optimizers, argv, Trainer)
     collator = default_data_collator if data_args.pad_to_max_length else DataCollatorWithPadding(
         tokenizer, pad_to_multiple_of=data_args.pad_to_multiple_of if data_args.pad_to_multiple_of > 1 else None)
     trainer = span_trainer(Trainer)(model=model, args=args, train_dataset=train_ds, processing_class=tokenizer,
-                                    data_collator=collator, optimizers=optimizers,
+                                    data_collator=collator, optimizers=fast.optimizers,
                                     callbacks=[common.progress_callback()])
     common.quiet_trainer(trainer)
-    master.attach(trainer, optimizers)
+    fast.attach(trainer)
     hook = dist.comm_hook(trainer)
     results = common.run_header(
         "qa", info, args, model_args.model_name_or_path, dataset=data_args.dataset_name,
@@ -324,14 +322,12 @@ def main(argv: list[str] | None = None) -> int:
         data_fingerprint=common.fingerprint(data_args.train_file, data_args.validation_file),
         max_seq_length=max_len, doc_stride=data_args.doc_stride,
         padding="max_length" if data_args.pad_to_max_length else f"batch/{data_args.pad_to_multiple_of}",
-        group_by_length=common.length_grouping(args), comm_hook=hook, fast_dropout=model_args.fast_dropout,
-        bf16_weights=model_args.bf16_weights,
-        freeze_embeddings=model_args.freeze_embeddings,
+        group_by_length=common.length_grouping(args), comm_hook=hook, speed=fast.applied,
         trainable_params=sum(p.numel() for p in model.parameters() if p.requires_grad))
     if train_ds is not None:
         results["train_examples"] = len(train_examples)
     common.train_and_record(trainer, results, train_ds, info)
-    master.restore_fp32(model, optimizers)
+    fast.finish()
 
     line = None
     if eval_ds is not None:

@@ -1,7 +1,7 @@
 """Speed levers the bundled jobs share: for the encoders (glue, qa) cheap dropout and frozen word embeddings,
-as flags of their ModelArguments (training/speed/encoder.py applies them to a loaded model); for the causal LM
-(clm) blocked or fused attention, one-kernel GELU, cheap dropout and the chunked head and loss (causal_lm_config,
-causal_lm)."""
+as flags of their ModelArguments (training/speed/applied.py applies them to a loaded model); for the causal LM
+(clm) blocked or fused attention, one-kernel GELU, cheap dropout and the chunked head and loss (causal_lm_config
+here, before the model is built; training/speed/applied.py after)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -34,22 +34,6 @@ def causal_lm_config(config, args) -> None:
         config.activation_function = "gelu_pytorch_tanh"
 
 
-def causal_lm(model, args) -> dict:
-    """After: fast dropout, causal attention in blocks (training/speed/blockattn.py) and the chunked head and loss
-    (training/speed/lmloss.py). Returns what was applied, for results.json (fast_dropout: how many dropout modules
-    were swapped)."""
-    from training.speed import blockattn, fastdrop, lmloss  # lazy: torch, which a job's flags (above) do not need
-
-    # GPT-2's eager attention scales and masks its own way: its probabilities keep torch's dropout
-    swapped = fastdrop.install(model, attention=False) if args.fast_dropout else 0
-    blocks = block_attention(getattr(args, "block_attention", "False")) and blockattn.install(model)
-    return {"fast_dropout": swapped, "chunked_loss": bool(args.chunked_loss and lmloss.install(model)),
-            "block_attention": blocks,
-            "attn_implementation": model.config._attn_implementation,
-            "attention_dropout": getattr(model.config, "attn_pdrop", None),
-            "activation": getattr(model.config, "activation_function", None)}
-
-
 def has_flag(argv: list[str], *flags: str) -> bool:
     return any(a in flags or a.startswith(tuple(f + "=" for f in flags)) for a in argv)
 
@@ -70,3 +54,23 @@ def block_attention(value) -> bool:
     """--block_attention: auto takes the blocks where the CPU has no AMX (or oneDNN is capped below it)."""
     chosen = forced(value, "--block_attention")
     return not mfu.amx_matmuls() if chosen is None else chosen
+
+
+def bf16_weights_wanted(value, bf16: bool, ipex: bool, optim_flag: bool = False) -> bool:
+    """--bf16_weights: auto takes them wherever the run trains in bf16 and neither IPEX nor the user's --optim
+    chooses the optimizer."""
+    chosen = forced(value, "--bf16_weights")
+    if chosen is False:
+        return False
+    if chosen and not bf16:
+        raise ValueError("--bf16_weights needs bf16 precision; drop it, or run with --precision bf16 on a CPU with bf16")
+    if chosen and ipex:
+        raise ValueError("--bf16_weights and IPEX both want the optimizer; drop --bf16_weights where IPEX is installed")
+    if chosen and optim_flag:
+        raise ValueError("--bf16_weights steps its own fused AdamW; drop --optim, or pass --bf16_weights False")
+    return bf16 and not ipex and not optim_flag
+
+
+def check(model_args, args, argv: list[str]) -> None:
+    """--bf16_weights' value against the run's precision and --optim, before the job loads anything."""
+    bf16_weights_wanted(model_args.bf16_weights, args.bf16, False, has_flag(argv, "--optim"))

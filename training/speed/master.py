@@ -178,30 +178,10 @@ class MasterAdamW(torch.optim.AdamW):
             m.grad = None
 
 
-def wanted(value, bf16: bool, ipex: bool, optim_flag: bool = False) -> bool:
-    """--bf16_weights: auto takes them wherever the run trains in bf16 and neither IPEX nor the user's --optim
-    chooses the optimizer."""
-    chosen = levers.forced(value, "--bf16_weights")
-    if chosen is False:
-        return False
-    if chosen and not bf16:
-        raise ValueError("--bf16_weights needs bf16 precision; drop it, or run with --precision bf16 on a CPU with bf16")
-    if chosen and ipex:
-        raise ValueError("--bf16_weights and IPEX both want the optimizer; drop --bf16_weights where IPEX is installed")
-    if chosen and optim_flag:
-        raise ValueError("--bf16_weights steps its own fused AdamW; drop --optim, or pass --bf16_weights False")
-    return bf16 and not ipex and not optim_flag
-
-
-def check(model_args, args, argv: list[str]) -> None:
-    """--bf16_weights' value against the run's precision and --optim, before the job loads anything."""
-    wanted(model_args.bf16_weights, args.bf16, False, levers.has_flag(argv, "--optim"))
-
-
 def install(model, model_args, args, optimizers, argv: list[str], trainer_cls):
     """(model, optimizers) for the Trainer: the model in bf16 with MasterAdamW where --bf16_weights says and the
     run trains; model_args.bf16_weights becomes what was chosen (results.json)."""
-    model_args.bf16_weights = args.do_train and wanted(model_args.bf16_weights, args.bf16, optimizers != (None, None),
+    model_args.bf16_weights = args.do_train and levers.bf16_weights_wanted(model_args.bf16_weights, args.bf16, optimizers != (None, None),
                                                        levers.has_flag(argv, "--optim"))
     if not model_args.bf16_weights:
         return model, optimizers
