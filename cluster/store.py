@@ -19,14 +19,14 @@ from pathlib import Path
 from cluster import aws, inventory
 from core.constants import PROJECT_ROOT
 from core.errors import ClusterError
-from training.runtime import paths
+from training.runtime import events, paths
 from training.runtime import store as shared
 from training.runtime.paths import RunPaths
 from training.runtime.store import STORE_ENV, StoreError, explain, open_store
 
 log = logging.getLogger(__name__)
 
-RECORDS = ("summary.json", "results.json", "log.txt")
+RECORDS = ("summary.json", "results.json", "log.txt", events.RUN_FILE)
 # The ranks reach the store with these: the URL, an S3-compatible endpoint, the region.
 PUBLIC_ENV = ("XC_S3_ENDPOINT_URL", "AWS_REGION", "AWS_DEFAULT_REGION")
 CREDENTIALS = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN")  # secrets by their names
@@ -254,7 +254,7 @@ def store_runs(url: str) -> dict[str, dict]:
 
 
 def publish_records(run_dir: Path, url: str | None, ended: bool = False) -> None:
-    """summary.json, results.json and log.txt of a run into its store; never raises (the run's end is
+    """summary.json, results.json, log.txt and events.jsonl of a run into its store; never raises (the run's end is
     recorded at home whatever the store does). ``ended``: the run's whole log is final, so the parts its supervisor
     published while it ran are deleted (one object every ~5 s a run, ~17k a day, would otherwise stay)."""
     if not url:

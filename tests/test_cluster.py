@@ -15,6 +15,7 @@ from conftest import PACE, processes_with_cmdline, processes_with_env, start_clu
 
 from launch.life import records
 from launch.run import DEMO_ARGS
+from training.runtime import events
 
 pytestmark = pytest.mark.cluster
 
@@ -119,6 +120,8 @@ def test_two_node_glue_run_learns_and_records_everything(uninterrupted_demo):
     # the path each kernel took, from the run's own calls; bf16-only kernels say why not in fp32
     speed, native = results["speed"], "native" if shutil.which("gcc") else "torch: the library could not be built"
     assert speed["model"] == "eager" and speed["dropout"].startswith(native)
+    assert speed["fast_dropout"] is True and speed["freeze_embeddings"] is True  # the levers speed.apply chose
+    assert speed["bf16_weights"] is speed["master_clip"] is (results["precision"] == "bf16")
     if results["precision"] == "fp32":
         assert speed["output"] == "torch (the kernel is for bf16 weights and activations on the CPU)"
     else:
@@ -126,6 +129,10 @@ def test_two_node_glue_run_learns_and_records_everything(uninterrupted_demo):
     assert set(summary["topology"]) == {"node0", "node1"}
     assert summary["command"][0].endswith("mpirun")
     assert (run_dir / "log.txt").read_text().count("[progress]") >= 5
+    # every rank's events came home as data, the same steps the log's readable lines say
+    ran = events.read_jsonl((run_dir / events.RUN_FILE).read_text())
+    assert {e.rank for e in ran if e.kind == events.FINISHED} == {0, 1}
+    assert [e.step for e in ran if e.kind == events.PROGRESS] == events.steps((run_dir / "log.txt").read_text())
     assert "mpirun" in (run_dir / "command.sh").read_text()
     # two balanced classes start near ln 2 = 0.69 per example whatever the node count; the Trainer's
     # world-size multiplication of a mean loss showed ~1.39 on 2 nodes (and doubled the gradients)

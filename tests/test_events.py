@@ -67,3 +67,31 @@ def test_the_first_event_of_a_kind_is_found_behind_mpirun_or_fab_prefixes():
 def test_a_progress_event_without_a_finite_loss_leaves_it_out():
     e = events.progress(2, 4, elapsed=3.0, loss=float("nan"))
     assert "loss" not in e.payload and e.line() == "[progress] step 2/4 (50%) elapsed 3s eta 3s"
+
+
+def test_a_rank_appends_each_event_to_its_own_file_and_the_file_reads_back(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv(events.FILE_ENV, str(tmp_path / "events" / "{rank}.jsonl"))
+    monkeypatch.setenv("RANK", "1")
+    first = events.progress(1, 4, 2.0, loss=0.69)
+    events.emit(first)
+    events.emit(RunEvent(events.FINISHED, 1, time=first.time + 1))
+    assert capsys.readouterr().out.splitlines() == [first.line(), "[finished] rank 1"]  # the readable lines as before
+    text = (tmp_path / "events" / "1.jsonl").read_text()
+    back = events.read_jsonl(text + '{"kind": "progress", "ra')  # a torn last line (the rank killed mid-write)
+    assert back == [first, RunEvent(events.FINISHED, 1, time=first.time + 1)]
+    assert events.read_jsonl(RunEvent(events.FINISHED, 0, time=5.0).to_json() + "\n" + text)[0].time == 5.0  # in time order
+
+
+def test_without_an_events_file_a_rank_only_prints(tmp_path, monkeypatch, capsys):
+    monkeypatch.delenv(events.FILE_ENV, raising=False)
+    monkeypatch.chdir(tmp_path)
+    events.emit(RunEvent(events.FINISHED, 0))
+    assert capsys.readouterr().out == "[finished] rank 0\n" and list(tmp_path.iterdir()) == []
+
+
+def test_an_unwritable_events_file_warns_and_the_line_still_goes_out(tmp_path, monkeypatch, capsys):
+    (tmp_path / "events").write_text("a file where the folder should be")
+    monkeypatch.setenv(events.FILE_ENV, str(tmp_path / "events" / "{rank}.jsonl"))
+    events.emit(RunEvent(events.FINISHED, 0))
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == "[finished] rank 0" and out[1].startswith("warning: the event was not written to ")

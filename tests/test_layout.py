@@ -230,6 +230,13 @@ def test_only_the_event_codec_writes_or_parses_a_ranks_tagged_lines():
     assert outside == [], outside
 
 
+def test_only_the_event_codec_names_the_ranks_events_file():
+    """A rank's events file is written and read as RunEvents by the codec alone; others ask it for events."""
+    outside = [(name, line, text) for name, path in modules().items() if name != "training.runtime.events"
+               for line, text in _strings(path) if "XC_EVENTS" in text or "events.jsonl" in text]
+    assert outside == [], outside
+
+
 def test_the_tag_check_sees_a_tag_in_code_and_not_in_a_docstring(tmp_path):
     probe = tmp_path / "probe.py"
     probe.write_text('"""A module that quotes [progress] in its docstring."""\nLINE = f"[finished] rank {0}"\n')

@@ -4,6 +4,7 @@ preempted or interrupted, with the clean-up a failure gets. Also the look that r
 when the process that should end it is gone and nothing of it is left on the nodes."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import shlex
@@ -20,6 +21,7 @@ from launch.life.cleanup import Sweep, runs_alive, sweep
 from launch.life.records import Cause, RunRecord, RunResult, Status, supervisor_alive
 from launch.life.stream import failed_rank
 from launch.ship import outputs, userscript
+from training.runtime import events
 from training.runtime import notice as notice_lib
 from training.runtime.notice import Notice
 from training.runtime.paths import RunPaths
@@ -85,6 +87,10 @@ class Outcome:
 
 def end(r: Run, o: Outcome, say) -> RunResult:
     """The one ending: writes the record, and returns the result or raises the error that says what happened."""
+    # The ranks' events files, home before any record is written (the store carries them), are what the ranks said
+    # even where the output stream lost lines (a dropped connection to node 0); the stream adds what they lack.
+    ran = outputs.gather_events(r.nodes, r.run_id, HOME_EXPR, r.run_dir)
+    o = dataclasses.replace(o, finished=o.finished | {e.rank for e in ran if e.kind == events.FINISHED})
     if o.interrupted:
         swept = r.sweep()  # the second look: what the first sweep left, if anything
         r.write(Status.INTERRUPTED, 130, o.wall_s, cleanup=swept.to_dict(), cause=Cause.INTERRUPTED.value)
@@ -92,7 +98,7 @@ def end(r: Run, o: Outcome, say) -> RunResult:
                           f"(log: {r.run_dir / 'log.txt'})")
     # Every rank exits 75 after rank 0's notice, but mpirun passes 75 on only when each node's ranks end before
     # Hydra tears that node down: a node torn down first gives 255. So: the notice, and a run that did not end 0.
-    notice = Notice.parse(o.lines) if o.exit_code != 0 else None
+    notice = (Notice.first(ran) or Notice.parse(o.lines)) if o.exit_code != 0 else None
     if notice is not None:
         _preempted(r, o, notice)
     extra: dict = {}

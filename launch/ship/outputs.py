@@ -1,5 +1,6 @@
 """Bringing a run's outputs home from node 0: the job's output_dir into runs/<id>/output/, complete
-checkpoints into runs/<id>/checkpoints/checkpoint-N/ (while the run goes on, and at its end), loss.png.
+checkpoints into runs/<id>/checkpoints/checkpoint-N/ (while the run goes on, and at its end), loss.png; and every
+node's rank events into runs/<id>/events.jsonl.
 """
 from __future__ import annotations
 
@@ -13,9 +14,10 @@ from collections.abc import Callable
 from pathlib import Path
 
 from cluster.node import Node
-from cluster.remote import connect, run
+from cluster.remote import connect, fan_out, run
 from core.errors import ClusterError
 from launch.ship import chart
+from training.runtime import events
 from training.runtime.paths import (
     CHECKPOINT_GLOB,
     COMPLETE_MARKER,
@@ -71,6 +73,26 @@ def fetch_output(node: Node, remote_dir: str, local_dir: Path, with_model: bool 
     if (local_dir / "trainer_state.json").is_file():
         draw_loss(local_dir / "trainer_state.json", local_dir / "loss.png")
     return copied
+
+
+def gather_events(nodes: list[Node], run_id: str, home_expr: str, run_dir: Path) -> list[events.RunEvent]:
+    """Every node's events/<rank>.jsonl into run_dir/events.jsonl, in time order; a node that does not answer
+    adds nothing. Returns the events."""
+    folder = RunPaths(shlex.quote(run_id), home_expr).node_events
+
+    def read(node: Node) -> str:
+        try:
+            with connect(node) as conn:
+                return run(conn, f"cat {folder}/*.jsonl 2>/dev/null; true", purpose="read the ranks' events",
+                           timeout=60).stdout
+        except Exception as exc:  # noqa: BLE001 - a lost node's events are lost with it; the run's end goes on
+            log.debug("the events on %s: %s", node.name, exc)
+            return ""
+
+    found = events.read_jsonl("\n".join(fan_out(nodes, read, "reading the ranks' events")))
+    if found:
+        (run_dir / events.RUN_FILE).write_text("".join(e.to_json() + "\n" for e in found))
+    return found
 
 
 def latest_remote_checkpoint(conn, remote_dir: str) -> tuple[int, str] | None:

@@ -1,14 +1,16 @@
 """What a rank tells launch, as data: one RunEvent schema and its one codec.
 
-A rank emits an event; the codec writes it as the readable line people see in the run's output and log.txt
-(``[progress] step 5/40 (12%) loss 0.6931 ...``), and reads such a line back into the same event. Nothing else in the
-project writes or parses these lines (tests/test_layout.py checks it): launch asks ``parse`` for the event and reads
-its fields.
+A rank emits an event; the codec writes it twice: as the readable line people see in the run's output and log.txt
+(``[progress] step 5/40 (12%) loss 0.6931 ...``), which ``parse`` reads back into the same event while the run goes
+on, and as one JSON line in the rank's own events file (``XC_EVENTS``: the node's runs/<id>/events/<rank>.jsonl),
+which comes home and to the store as the run's events.jsonl (every rank's, in time order). Nothing else in the
+project writes or parses these lines or files (tests/test_layout.py checks it).
 """
 from __future__ import annotations
 
 import json
 import math
+import os
 import re
 import time as _time
 from collections.abc import Iterable, Iterator
@@ -21,6 +23,9 @@ NOTICE = "preempted"  # rank 0: the run stops for a notice; payload: the Notice'
 REBALANCE = "rebalance"  # rank 0: a rebalance recommendation; it saved a checkpoint and trains on
 DURABLE = "store"  # rank 0: a checkpoint reached the store (payload ok=True) or did not (ok=False, error)
 MARK = "timeline"  # rank 0 with XC_TIMELINE=1: a start-up milestone; payload: name; time: when
+
+FILE_ENV = "XC_EVENTS"  # a rank's events file; "{rank}" in it becomes the rank (RANK)
+RUN_FILE = "events.jsonl"  # a run's events, every rank's, at home and in the store
 
 
 @dataclass(frozen=True)
@@ -35,9 +40,42 @@ class RunEvent:
         """The readable line this event is written as."""
         return _WRITE[self.kind](self)
 
+    def to_json(self) -> str:
+        return json.dumps({"kind": self.kind, "rank": self.rank, "step": self.step, "time": self.time,
+                           "payload": self.payload}, sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> RunEvent:
+        raw = json.loads(text)
+        step = raw.get("step")
+        return cls(str(raw["kind"]), int(raw.get("rank", 0)), None if step is None else int(step),
+                   float(raw.get("time", 0.0)), dict(raw.get("payload") or {}))
+
 
 def emit(event: RunEvent) -> None:
+    """The readable line on stdout, and the event in this rank's events file where XC_EVENTS names one."""
     print(event.line(), flush=True)
+    target = os.environ.get(FILE_ENV)
+    if not target:
+        return
+    path = target.replace("{rank}", os.environ.get("RANK", "0"))
+    try:
+        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+        with open(path, "a", encoding="utf-8") as f:
+            f.write(event.to_json() + "\n")
+    except OSError as exc:  # the line went out: launch still sees the event; only the file misses it
+        print(f"warning: the event was not written to {path}: {exc}", flush=True)
+
+
+def read_jsonl(text: str) -> list[RunEvent]:
+    """The events of events files' text (one or several concatenated), in time order; a torn last line is skipped."""
+    found = []
+    for line in text.splitlines():
+        try:
+            found.append(RunEvent.from_json(line))
+        except (ValueError, KeyError, TypeError, AttributeError):
+            continue
+    return sorted(found, key=lambda e: (e.time, e.rank))
 
 
 def parse(text: str, rank: int = 0) -> RunEvent | None:

@@ -33,7 +33,12 @@ class Notice:
     @staticmethod
     def parse(lines: Iterable[str]) -> Notice | None:
         """The first notice among a run's output lines (mpirun may prefix them), or None."""
-        e = events.first(lines, events.NOTICE)
+        return Notice.first(events.of_lines(lines))
+
+    @staticmethod
+    def first(ran: Iterable[events.RunEvent]) -> Notice | None:
+        """The first notice among a run's events, or None."""
+        e = next((e for e in ran if e.kind == events.NOTICE), None)
         if e is None:
             return None
         return Notice(cause=e.payload["cause"], rank=e.rank, step=e.step, checkpoint=e.payload["checkpoint"],

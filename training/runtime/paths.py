@@ -4,10 +4,11 @@ Every module that needs a run's folder, its checkpoints or a store key asks ``Ru
 those strings itself. It imports nothing outside the standard library: the ranks use it too.
 
     <node home>/runs/<id>/          rank.sh, node_env.sh, secrets.env, mpirun.log, data/, script/, output/, work/,
-                                    ranks/<rank>.json, resume/<checkpoint>
-    <runs dir>/<id>/                summary.json, results.json, log.txt, output/, checkpoints/<checkpoint>
+                                    ranks/<rank>.json, events/<rank>.jsonl, resume/<checkpoint>
+    <runs dir>/<id>/                summary.json, results.json, log.txt, events.jsonl, output/,
+                                    checkpoints/<checkpoint>
     <store>/runs/<id>/              checkpoints/<checkpoint>/ (complete once COMPLETE_MARKER is in it), output/,
-                                    summary.json, results.json, log.txt
+                                    summary.json, results.json, log.txt, events.jsonl
 """
 from __future__ import annotations
 
@@ -100,6 +101,10 @@ class RunPaths:
     @property
     def node_output(self) -> str:
         return self.on_node("output")
+
+    @property
+    def node_events(self) -> str:
+        return self.on_node("events")
 
     # -- at the operator's home ---------------------------------------------------------------------------------
     @property
