@@ -46,7 +46,7 @@ venv: $(STAMP) sshd gcc
 # An operator's laptop that only runs `pulumi` and `fab` against AWS needs no local cluster: no sshd, no gcc.
 venv-ops: $(STAMP)
 
-# One line says which torch build is installed and from where (tests/test_makefile.py runs this target with a
+# One line says which torch build is installed and from where (tests/project/test_makefile.py runs this target with a
 # stand-in pip and an unreachable or a local index).
 # uv, where INSTALLER=uv and it can be had, installs torch (and compiles its bytecode, as pip does: uv compiles only
 # what it installs) faster than pip: `make venv` took 47 s with pip's torch and 38 s with uv's (2026-11-28, EPYC).
@@ -140,11 +140,11 @@ test: venv bytecode
 test-fast: venv
 	$(BIN)/python -m pytest -q --durations=15 -m "not cluster and not slow" $(XDIST)
 
-# ruff, the layout rules (tests/test_layout.py) and the docs' links, and repeated code across the packages.
+# ruff, the layout rules (tests/project/test_layout.py) and the docs' links, and repeated code across the packages.
 LINT_PKGS := core cluster node_setup launch doctor reports infra training fabfile.py __main__.py
 lint: venv
 	$(BIN)/ruff check .
-	$(BIN)/python -m pytest -q tests/test_layout.py tests/test_docs.py
+	$(BIN)/python -m pytest -q tests/project/test_layout.py tests/project/test_docs.py
 	$(BIN)/pylint --disable=all --enable=duplicate-code --min-similarity-lines=10 --ignore-imports=yes $(LINT_PKGS)
 
 bench: venv

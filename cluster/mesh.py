@@ -20,7 +20,7 @@ from core.errors import ClusterError
 
 log = logging.getLogger(__name__)
 
-ROOT = "/xeon-cluster"  # infra.policies.SECRETS_ROOT (tests/test_mesh.py keeps the two equal)
+ROOT = "/xeon-cluster"  # infra.policies.SECRETS_ROOT (tests/cluster/test_mesh.py keeps the two equal)
 KEY_ALIAS_ROOT = "alias/xeon-cluster"  # infra.policies.KEY_ALIAS_ROOT (likewise)
 KEY_FILE = "cluster_ed25519"  # cluster.keys.cluster_key's file in a cluster's state folder
 

@@ -28,7 +28,7 @@ ONLY_CLUSTER = (TAG_CLUSTER,)
 LIVE_INSTANCES = ["pending", "running", "stopping", "stopped", "shutting-down"]
 BILLED_STATES = ("pending", "running")
 KMS_KEY_USD_MONTH, GONE_KEY_STATES = 1.0, ("PendingDeletion", "PendingReplicaDeletion")  # none once scheduled
-# infra.policies' (tests/test_sweep.py keeps them equal): the roles' boundary is xc-boundary-<cluster>-<region>
+# infra.policies' (tests/sweep/test_sweep.py keeps them equal): the roles' boundary is xc-boundary-<cluster>-<region>
 ROLE_PATH, BOUNDARY_PREFIX = "/xeon-cluster/", "xc-boundary-"
 # What of a kept store under <cluster>/ no run needs: launch.chain.adopt.CODE, training/runtime/store.py PROBE_PREFIX...
 LEFTOVERS = {"code": "the head's code tarballs (fab puts them again)", ".xc-probe": "the store probe's object",

@@ -1,7 +1,7 @@
 """Every IAM policy document the Pulumi program writes, in one place: the nodes' and the head's roles, the
 permissions boundary every role of the program carries, the secrets key's key policy, the store's bucket policy,
 the EC2 trust policy. Plain functions of plain values (an AwsContext, names, ARNs), so tests render and lint each
-one (tests/test_iam_lint.py runs parliament on all of them).
+one (tests/infra/test_iam_lint.py runs parliament on all of them).
 
 ARNs are built for the stack's partition (aws, aws-cn, aws-us-gov) and account; none is hard-coded to 'aws'.
 """
@@ -57,7 +57,7 @@ def mesh_key_public_parameter(cluster: str) -> str:
 
 
 def key_alias(cluster: str) -> str:
-    """The alias of the cluster's secrets key (cluster.mesh.key_alias is the same: tests/test_mesh.py)."""
+    """The alias of the cluster's secrets key (cluster.mesh.key_alias is the same: tests/cluster/test_mesh.py)."""
     return f"{KEY_ALIAS_ROOT}/{cluster}"
 
 

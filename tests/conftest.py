@@ -23,6 +23,10 @@ import pytest
 from moto_fixture import aws_env, moto_server  # noqa: F401
 
 ROOT = Path(__file__).resolve().parent.parent
+# tests/ is grouped by the room each file tests (launch/, cluster/, twin/, ...); a few files share helpers across rooms
+# (the sweep's store tests use the AWS discovery tests' fake Pulumi), so every room is importable by module name, as
+# the one flat folder was, however pytest is started
+sys.path[1:1] = [str(d) for d in sorted(Path(__file__).resolve().parent.iterdir()) if any(d.glob("test_*.py"))]
 FAB = [sys.executable, "-m", "fabric"]
 
 

@@ -1,5 +1,5 @@
-"""Every IAM policy document this project ships or writes, for the scanners (tests/test_iam_lint.py runs parliament,
-tests/test_iam_scan.py cloudsplaining): docs/iam-policy.json (fab), docs/iam-policy-pulumi.json (the deployer), and
+"""Every IAM policy document this project ships or writes, for the scanners (tests/infra/test_iam_lint.py runs parliament,
+tests/infra/test_iam_scan.py cloudsplaining): docs/iam-policy.json (fab), docs/iam-policy-pulumi.json (the deployer), and
 what the Pulumi program renders under mocks in each partition: the nodes' and the head's role policies, the three
 EC2 trust policies, the store's bucket policy, the permissions boundary of every role and the secrets key's key
 policy. Import after pulumi_mocks (it installs the mocks first).

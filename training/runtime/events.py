@@ -4,7 +4,7 @@ A rank emits an event; the codec writes it twice: as the readable line people se
 (``[progress] step 5/40 (12%) loss 0.6931 ...``), which ``parse`` reads back into the same event while the run goes
 on, and as one JSON line in the rank's own events file (``XC_EVENTS``: the node's runs/<id>/events/<rank>.jsonl),
 which comes home and to the store as the run's events.jsonl (every rank's, in time order). Nothing else in the
-project writes or parses these lines or files (tests/test_layout.py checks it).
+project writes or parses these lines or files (tests/project/test_layout.py checks it).
 """
 from __future__ import annotations
 
