@@ -91,6 +91,8 @@ def end(r: Run, o: Outcome, say) -> RunResult:
     # even where the output stream lost lines (a dropped connection to node 0); the stream adds what they lack.
     ran = outputs.gather_events(r.nodes, r.run_id, HOME_EXPR, r.run_dir)
     o = dataclasses.replace(o, finished=o.finished | {e.rank for e in ran if e.kind == events.FINISHED})
+    for e in ran:
+        records.apply(r.record, e)
     if o.interrupted:
         swept = r.sweep()  # the second look: what the first sweep left, if anything
         r.write(Status.INTERRUPTED, 130, o.wall_s, cleanup=swept.to_dict(), cause=Cause.INTERRUPTED.value)

@@ -20,7 +20,7 @@ from core import procs
 from core.errors import ClusterError, NoRecord
 from launch.plan import batch, launcher
 from launch.ship import secrets
-from training.runtime import notice
+from training.runtime import events, notice
 from training.runtime.store import STORE_ENV
 
 log = logging.getLogger(__name__)
@@ -288,6 +288,17 @@ def _segment(req, plan, args: list[str]) -> dict:
 def _reached(record: RunRecord, step) -> None:
     if record.segment is not None and isinstance(step, int):
         record.segment = {**record.segment, "to_step": step}
+
+
+def apply(record: RunRecord, event: events.RunEvent) -> RunRecord:
+    """The record after one of its ranks' events: the run's end folds runs/<id>/events.jsonl into it before it
+    writes the ending, so a run that failed before its results still records the step it reached. Statuses change
+    only through the named transitions below."""
+    if event.kind == events.PROGRESS and isinstance(event.step, int):
+        reached = (record.segment or {}).get("to_step")
+        if not isinstance(reached, int) or event.step > reached:
+            _reached(record, event.step)
+    return record
 
 
 # -- the one writer: every change of a record is one of these, saved at home AND published to the store ---

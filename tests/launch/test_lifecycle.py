@@ -20,8 +20,8 @@ from launch.life import cleanup, detach, lifecycle, records, stop
 from launch.life.lifecycle import Outcome, Run
 from launch.life.records import FAILURES, TERMINAL, BadTransition, RunRecord, Status
 from launch.ship import outputs, userscript
+from training.runtime import events, spot
 from training.runtime import notice as notice_lib
-from training.runtime import spot
 from training.runtime.notice import GROUP, SPOT, Notice
 from training.runtime.paths import RunPaths
 
@@ -193,6 +193,28 @@ def test_a_crash_on_nodes_that_answer_is_a_plain_failure(tmp_path, monkeypatch):
     assert not isinstance(exc.value, NodeLost) and exc.value.lost == []
     assert records.load(tmp_path / "r1").failed_node == "node1" and records.load(tmp_path / "r1").cause == "crashed"
     assert exc.value.fix == f"see {tmp_path / 'r1' / 'log.txt'}"
+
+
+def test_the_ranks_events_come_home_and_fold_into_the_record_even_where_the_stream_lost_them(tmp_path, monkeypatch):
+    ranks = [dataclasses.replace(events.progress(s, 10, float(s), 0.5), time=100.0 + s) for s in (1, 2, 3)]
+    n0 = FakeNode("node0", files={f"{HOME}/runs/r1/events/0.jsonl": "".join(e.to_json() + "\n" for e in ranks).encode(),
+                                  f"{HOME}/runs/r1/output/results.json": b"{}"})
+    n1 = FakeNode("node1", files={f"{HOME}/runs/r1/events/1.jsonl":
+                                  (events.RunEvent(events.FINISHED, 1, time=200.0).to_json() + "\n").encode()})
+    r = _run(tmp_path, monkeypatch, n0, n1)
+    r.record.segment = {"nodes": 2, "world_size": 2, "accumulation": 1, "from_step": 0}
+    # the stream lost node 0's last lines: rank 0's own end came by, rank 1's did not; the files say both finished
+    lifecycle.end(r, Outcome(134, ["[0] [finished] rank 0", "[1] Abort in ccl teardown"], {0}, 5.0), print)
+    rec = records.load(tmp_path / "r1")
+    assert rec.status == Status.OK and rec.crashed_after_finish["exit_code"] == 134
+    gathered = events.read_jsonl((tmp_path / "r1" / events.RUN_FILE).read_text())
+    assert [e.kind for e in gathered] == ["progress"] * 3 + ["finished"] and gathered[-1].rank == 1
+    failed = _run(tmp_path / "b", monkeypatch, FakeNode("node0", files={
+        f"{HOME}/runs/r1/events/0.jsonl": "".join(e.to_json() + "\n" for e in ranks[:2]).encode()}), FakeNode("node1"))
+    failed.record.segment = {"nodes": 2, "world_size": 2, "accumulation": 1, "from_step": 0}
+    with pytest.raises(NodeFailure):
+        lifecycle.end(failed, Outcome(1, ["[1] Traceback (most recent call last):"], set(), 3.0), print)
+    assert records.load(tmp_path / "b" / "r1").segment["to_step"] == 2  # the step it reached, from its events
 
 
 def test_preempted_brings_its_checkpoint_home(tmp_path, monkeypatch):
