@@ -17,9 +17,6 @@ from cluster import local as local_lib
 from cluster import netns as netns_lib
 from cluster import ssh as ssh_lib
 from cluster import store as store_lib
-from cluster import sweep as sweep_lib
-from cluster import twin as twin_lib
-from cluster import twin_notice as notice_lib
 from cluster.inventory import load_head
 from cluster.resolve import open_cluster
 from core.cli import as_float, as_int, cli, env_pairs, job_args, one_line_parse_errors, valueless_keys
@@ -42,6 +39,9 @@ from node_setup import profiles as profiles_lib
 from node_setup import setup as setup_lib
 from reports import bench as bench_lib
 from reports import kube as kube_lib
+from sweep import run as sweep_lib
+from twin import notice as notice_lib
+from twin import up as twin_lib
 
 one_line_parse_errors()  # an unknown flag or a missing value: one 'error:' line too
 

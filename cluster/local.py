@@ -198,14 +198,14 @@ def _start_node(state: Path, i: int, base: ipaddress.IPv4Address, port: int, cou
 
 
 def _start_imds(node_dir: Path, name: str, address: str, port: int, wrap: list[str]) -> dict:
-    """The node's own metadata service (cluster.twin_imds) on its address, one port above sshd's: nothing to say
+    """The node's own metadata service (cluster.imds) on its address, one port above sshd's: nothing to say
     until 'fab local-notice' posts a notice there. Node sessions learn it from sshd (XC_IMDS_ENDPOINT)."""
     imds_port = port + 1 if port < 65535 else port - 1
     doc = node_dir / "imds.json"
     doc.write_text(json.dumps({"instance_id": f"local-{name}", "region": "local", "local_ipv4": address,
                                "lifecycle_state": "InService"}))
     with open(node_dir / "imds.log", "ab") as log_out:
-        proc = subprocess.Popen([*wrap, sys.executable, "-m", "cluster.twin_imds", str(doc), address, str(imds_port)],
+        proc = subprocess.Popen([*wrap, sys.executable, "-m", "cluster.imds", str(doc), address, str(imds_port)],
                                 stdin=subprocess.DEVNULL, stdout=log_out, stderr=log_out, start_new_session=True,
                                 cwd=str(PROJECT_ROOT))
     entry = {"pid": proc.pid, "doc": str(doc), "endpoint": f"http://{address}:{imds_port}"}
@@ -363,7 +363,7 @@ def down(state: Path | None = None) -> int:
         found = [(pid, c) for pid, cmd in procs.cmdlines() if "[listener]" in cmd for c in configs if c + " " in cmd + " "]
         _stop([pid for pid, _ in found], [c for _, c in found])
         docs = [str(d) for d in (state / "nodes").glob("*/imds.json")]  # the nodes' metadata services too
-        imds = [(pid, d) for pid, cmd in procs.cmdlines() if "cluster.twin_imds" in cmd for d in docs if d in cmd]
+        imds = [(pid, d) for pid, cmd in procs.cmdlines() if "cluster.imds" in cmd for d in docs if d in cmd]
         _stop([pid for pid, _ in imds], [d for _, d in imds])
         (state / "state.json").unlink()
         return len(found)

@@ -139,7 +139,7 @@ def _links() -> list[str]:
 
 def parts(twin: Twin) -> list[str]:
     """What of this twin exists on the machine now: namespaces, veths, the bridge, hosts folders (``twin``: a Twin
-    here, the AWS twin's Names in cluster.twin: anything with bridge, hosts_prefix, owns_ns and owns_link)."""
+    here, the AWS twin's Names in twin.up: anything with bridge, hosts_prefix, owns_ns and owns_link)."""
     found = [s for s in _spaces() if twin.owns_ns(s)] + [n for n in _links() if twin.owns_link(n)]
     return found + [str(d) for d in ETC_NETNS.glob(f"{twin.hosts_prefix}*")]
 

@@ -11,14 +11,13 @@ from pathlib import Path
 import boto3
 
 ROOT = Path(__file__).resolve().parents[2]
-# The services fab's own code makes clients for (core/ec2.py aws_client; cluster/sweep.py's table; the store).
+# The services fab's own code makes clients for (core/ec2.py aws_client; sweep/run.py's table; the store).
 SERVICES = ("ec2", "autoscaling", "iam", "imagebuilder", "logs", "kms", "s3", "ssm")
 # Code fab runs with the operator's credentials: fab tasks, discovery, sweep, the cost lookup, doctor, and the
 # store's client (training/runtime/store.py), which fab pull, fab runs, doctor's store row and resuming use at home.
-FAB_CODE = ("cluster", "core", "launch", "doctor", "infra/cost.py", "fabfile.py", "training/runtime/store.py")
-# The AWS twin (issue 51) plays AWS itself against moto with moto's credentials, never the operator's: its calls
-# (create_vpc, create_auto_scaling_group, ...) are the deployer's and the cloud's, not fab's.
-NOT_FAB_CODE = ("cluster/twin*.py",)
+FAB_CODE = ("cluster", "sweep", "core", "launch", "doctor", "infra/cost.py", "fabfile.py", "training/runtime/store.py")
+# The AWS twin (twin/) is left out: it plays AWS itself against moto with moto's credentials, never the operator's,
+# and its calls (create_vpc, create_auto_scaling_group, ...) are the deployer's and the cloud's, not fab's.
 # Actions the scan finds that fab's credentials must not have: the mesh key and the run secrets are read only on the
 # head, with its role (cluster.mesh.fetch, launch.ship.run_secrets.fetch; infra.policies.head_policy), which alone
 # may decrypt them with the cluster's key, and list_tags_for_resource is the name of logs' call as well.
@@ -56,7 +55,6 @@ def fab_actions() -> set[str]:
     methods["put_parameter"].add("kms:Encrypt")
     files = [p for entry in FAB_CODE for p in ((ROOT / entry).rglob("*.py") if (ROOT / entry).is_dir()
                                                 else [ROOT / entry])]
-    files = [p for p in files if not any(p.relative_to(ROOT).match(g) for g in NOT_FAB_CODE)]
     names = {m.group(1) for f in files for m in METHOD_NAME.finditer(f.read_text())}
     return {action for name in names if name in methods for action in methods[name]}
 

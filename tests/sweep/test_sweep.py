@@ -13,10 +13,12 @@ import pytest
 from botocore.stub import Stubber
 from conftest import fab
 
-from cluster import sweep, sweep_delete, sweep_list
 from core.constants import TAG_CLUSTER
 from core.ec2 import aws_client
 from core.errors import ClusterError
+from sweep import delete as sweep_delete
+from sweep import find as sweep_list
+from sweep import run as sweep
 
 REGION = moto_fixture.REGION
 AMI = "ami-0123456789abcdef0"
@@ -342,7 +344,7 @@ def test_image_builder_resources_are_listed_and_deleted_in_order():
         stub.add_response("list_distribution_configurations", {"distributionConfigurationSummaryList": []}, {})
         listed = sweep_list._imagebuilder(sweep.Clients(REGION, imagebuilder=ib))
         stub.assert_no_pending_responses()
-    # every cluster's, never an untagged one; cluster.sweep.look keeps bert's
+    # every cluster's, never an untagged one; sweep.run.look keeps bert's
     assert [(o.id, o.cluster) for o in listed if o.cluster != "bert"] == [("image-pipeline/ernie-p", "ernie")]
     found = [o for o in listed if sweep.belongs(o, "bert")]
     assert [(o.kind, o.id) for o in found] == [
@@ -387,8 +389,8 @@ def test_placement_groups_on_a_stub_and_a_failure_is_one_line_and_the_sweep_goes
 
 def test_a_running_head_is_priced_from_the_heads_table():
     """The head's type (t3.medium) is no node type: its month comes from the head's prices, not a '?'."""
-    from cluster import sweep_list
     from core import catalog
+    from sweep import find as sweep_list
 
     assert sweep_list.instance_usd_month("t3.medium", "running") == round(
         catalog.HEAD_USD_H["t3.medium"] * catalog.HOURS_PER_MONTH, 2) > 0

@@ -17,8 +17,8 @@ import pytest
 from test_discovery_aws import fake_pulumi
 from test_sweep import client, plant_bucket, spec
 
-from cluster import sweep
 from core.errors import ClusterError
+from sweep import run as sweep
 
 REGION = moto_fixture.REGION
 ROOT = Path(__file__).resolve().parents[2]
@@ -253,9 +253,10 @@ def test_yes_removes_what_no_run_needs_from_the_kept_store_and_keeps_the_runs(aw
 
 def test_the_sweeps_names_are_the_programs():
     """What fab sweep finds by name or waits on is what the program makes (infra/ and launch/ are above cluster/)."""
-    from cluster import sweep_delete, sweep_list
     from infra import head, policies
     from launch.chain import adopt
+    from sweep import delete as sweep_delete
+    from sweep import find as sweep_list
 
     assert (sweep_list.ROLE_PATH, sweep_list.BOUNDARY_PREFIX) == (policies.ROLE_PATH, policies.BOUNDARY_PREFIX)
     assert policies.boundary_name("bert", REGION) == f"{sweep_list.BOUNDARY_PREFIX}bert-{REGION}"

@@ -1,4 +1,4 @@
-"""`fab local-notice` on a plain local cluster: every node has its own metadata service (cluster.twin_imds on its
+"""`fab local-notice` on a plain local cluster: every node has its own metadata service (cluster.imds on its
 address, one port above sshd's, named to its sessions by sshd), which posts the notice; at its end the node goes
 as `fab local-kill` takes it. A 2-node run that takes such a notice ends preempted: checked by hand in the issue's
 closing note; here the parts, on a cluster of the test's own (the notice takes a node down)."""

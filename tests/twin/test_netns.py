@@ -355,9 +355,9 @@ def test_local_down_leaves_no_namespace_link_bridge_or_sshd(tmp_path, state_file
 
 
 def test_the_aws_twins_security_group_rules_admit_a_group_at_the_private_address_only():
-    """cluster.twin_watch.sg_rules, as the nodes' group has it (infra.network): SSH from adminCidr, SSH from the head's
+    """twin.watch.sg_rules, as the nodes' group has it (infra.network): SSH from adminCidr, SSH from the head's
     group, all traffic between members. A group reference names the instance's private address; a CIDR rule either."""
-    from cluster.twin_watch import sg_rules
+    from twin.watch import sg_rules
 
     ssh = {"IpProtocol": "tcp", "FromPort": 22, "ToPort": 22}
     rules = sg_rules("198.18.0.5", [{**ssh, "IpRanges": [{"CidrIp": "198.19.7.1/32"}], "UserIdGroupPairs": []},

@@ -11,8 +11,9 @@ import urllib.request
 import pytest
 from moto_fixture import client
 
-from cluster import twin, twin_imds
+from cluster import imds as twin_imds
 from core.errors import ClusterError
+from twin import up as twin
 
 
 def test_imds_answers_as_ec2_does_and_reads_notices_as_they_come(tmp_path):
@@ -61,7 +62,7 @@ def test_aws_twin_needs_root_and_starts_nothing_without_it(tmp_path, monkeypatch
 
 
 def test_the_pulumi_program_lands_on_moto_with_its_own_names(aws_env, tmp_path):
-    from cluster import twin_program
+    from twin import program as twin_program
 
     key = tmp_path / "k"
     import subprocess
@@ -86,8 +87,8 @@ def test_the_pulumi_program_lands_on_moto_with_its_own_names(aws_env, tmp_path):
 def test_the_twins_image_is_the_profiles_package_list_not_this_venv():
     """The twin's nodes and head run the venv a baked image would hold: the profile's pins, built (once per profile
     hash) apart from this machine's venv, so a package the image lacks fails on the twin as it would on AWS."""
-    from cluster import twin_image
     from node_setup import profiles
+    from twin import image as twin_image
 
     profile = profiles.load_profile("upstream")
     assert twin_image.requirements("upstream") == [p.requirement for p in profile.packages]  # what the bake installs

@@ -1,5 +1,5 @@
 """A re-bake on the AWS twin (issue 70, blocker 3), without root: the Pulumi program's resources on the twin's own
-control plane (cluster.twin_moto, which refuses an instance of an image that does not exist, as AWS does), a second
+control plane (twin.control, which refuses an instance of an image that does not exist, as AWS does), a second
 `pulumi up` that replaces the image build, the program's own clean-up (infra/amis.py) deregistering the superseded
 AMI, and then the head's replacement, which must boot from what the head's launch template names."""
 from __future__ import annotations
@@ -17,10 +17,10 @@ pytestmark = pytest.mark.filterwarnings("ignore:.*EncryptionControl has been dep
 
 @pytest.fixture
 def twin_moto(tmp_path, monkeypatch):
-    """A moto server on 127.0.0.1 that refuses what the twin's control plane (cluster.twin_moto) refuses."""
+    """A moto server on 127.0.0.1 that refuses what the twin's control plane (twin.control) refuses."""
     port, log = _free_port(), tmp_path / "moto.log"
-    serve = ("import sys; from cluster import twin_moto; twin_moto.refuse_missing_images(); "
-             "twin_moto.template_versions_with_user_data(); "
+    serve = ("import sys; from twin import control; control.refuse_missing_images(); "
+             "control.template_versions_with_user_data(); "
              "from moto.server import main; main(['-H', '127.0.0.1', '-p', sys.argv[1]])")
     with log.open("wb") as out:
         proc = subprocess.Popen([sys.executable, "-c", serve, str(port)], cwd=PROJECT_ROOT, stdout=subprocess.DEVNULL,
@@ -30,7 +30,7 @@ def twin_moto(tmp_path, monkeypatch):
         wait_up(url, proc, "the twin's moto", lambda: log.read_text()[-2000:])
         isolate_aws(monkeypatch, tmp_path)
         for var, value in (("AWS_ACCESS_KEY_ID", "xc-twin"), ("AWS_SECRET_ACCESS_KEY", "xc-twin"),
-                           ("XC_AWS_ENDPOINT_URL", url)):  # as cluster.twin.use points the operator's process
+                           ("XC_AWS_ENDPOINT_URL", url)):  # as twin.up.use points the operator's process
             monkeypatch.setenv(var, value)
         yield url
     finally:
@@ -61,7 +61,7 @@ def exists(ami: str) -> bool:
 def test_after_a_rebake_and_its_clean_up_a_replacement_head_boots_from_an_image_its_template_names(twin_moto, tmp_path):
     from botocore.exceptions import ClientError
 
-    from cluster import twin_program
+    from twin import program as twin_program
 
     key = tmp_path / "k"
     subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(key)], check=True)

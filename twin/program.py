@@ -3,9 +3,9 @@ resource it declares is made on the twin's moto server with the inputs the progr
 the program would leave on AWS, from the same settings and names, never from a second description of it.
 
 What moto cannot hold is recorded and left out, each with its reason (Image Builder: the twin's image is this
-machine's venv). The instances the groups launch are booted by cluster.twin.
+machine's venv). The instances the groups launch are booted by twin.up.
 
-A second apply with the first's Twin is the next `pulumi up` of the same stack (cluster.twin_stack decides what
+A second apply with the first's Twin is the next `pulumi up` of the same stack (twin.stack decides what
 changes); `rebake=True` replaces the image build, as `pulumi up --replace` of it would: a new AMI, and the
 superseded one deregistered by the program's own clean-up (infra/amis.py).
 """
@@ -20,8 +20,8 @@ import secrets
 from collections.abc import Callable
 from typing import ClassVar
 
-from cluster import twin_stack
 from core.constants import PROJECT_ROOT, TAG_SSH_USER
+from twin import stack as twin_stack
 
 log = logging.getLogger(__name__)
 PROJECT = "xeon-cluster"
@@ -254,7 +254,7 @@ class Twin:
             data["KeyName"] = i["keyName"]
         if i.get("iamInstanceProfile"):
             data["IamInstanceProfile"] = _pascal(i["iamInstanceProfile"])
-        # a public address as the program asks: moto takes it from the twin's own range (cluster.twin_moto)
+        # a public address as the program asks: moto takes it from the twin's own range (twin.control)
         data["NetworkInterfaces"] = [{"DeviceIndex": int(n.get("deviceIndex", 0)), "Groups": list(n.get("securityGroups")
                                      or []), "AssociatePublicIpAddress": bool(_bool(n.get("associatePublicIpAddress")))}
                                      for n in i.get("networkInterfaces") or []]

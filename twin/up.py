@@ -1,10 +1,10 @@
 """The AWS twin (`fab local-up --aws`, root only): the cluster's AWS side as `pulumi up` leaves it, on one machine.
 
-- The control plane is a moto server (cluster.twin_moto) on the twin's bridge, at the VPC router's address (.1 of
-  the subnet). The Pulumi program itself, under mocks, makes the resources on it (cluster.twin_program): VPC and
+- The control plane is a moto server (twin.control) on the twin's bridge, at the VPC router's address (.1 of
+  the subnet). The Pulumi program itself, under mocks, makes the resources on it (twin.program): VPC and
   subnet (inside 198.18.0.0/15), security group, key pair, roles and instance profiles, launch templates, the nodes'
   spot group with its termination hook, the head's group of one, the store bucket.
-- A watcher process (`python -m cluster.twin_watch STATE`) boots every instance the groups launch as a real sshd
+- A watcher process (`python -m twin.watch STATE`) boots every instance the groups launch as a real sshd
   node in a network namespace of its own, at the instance's private address and its public one (a /24 of
   198.18.0.0/15 of its own, which moto hands out; the operator is .1 of it, on the bridge, and adminCidr), and
   removes it when the instance is terminated. Each namespace's nftables input chain holds its security groups'
@@ -12,11 +12,11 @@
   A node boots as a real one does, as far as one machine allows: cloud-init's files from its launch template's user
   data (/etc/xeon-cluster/cluster.env), its host name from its instance id, and the user data's
   own publisher tagging the instance with its host keys and authorizing the mesh key (cluster.mesh), through its
-  instance profile. Its IMDS (cluster.twin_imds) answers at 169.254.169.254 inside the namespace, for that
+  instance profile. Its IMDS (cluster.imds) answers at 169.254.169.254 inside the namespace, for that
   instance only.
 - Each node sees its own /etc/xeon-cluster and ~/.xeon-cluster (a mount namespace), and at /opt/xeon-cluster/venv,
   where a baked image has the software, the venv the image would hold: built from the profile's package list
-  (cluster.twin_image), never this machine's venv.
+  (twin.image), never this machine's venv.
 - `fab local-notice` makes an instance's IMDS announce a spot reclaim, a rebalance recommendation or the group's
   own termination; at its end the instance is terminated and the group launches a replacement. `fab local-kill`
   terminates one with no notice.
@@ -40,10 +40,11 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
-from cluster import local, netns, twin_image
+from cluster import local, netns
 from core.cli import writable_dir
 from core.constants import PROJECT_ROOT, REMOTE_HOME
 from core.errors import ClusterError
+from twin import image as twin_image
 
 log = logging.getLogger(__name__)
 
@@ -242,7 +243,7 @@ def up(count: int, state: Path | None = None) -> dict:
         netns._run(["ip", "link", "set", names.bridge, "up"])
         port = _free_port(router)
         record["endpoint"] = f"http://{router}:{port}"
-        moto = _spawn([sys.executable, "-m", "cluster.twin_moto", router, str(port), str(state / "lifecycle.jsonl"),
+        moto = _spawn([sys.executable, "-m", "twin.control", router, str(port), str(state / "lifecycle.jsonl"),
                        public], state / "moto.log")
         record["moto"] = moto.pid
         _write(state, record)
@@ -251,7 +252,7 @@ def up(count: int, state: Path | None = None) -> dict:
         record["made_dirs"] = _mount_points()
         _write(state, record)
         use(record)  # the program's own calls (prices, caller identity) go to the twin too
-        from cluster import twin_program  # lazy: the Pulumi program (~5 ms of fab's start-up) only twin-up runs
+        from twin import program as twin_program  # lazy: the Pulumi program (~5 ms of fab's start-up) only twin-up runs
 
         config = {"adminCidr": f"{operator}/32", "sshPublicKey": local.operator_key(state).with_suffix(".pub").read_text(),
                   "nodeCount": count, "vpcCidr": vpc, "region": REGION, "availabilityZone": ZONE,
@@ -261,7 +262,7 @@ def up(count: int, state: Path | None = None) -> dict:
                                                           "head": outputs["headAutoScalingGroup"]},
                       left_out=program.left_out, made=len(program.made))
         record["subnet"] = _subnet(record, router)
-        watcher = _spawn([sys.executable, "-m", "cluster.twin_watch", str(state)], state / "watcher.log")
+        watcher = _spawn([sys.executable, "-m", "twin.watch", str(state)], state / "watcher.log")
         record["watcher"] = watcher.pid
         _write(state, record)
         _wait_booted(state, count + 1, watcher, started)

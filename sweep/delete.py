@@ -33,7 +33,7 @@ class Failed(Exception):
 
 
 def delete_all(clients, orphans: list, out, sleep: Callable[[float], None] = time.sleep) -> list[str]:
-    """Delete ``orphans`` (cluster.sweep.Orphan) in ORDER; returns one line per failure, already printed."""
+    """Delete ``orphans`` (sweep.run.Orphan) in ORDER; returns one line per failure, already printed."""
     failures: list[str] = []
 
     def say(line: str) -> None:
@@ -204,7 +204,7 @@ def _bucket(c, o) -> None:
 
 
 def _store_objects(c, o) -> None:
-    """What no run needs in a kept store (cluster.sweep_list.LEFTOVERS), every version of it; a run's log parts
+    """What no run needs in a kept store (sweep.find.LEFTOVERS), every version of it; a run's log parts
     first compacted into its log.txt where that is shorter (a run cut short before its end published it). Never
     while the cluster's Auto Scaling groups exist: its head and nodes read them."""
     from botocore.exceptions import ClientError

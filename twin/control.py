@@ -1,6 +1,6 @@
 """The AWS twin's control plane: a moto server with the two Auto Scaling calls it lacks, which our nodes make.
 
-`python -m cluster.twin_moto HOST PORT JOURNAL PUBLIC`: moto's own server (EC2, Auto Scaling, S3, IAM, STS, SSM over
+`python -m twin.control HOST PORT JOURNAL PUBLIC`: moto's own server (EC2, Auto Scaling, S3, IAM, STS, SSM over
 real HTTP), plus CompleteLifecycleAction and RecordLifecycleActionHeartbeat, which moto 5 answers with a 500. Each of
 them is appended to JOURNAL as a JSON line, so the twin can end a held termination when the node lets it go, as the
 group does on AWS, instead of only at the end of the hook's heartbeat.

@@ -1,5 +1,5 @@
 """``fab sweep``: what of a cluster is still in its region after ``pulumi destroy``, with its cost per month,
-and (with --yes) its deletion in dependency order (cluster.sweep_delete).
+and (with --yes) its deletion in dependency order (sweep.delete).
 
 A resource belongs to cluster NAME only when it carries the tag xeon-cluster:cluster=NAME (every resource
 of the stack does, through the provider's default tags) or xeon-cluster:image-build=NAME (Image Builder's
@@ -10,7 +10,7 @@ ever deleted.
 
 The store (the cluster's S3 bucket: trained models, checkpoints, run records) is listed but kept by --yes, which says
 so and why; only --include-store empties it, and never while the cluster's Auto Scaling group still exists (its nodes
-may be writing). What in it no run needs is listed on rows of its own and goes with --yes (cluster.sweep_list
+may be writing). What in it no run needs is listed on rows of its own and goes with --yes (sweep.find
 LEFTOVERS: the head's code tarballs, snapshots and wheels no resumable run names, log parts, compacted first). The
 cluster's KMS key (scheduled for deletion) and its roles' permissions boundary are found by tag and by name.
 """
@@ -24,12 +24,12 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from cluster import aws
-from cluster.sweep_delete import ORDER, delete_all
-from cluster.sweep_list import FATAL_CODES, SOURCES, Orphan
 from core import catalog
 from core.constants import TAG_CLUSTER, TAG_STORE
 from core.ec2 import aws_client, aws_errors
 from core.errors import ClusterError
+from sweep.delete import ORDER, delete_all
+from sweep.find import FATAL_CODES, SOURCES, Orphan
 
 log = logging.getLogger(__name__)
 

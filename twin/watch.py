@@ -1,9 +1,9 @@
-"""The AWS twin's watcher (`python -m cluster.twin_watch STATE`, started by `fab local-up --aws`): every instance
+"""The AWS twin's watcher (`python -m twin.watch STATE`, started by `fab local-up --aws`): every instance
 the twin's groups launch becomes a real sshd node in a network namespace of its own, at its private address, with
 its own IMDS, and its public address; an instance that is terminated goes with everything on it. Its namespace's
 nftables input chain enforces its security groups (sg_rules), updated as the groups' members come and go. It also
 ends the notices that `fab local-notice` posted: EC2 takes a spot instance, the group one its hook held (early once
-the node completes its lifecycle action; later with each heartbeat it records). See cluster/twin.py for the whole
+the node completes its lifecycle action; later with each heartbeat it records). See twin/up.py for the whole
 twin.
 """
 from __future__ import annotations
@@ -23,11 +23,11 @@ import time
 from pathlib import Path
 
 from cluster import local, netns
-from cluster.twin import KEY_ID, Names, _alive, _spawn, booted, clients, require, write_imds
 from core import procs
 from core.constants import REMOTE_PYTHON
 from core.errors import ClusterError
 from core.render import render
+from twin.up import KEY_ID, Names, _alive, _spawn, booted, clients, require, write_imds
 
 # Each pass lists the groups' instances from moto: at 0.3 s the server and this watcher took ~40 CPU-s over the
 # twin's tests (bench/suite_cpu.py); a second keeps EC2's own pace (an instance is seen within its first second).
@@ -153,7 +153,7 @@ class Watcher:
         (netns.ETC_NETNS / ns / "resolv.conf").write_text("nameserver 127.0.0.1\n")
         # its metadata, then what cloud-init does with its user data
         self.imds_doc(iid, ip, role, node_dir)
-        imds = _spawn(["ip", "netns", "exec", ns, sys.executable, "-m", "cluster.twin_imds", str(node_dir / "imds.json")],
+        imds = _spawn(["ip", "netns", "exec", ns, sys.executable, "-m", "cluster.imds", str(node_dir / "imds.json")],
                       node_dir / "imds.log")
         deadline = time.monotonic() + 30
         while not procs.listens(imds.pid, "169.254.169.254", 80):  # on EC2 it answers before anything boots

@@ -1,5 +1,5 @@
 """Notices and kills for `fab local-notice` and `fab local-kill`: on the AWS twin an instance's IMDS posts the notice
-and, at its end, EC2 or the group takes the instance (cluster.twin_watch); on a plain local cluster the node's own
+and, at its end, EC2 or the group takes the instance (twin.watch); on a plain local cluster the node's own
 metadata service posts it and the node goes at its end as `fab local-kill` takes it.
 """
 from __future__ import annotations
@@ -12,8 +12,8 @@ import time
 from pathlib import Path
 
 from cluster import aws, local
-from cluster.twin import DEFAULT_AFTER, KINDS, _spawn, booted, clients, read, require, state_dir, write_imds
 from core.errors import ClusterError
+from twin.up import DEFAULT_AFTER, KINDS, _spawn, booted, clients, read, require, state_dir, write_imds
 
 
 def resolve(name: str, record: dict) -> dict:
@@ -105,7 +105,7 @@ def local_notice(name: str, kind: str, after: float | None, state: Path | None =
     tmp.replace(doc_file)
     if kind == "rebalance":
         return f"{name}: rebalance recommendation served by its metadata service; the node stays"
-    _spawn([sys.executable, "-m", "cluster.twin_notice", "end-local", str(state), name, str(after)], state / "notices.log")
+    _spawn([sys.executable, "-m", "twin.notice", "end-local", str(state), name, str(after)], state / "notices.log")
     return (f"{name}: {kind} notice served by its metadata service; in {after:g} s the node goes as 'fab local-kill' "
             f"takes it; 'fab local-up --nodes {len(data['nodes'])}' brings it back")
 

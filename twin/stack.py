@@ -2,7 +2,7 @@
 
 Each resource's state (id, inputs, outputs) stays from one apply to the next. At the next, a property the program
 lists in a resource's ignore_changes keeps its old value, as the engine does; a resource whose inputs are then the
-same is left as it is, a changed one is updated (cluster.twin_program makes and updates them on moto), and a type
+same is left as it is, a changed one is updated (twin.program makes and updates them on moto), and a type
 in ``replace`` is replaced whatever its inputs (`pulumi up --replace`). A dynamic resource (infra/amis.py's
 AmiCleanup) runs its own provider, unpickled as the engine does: its create; at an update its diff, and for a
 replacement the new one's create and then the old one's delete, after everything that named it moved.

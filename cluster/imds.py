@@ -1,7 +1,7 @@
 """One twin instance's metadata service (IMDSv2), run inside the instance's network namespace at AWS's own address.
 
-`python -m cluster.twin_imds FILE` serves 169.254.169.254:80 from FILE, a JSON document that the AWS twin
-(cluster.twin) rewrites to announce a notice: it is read again on every request, so a notice shows on the next poll.
+`python -m cluster.imds FILE` serves 169.254.169.254:80 from FILE, a JSON document that the AWS twin
+(twin.up) rewrites to announce a notice: it is read again on every request, so a notice shows on the next poll.
 Answers as EC2 does: PUT /latest/api/token (TTL header required), then GET with the token for instance-id,
 placement/availability-zone and region, local-ipv4, the instance profile's credentials, spot/instance-action (404
 until a spot notice), events/recommendations/rebalance (404 until one), autoscaling/target-lifecycle-state.

@@ -1,5 +1,5 @@
 """What ``fab sweep`` lists, one function per kind: every resource that carries a cluster tag (of any
-cluster; cluster.sweep picks one), with what deleting it needs and its cost per month where known; in the kept
+cluster; sweep.run picks one), with what deleting it needs and its cost per month where known; in the kept
 store, what no run needs (LEFTOVERS), on rows of its own.
 """
 from __future__ import annotations
@@ -38,7 +38,7 @@ LEFTOVERS = {"code": "the head's code tarballs (fab puts them again)", ".xc-prob
 
 @dataclass
 class Orphan:
-    kind: str  # one of cluster.sweep_delete.ORDER
+    kind: str  # one of sweep.delete.ORDER
     id: str
     name: str = ""
     usd_month: float | None = 0.0  # None: not known
