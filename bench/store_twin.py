@@ -30,7 +30,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from training.runtime.paths import RunPaths
+from training.runtime.paths import Checkpoints, RunPaths
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -113,7 +113,7 @@ def node_main(work: Path) -> None:
                 model.save_pretrained(folder)  # model.safetensors, config.json
                 torch.save(opt.state_dict(), folder / "optimizer.pt")
                 (folder / "trainer_state.json").write_text(json.dumps({"global_step": step}))
-                (folder / store.COMPLETE_MARKER).write_text("{}")
+                (folder / Checkpoints.MARKER).write_text("{}")
                 if cmd[0] == "save-home":
                     send_tree(f, folder)
                 else:
@@ -124,7 +124,7 @@ def node_main(work: Path) -> None:
                 f.write(f"received {got}\n".encode())
             elif cmd[0] == "resume-store":
                 st = store.open_store(cmd[1])
-                steps = store.complete_checkpoints(st, "twin")
+                steps = store.stored_steps(st, "twin")
                 got = store.download_tree(st, RunPaths("twin").store_checkpoint(steps[-1]), work / "resume-store")
                 f.write(f"received {got}\n".encode())
             f.flush()

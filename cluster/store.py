@@ -21,7 +21,7 @@ from core.constants import PROJECT_ROOT
 from core.errors import ClusterError
 from training.runtime import events, paths
 from training.runtime import store as shared
-from training.runtime.paths import RunPaths
+from training.runtime.paths import Checkpoints, RunPaths
 from training.runtime.store import STORE_ENV, StoreError, explain, open_store
 
 log = logging.getLogger(__name__)
@@ -213,7 +213,7 @@ def _guard(url: str, fn, *args, **kw):
 
 def checkpoints(url: str, run_id: str) -> list[int]:
     """The run's complete checkpoints in the store, oldest first."""
-    return _guard(url, shared.complete_checkpoints, _store(url), run_id)
+    return _guard(url, shared.stored_steps, _store(url), run_id)
 
 
 def read_summary(url: str, run_id: str) -> dict | None:
@@ -376,7 +376,7 @@ def pull(url: str, run_id: str, dest: Path, with_checkpoints: bool = False, with
     if not entries:
         raise ClusterError(f"no run {run_id} in the store {url}", fix="pass an id from 'fab runs' (or --store with the "
                            "store the run used)")
-    complete = {where.store_checkpoint(s) + "/" for s in _guard(url, shared.complete_checkpoints, store, run_id)}
+    complete = {where.store_checkpoint(s) + "/" for s in _guard(url, shared.stored_steps, store, run_id)}
     wanted = []
     for e in entries:
         rel = e.key[len(where.store) + 1:]
@@ -387,7 +387,7 @@ def pull(url: str, run_id: str, dest: Path, with_checkpoints: bool = False, with
         elif not with_model and rel.endswith(MODEL_SUFFIXES):
             continue
         wanted.append((e, rel))
-    wanted.sort(key=lambda pair: pair[1].endswith("/" + shared.COMPLETE_MARKER))
+    wanted.sort(key=lambda pair: pair[1].endswith("/" + Checkpoints.MARKER))
     total = sum(e.size for e, _ in wanted)
     done = 0
     started = time.monotonic()

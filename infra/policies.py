@@ -19,7 +19,7 @@ ROLE_PATH = "/xeon-cluster/"
 # (training/runtime/store.py publish_checkpoint, publish_output) and the store probe's object. Records, logs and heartbeats
 # are the head's and the operator's: a node cannot rewrite a run's summary or another run's outputs' record.
 NODE_WRITABLE = ("runs/*/checkpoints/*", "runs/*/output/*", ".xc-probe/*")
-# What it may delete: old checkpoints (training/runtime/store.py keeps the newest KEEP_CHECKPOINTS) and the probe's object.
+# What it may delete: old checkpoints (training/runtime/store.py keeps the newest Checkpoints.KEEP) and the probe's object.
 # No node may delete an object version (the bucket is versioned: an overwrite from a node leaves the previous
 # version for the noncurrent-version rules).
 NODE_DELETABLE = ("runs/*/checkpoints/*", ".xc-probe/*")

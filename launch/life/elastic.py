@@ -20,7 +20,7 @@ from launch.life import records
 from launch.life.cleanup import sweep
 from launch.plan.batch import micro_batches, smaller_sizes
 from launch.plan.request import TrainRequest
-from training.runtime.paths import RunPaths, checkpoint_name
+from training.runtime.paths import Checkpoints, RunPaths
 
 log = logging.getLogger(__name__)
 
@@ -108,7 +108,7 @@ class GrowBack(threading.Thread):
                 return
             if step > seen:
                 self.fired = step
-                self.say(f"{checkpoint_name(step)} of run {self.run_id} is complete: ending it to go on at "
+                self.say(f"{Checkpoints.name(step)} of run {self.run_id} is complete: ending it to go on at "
                          f"{self.full} node(s)")
                 rec = records.load_or_none(RunPaths(self.run_id, runs_dir=self.runs_dir).home)
                 if rec is not None:

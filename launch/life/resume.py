@@ -17,7 +17,7 @@ from launch.life import records
 from launch.plan.request import Resume, TrainRequest, file_digest
 from launch.ship import secrets
 from launch.ship import workdir as workdir_lib
-from training.runtime.paths import RunPaths, latest_checkpoint
+from training.runtime.paths import Checkpoints, RunPaths
 
 
 def _summary(run_id: str, run_dir: Path, runs_dir: Path, store: str | None) -> dict:
@@ -66,7 +66,7 @@ def resume_request(run_id: str, runs_dir: Path, nodes: int | None = None, fetch_
         step, url = in_store
         checkpoint = None
     else:
-        latest = latest_checkpoint(RunPaths(run_id, runs_dir=runs_dir).home_checkpoints)
+        latest = Checkpoints.latest(RunPaths(run_id, runs_dir=runs_dir).home_checkpoints)
         if not latest:
             where = records.RunRecord.from_json(summary).store or store
             in_where = f"{where}/{RunPaths(run_id).store_checkpoints} nor in " if where else ""

@@ -22,7 +22,7 @@ from launch.plan.probe import NodeFacts, master_port, probe, resolve_backend, re
 from launch.ship import jobdata, jobflags, secrets, snapshot, workdir
 from launch.ship.datafiles import FILE_FLAGS, file_digest, local_files, rewrite_files
 from training.runtime import spot
-from training.runtime.paths import checkpoint_name
+from training.runtime.paths import Checkpoints
 from training.runtime.store import STORE_ENV
 from training.runtime.wire import COMM_HOOKS
 
@@ -346,7 +346,7 @@ def run_env(req: TrainRequest, hosts: list[str]) -> dict[str, str]:
     """The ranks' spot contract (training.runtime.spot) and wire precision, under the user's --env."""
     env = {"XC_SAVE_EVERY": req.save_every, "XC_COMM_HOOK": resolve_comm_hook(req.comm_hook, hosts)}
     if req.resume:
-        env["XC_RESUME_FROM"] = f"resume/{checkpoint_name(req.resume.step)}"
+        env["XC_RESUME_FROM"] = f"resume/{Checkpoints.name(req.resume.step)}"
         if req.resume.url:  # [store] each node takes the checkpoint from the store (training.runtime.store)
             env["XC_RESUME_URL"] = req.resume.url
     return {**env, **req.env}

@@ -19,14 +19,8 @@ from core.errors import ClusterError
 from launch.ship import chart
 from training.runtime import events
 from training.runtime.paths import (
-    CHECKPOINT_GLOB,
-    COMPLETE_MARKER,
+    Checkpoints,
     RunPaths,
-    checkpoint_name,
-    checkpoint_step,
-    complete_checkpoints,
-    is_checkpoint,
-    purge_checkpoints,
 )
 
 log = logging.getLogger(__name__)
@@ -66,7 +60,7 @@ def fetch_output(node: Node, remote_dir: str, local_dir: Path, with_model: bool 
     copied = []
     with connect(node) as conn:
         for size, rel in _listing(conn, remote_dir):
-            if is_checkpoint(rel.split("/", 1)[0]) or (not with_model and rel.endswith(MODEL_SUFFIXES)):
+            if Checkpoints.is_name(rel.split("/", 1)[0]) or (not with_model and rel.endswith(MODEL_SUFFIXES)):
                 continue
             _get(conn, f"{remote_dir}/{rel}", local_dir / rel, size, say)
             copied.append(rel)
@@ -97,11 +91,11 @@ def gather_events(nodes: list[Node], run_id: str, home_expr: str, run_dir: Path)
 
 def latest_remote_checkpoint(conn, remote_dir: str) -> tuple[int, str] | None:
     """(step, path) of node 0's newest checkpoint with its completion marker."""
-    res = run(conn, f"ls -d {shlex.quote(remote_dir)}/{CHECKPOINT_GLOB}/{COMPLETE_MARKER} 2>/dev/null", timeout=60)
+    res = run(conn, f"ls -d {shlex.quote(remote_dir)}/{Checkpoints.GLOB}/{Checkpoints.MARKER} 2>/dev/null", timeout=60)
     best = None
     for line in res.stdout.split():
         folder = line.rsplit("/", 1)[0]
-        step = checkpoint_step(folder.rsplit("/", 1)[-1])
+        step = Checkpoints.step(folder.rsplit("/", 1)[-1])
         if step is not None and (best is None or step > best[0]):
             best = (step, folder)
     return best
@@ -109,7 +103,7 @@ def latest_remote_checkpoint(conn, remote_dir: str) -> tuple[int, str] | None:
 
 def home_checkpoints(run_dir: Path) -> list[tuple[int, Path]]:
     """Complete checkpoints at home, oldest first (a transfer cut short is never counted)."""
-    return complete_checkpoints(RunPaths(run_dir.name, runs_dir=run_dir.parent).home_checkpoints)
+    return Checkpoints.complete(RunPaths(run_dir.name, runs_dir=run_dir.parent).home_checkpoints)
 
 
 def fetch_checkpoint(node: Node, run_dir: Path, remote_dir: str, with_model: bool = True,
@@ -121,22 +115,22 @@ def fetch_checkpoint(node: Node, run_dir: Path, remote_dir: str, with_model: boo
             return None
         step, folder = latest
         dest = RunPaths(run_dir.name, runs_dir=run_dir.parent).home_checkpoint(step)
-        if not (dest / COMPLETE_MARKER).is_file():
+        if not (dest / Checkpoints.MARKER).is_file():
             # The Trainer deletes all but its newest checkpoints; with frequent saves one can go while it
             # is being copied. A tree of hard links beside the output folder keeps its files for the copy.
-            snap = f"{remote_dir.rstrip('/')}.xc-home-{checkpoint_name(step)}"
+            snap = f"{remote_dir.rstrip('/')}.xc-home-{Checkpoints.name(step)}"
             q = shlex.quote
             run(conn, f"rm -rf {q(snap)} && cp -al {q(folder)} {q(snap)}", timeout=60)
             try:
                 partial = dest.with_name(dest.name + ".partial")
                 shutil.rmtree(partial, ignore_errors=True)
                 files = _listing(conn, snap)
-                for size, rel in sorted(files, key=lambda f: f[1] == COMPLETE_MARKER):  # the marker last
+                for size, rel in sorted(files, key=lambda f: f[1] == Checkpoints.MARKER):  # the marker last
                     if not with_model and rel.endswith(MODEL_SUFFIXES):
                         continue
                     _get(conn, f"{snap}/{rel}", partial / rel, size, say)
-                if not (partial / COMPLETE_MARKER).is_file():
-                    raise ClusterError(f"{node.name}: {checkpoint_name(step)} lost its completion marker while copying",
+                if not (partial / Checkpoints.MARKER).is_file():
+                    raise ClusterError(f"{node.name}: {Checkpoints.name(step)} lost its completion marker while copying",
                                        fix="run again with a larger --save-every (the Trainer deleted it mid-copy)")
                 shutil.rmtree(dest, ignore_errors=True)
                 partial.rename(dest)
@@ -144,7 +138,7 @@ def fetch_checkpoint(node: Node, run_dir: Path, remote_dir: str, with_model: boo
                 run(conn, f"rm -rf {q(snap)}", timeout=60)
     for stale in dest.parent.glob("*.partial"):  # copies cut short by an earlier round
         shutil.rmtree(stale, ignore_errors=True)
-    purge_checkpoints(dest.parent)
+    Checkpoints.purge(dest.parent)
     return step, dest
 
 

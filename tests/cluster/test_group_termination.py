@@ -14,6 +14,7 @@ from fake_imds import FakeIMDS
 
 from launch.life import records
 from training.runtime import spot
+from training.runtime.paths import Checkpoints
 
 
 def test_a_group_termination_is_a_notice_with_its_cause():
@@ -81,7 +82,7 @@ def test_a_rebalance_checkpoints_while_the_run_goes_on_then_a_group_termination_
             run_id = (cluster2.run_dirs() - before).pop()
             imds.recommend_rebalance()
             rebalanced = int(running.wait_for(re.compile(r"\[rebalance\] step=(\d+)"), 120).group(1))
-            marker = store / run_id / "checkpoints" / f"checkpoint-{rebalanced}" / spot.COMPLETE_MARKER
+            marker = store / run_id / "checkpoints" / f"checkpoint-{rebalanced}" / Checkpoints.MARKER
             wait_until("the rebalance checkpoint in the store", marker.is_file, 120, poll=0.5)
             assert running.proc.poll() is None  # it reached the store while the run went on
             imds.terminate_by_group()
@@ -94,7 +95,7 @@ def test_a_rebalance_checkpoints_while_the_run_goes_on_then_a_group_termination_
     assert summary["status"] == "preempted" and summary["cause"] == "group termination", summary
     step = summary["preempted"]["step"]
     assert step > rebalanced  # training went on after the rebalance's checkpoint
-    assert (store / run_id / "checkpoints" / f"checkpoint-{step}" / spot.COMPLETE_MARKER).is_file()
+    assert (store / run_id / "checkpoints" / f"checkpoint-{step}" / Checkpoints.MARKER).is_file()
     assert not [ln for ln in imds.requests if "spot/instance-action" in ln[1] and ln[2] == 200]  # no spot notice
     assert processes_with_env(f"XC_RUN_ID={run_id}") == []
     res = cluster2.fab("train", "--resume", run_id, timeout=900)

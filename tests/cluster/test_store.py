@@ -15,6 +15,7 @@ from cluster import store as store_lib
 from core.errors import ClusterError
 from training.runtime import publish, spot
 from training.runtime import store as shared
+from training.runtime.paths import Checkpoints
 
 BUCKET = "xc-test-store"
 
@@ -32,12 +33,12 @@ def _checkpoint(folder, step: int, big: int = 0, complete: bool = True):
     (folder / "trainer_state.json").write_text(json.dumps({"global_step": step}))
     (folder / "optimizer.pt").write_bytes(os.urandom(big or 1000))
     if complete:
-        (folder / spot.COMPLETE_MARKER).write_text("{}")
+        (folder / Checkpoints.MARKER).write_text("{}")
     return folder
 
 
 def test_the_marker_name_is_spots():
-    assert shared.COMPLETE_MARKER == spot.COMPLETE_MARKER
+    assert Checkpoints.MARKER == Checkpoints.MARKER
 
 
 def test_a_checkpoint_goes_up_in_parallel_parts_and_counts_only_with_its_marker(s3, tmp_path):
@@ -50,7 +51,7 @@ def test_a_checkpoint_goes_up_in_parallel_parts_and_counts_only_with_its_marker(
     # a checkpoint whose marker never arrived (the node went mid-upload) does not count
     store = shared.open_store(s3)
     shared.upload_tree(store, _checkpoint(tmp_path / "checkpoint-20", 20, complete=False), "runs/r1/checkpoints/checkpoint-20")
-    assert shared.complete_checkpoints(store, "r1") == [10]
+    assert shared.stored_steps(store, "r1") == [10]
     back = tmp_path / "back"
     assert shared.download_tree(store, "runs/r1/checkpoints/checkpoint-10", back) == big + 2 + len('{"global_step": 10}')
     assert (back / "optimizer.pt").read_bytes() == (tmp_path / "checkpoint-10" / "optimizer.pt").read_bytes()
@@ -67,14 +68,14 @@ def test_the_marker_is_written_last(tmp_path):
     folder = _checkpoint(tmp_path / "checkpoint-3", 3)
     (folder / "zz-last-by-name").write_text("x")
     shared.upload_tree(Recorder((tmp_path / "st").as_uri()), folder, "runs/r/checkpoints/checkpoint-3")
-    assert order[-1] == spot.COMPLETE_MARKER and len(order) == 4
+    assert order[-1] == Checkpoints.MARKER and len(order) == 4
 
 
 def test_only_the_newest_checkpoints_stay_in_the_store(s3, tmp_path):
     for step in (5, 10, 15):
         shared.publish_checkpoint(_checkpoint(tmp_path / f"checkpoint-{step}", step), run_id="r2", url=s3)
     store = shared.open_store(s3)
-    assert shared.complete_checkpoints(store, "r2") == [10, 15]
+    assert shared.stored_steps(store, "r2") == [10, 15]
     assert not [e for e in store.list("runs/r2") if "/checkpoint-5/" in e.key]
 
 
@@ -314,3 +315,11 @@ def test_a_file_put_again_leaves_no_temporary_name_beside_it(tmp_path):
     target.put_file(local, "runs/r1/output/events.out.tfevents.1")
     assert [p.name for p in (tmp_path / "store" / "runs" / "r1" / "output").iterdir()] == ["events.out.tfevents.1"]
     assert target.get_bytes("runs/r1/output/events.out.tfevents.1") == b"ab"
+
+
+def test_a_folder_that_is_not_a_checkpoint_is_refused_without_its_step(tmp_path, s3):
+    folder = tmp_path / "latest"
+    folder.mkdir()
+    with pytest.raises(shared.StoreError, match="is not a checkpoint folder"):
+        shared.publish_checkpoint(folder, run_id="r9", url=s3)
+    assert shared.stored_steps(shared.open_store(s3), "r9") == []

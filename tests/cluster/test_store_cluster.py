@@ -12,7 +12,7 @@ from conftest import progress_steps
 from fake_imds import FakeIMDS
 from moto_fixture import client
 
-from training.runtime import spot
+from training.runtime.paths import Checkpoints
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 
@@ -42,7 +42,7 @@ def test_preempted_to_s3_resumed_from_s3_and_pulled(cluster2, aws_env, small_mod
     assert re.search(rf"\[store\] checkpoint step {step} durable in {store}", out)
     keys = {o["Key"] for o in s3.list_objects_v2(Bucket=BUCKET, Prefix=f"cl/runs/{run_id}/")["Contents"]}
     ckpt = f"cl/runs/{run_id}/checkpoints/checkpoint-{step}/"
-    for name in (spot.COMPLETE_MARKER, "optimizer.pt", "model.safetensors", "rng_state_0.pth", "rng_state_1.pth"):
+    for name in (Checkpoints.MARKER, "optimizer.pt", "model.safetensors", "rng_state_0.pth", "rng_state_1.pth"):
         assert ckpt + name in keys, name
     assert f"cl/runs/{run_id}/summary.json" in keys and f"cl/runs/{run_id}/log.txt" in keys
     # the credentials went to the ranks as secrets: the records keep ***
@@ -69,7 +69,7 @@ def test_preempted_to_s3_resumed_from_s3_and_pulled(cluster2, aws_env, small_mod
     for name in ("summary.json", "results.json", "log.txt", "output/model.safetensors", "output/trainer_state.json"):
         assert (to / name).is_file(), name
     ck = cluster2.fab("pull", run_id, "--store", store, "--checkpoints", "--to", str(tmp_path / "ck"), timeout=300)
-    assert ck.returncode == 0 and (tmp_path / "ck" / f"checkpoints/checkpoint-{step}" / spot.COMPLETE_MARKER).is_file()
+    assert ck.returncode == 0 and (tmp_path / "ck" / f"checkpoints/checkpoint-{step}" / Checkpoints.MARKER).is_file()
 
     # a run recorded only in the store (started from another machine) still lists
     shutil.rmtree(cluster2.runs / resumed)

@@ -20,10 +20,10 @@ from launch.life import cleanup, detach, lifecycle, records, stop
 from launch.life.lifecycle import Outcome, Run
 from launch.life.records import FAILURES, TERMINAL, BadTransition, RunRecord, Status
 from launch.ship import outputs, userscript
-from training.runtime import events, spot
+from training.runtime import events
 from training.runtime import notice as notice_lib
 from training.runtime.notice import GROUP, SPOT, Notice
-from training.runtime.paths import RunPaths
+from training.runtime.paths import Checkpoints, RunPaths
 
 HOME = "/h"
 
@@ -219,7 +219,7 @@ def test_the_ranks_events_come_home_and_fold_into_the_record_even_where_the_stre
 
 def test_preempted_brings_its_checkpoint_home(tmp_path, monkeypatch):
     ck = f"{HOME}/runs/r1/output/checkpoint-20"
-    n0 = FakeNode("node0", files={f"{ck}/model.safetensors": b"w", f"{ck}/{spot.COMPLETE_MARKER}": b"{}"})
+    n0 = FakeNode("node0", files={f"{ck}/model.safetensors": b"w", f"{ck}/{Checkpoints.MARKER}": b"{}"})
     r = _run(tmp_path, monkeypatch, n0, FakeNode("node1"))
     notice = "[0] " + Notice(SPOT, rank=1, step=20, checkpoint="checkpoint-20", durable=False).event().line()
     lifecycle.end(r, Outcome(0, [notice], set(), 8.0), print)  # exit 0: the notice alone is no preemption
@@ -241,7 +241,7 @@ def test_a_notice_whose_checkpoint_is_not_durable_resumes_from_the_previous_comp
     store = training_store.open_store(url)
     for step in (10, 20):  # 20 is the notice's: its upload never finished, so it has no marker
         store.put_bytes(f"{RunPaths('r1').store_checkpoint(step)}/model.safetensors", b"w")
-    store.put_bytes(f"{RunPaths('r1').store_checkpoint(10)}/{spot.COMPLETE_MARKER}", b"{}")
+    store.put_bytes(f"{RunPaths('r1').store_checkpoint(10)}/{Checkpoints.MARKER}", b"{}")
     r = _run(tmp_path, monkeypatch, FakeNode("node0"), FakeNode("node1"))
     r.record.env["XC_STORE"] = url
     notice = "[0] " + Notice(GROUP, rank=1, step=20, checkpoint="checkpoint-20", durable=False).event().line()
@@ -383,7 +383,7 @@ def _resumable(runs: Path) -> None:
     RunRecord("old", Status.PREEMPTED, request=request, world_size=2, nodes=[{}, {}])._save(d)
     ck = _mk(d / "checkpoints" / "checkpoint-20")
     (ck / "model.safetensors").write_bytes(b"w")
-    (ck / spot.COMPLETE_MARKER).write_text("{}")
+    (ck / Checkpoints.MARKER).write_text("{}")
 
 
 def test_resume_keeps_recorded_values_only_for_flags_not_given(tmp_path):
@@ -427,7 +427,7 @@ def test_a_script_run_resumes_with_its_own_code_and_refuses_changed_code(tmp_pat
                   workdir=workdir_lib.scan(wd).record() if wd else None)._save(d)
         ck = _mk(d / "checkpoints" / "checkpoint-20")
         (ck / "model.safetensors").write_bytes(b"w")
-        (ck / spot.COMPLETE_MARKER).write_text("{}")
+        (ck / Checkpoints.MARKER).write_text("{}")
     req = resolve(TrainFlags(resume="wd"), tmp_path / "runs").req
     assert (req.script, req.workdir, req.launcher, req.args) == ("train.py", str(proj), "python", ["--output_dir", "out"])
     assert req.resume.step == 20

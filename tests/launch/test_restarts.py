@@ -21,8 +21,7 @@ from launch.life import records
 from launch.life.records import RunRecord, RunResult, Status, load
 from launch.plan.request import Recovery, TrainRequest
 from launch.run import DEMO_ARGS
-from training.runtime import spot
-from training.runtime.paths import checkpoint_step
+from training.runtime.paths import Checkpoints
 
 
 def test_only_lost_nodes_and_preemptions_are_worth_a_restart():
@@ -90,7 +89,7 @@ def _fake_run(runs: Path, run_id: str, status: str, step: int | None, resumed_fr
         ck = d / "checkpoints" / f"checkpoint-{step}"
         ck.mkdir(parents=True)
         (ck / "model.safetensors").write_bytes(b"w")
-        (ck / spot.COMPLETE_MARKER).write_text("{}")
+        (ck / Checkpoints.MARKER).write_text("{}")
 
 
 def test_restarts_resume_from_the_newest_checkpoint_along_the_resume_chain(tmp_path, monkeypatch):
@@ -173,8 +172,8 @@ def test_no_restart_left_ends_with_the_failure_and_the_wait_problem(tmp_path, mo
 def _home_steps(run_dir: Path) -> list[int]:
     """Complete checkpoints of the run in its store: the local folder beside runs/ (the nodes share the disk)."""
     folder = run_dir.parent.parent / "store" / "runs" / run_dir.name / "checkpoints"
-    return sorted(checkpoint_step(d.name) for d in folder.glob("checkpoint-*")
-                  if checkpoint_step(d.name) is not None and (d / spot.COMPLETE_MARKER).is_file())
+    return sorted(Checkpoints.step(d.name) for d in folder.glob("checkpoint-*")
+                  if Checkpoints.step(d.name) is not None and (d / Checkpoints.MARKER).is_file())
 
 
 # The resumed run must outlive the save of its first checkpoint into the store (the local store is beside runs/,

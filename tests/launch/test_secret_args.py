@@ -13,7 +13,7 @@ from launch.chain import restarts
 from launch.life.records import RunRecord, Status
 from launch.plan.request import TrainRequest, validate
 from launch.ship import secrets
-from training.runtime import spot
+from training.runtime.paths import Checkpoints
 
 HF = "hf_AbCdEf0123456789"
 ARGS = ["--hub_token", HF, "--api-key=sk-live-42xyz", "--tokenizer_name", "bert-base-uncased", "--max_tokens", "64",
@@ -63,7 +63,7 @@ def _resumable(runs: Path, args: list[str]) -> None:
     ck = d / "checkpoints" / "checkpoint-20"
     ck.mkdir(parents=True)
     (ck / "model.safetensors").write_bytes(b"w")
-    (ck / spot.COMPLETE_MARKER).write_text("{}")
+    (ck / Checkpoints.MARKER).write_text("{}")
 
 
 def test_a_resume_takes_the_value_from_the_operators_environment_or_refuses_in_one_line(tmp_path, monkeypatch):

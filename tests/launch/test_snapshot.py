@@ -17,8 +17,8 @@ from launch.life.records import RunRecord, Status
 from launch.plan.request import TrainRequest, validate
 from launch.ship import snapshot
 from training.runtime import snapshot as node_side
-from training.runtime import spot
 from training.runtime import store as store_lib
+from training.runtime.paths import Checkpoints
 
 
 def _project(root: Path) -> Path:
@@ -137,7 +137,7 @@ def _recorded(tmp_path: Path, req: TrainRequest, run_id: str = "20260101-000000-
     ck = run_dir / "checkpoints" / "checkpoint-20"
     ck.mkdir(parents=True)
     (ck / "model.safetensors").write_bytes(b"w")
-    (ck / spot.COMPLETE_MARKER).write_text("{}")
+    (ck / Checkpoints.MARKER).write_text("{}")
     assert records.load(run_dir).request["snapshot"] == req.snapshot
     return run_id
 

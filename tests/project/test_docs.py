@@ -383,11 +383,11 @@ CHECKPOINT_REF = re.compile(r"\b(?:checkpoints|resume)/([a-z]+-(?:N|\d+|<\w+>))"
 
 
 def test_checkpoint_names_in_docs_are_the_codes():
-    """A checkpoint's folder is training.runtime.paths.checkpoint_name(step) (`checkpoint-N`, the Trainer's); the docs once
+    """A checkpoint's folder is training.runtime.paths.Checkpoints.name(step) (`checkpoint-N`, the Trainer's); the docs once
     named it `step-N` after the code had changed."""
-    from training.runtime.paths import checkpoint_name
+    from training.runtime.paths import Checkpoints
 
-    prefix = checkpoint_name(7).removesuffix("7")
+    prefix = Checkpoints.name(7).removesuffix("7")
     named, wrong = [], []
     for doc in DOCS:
         text = doc.read_text()

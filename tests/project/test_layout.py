@@ -194,6 +194,13 @@ def test_a_runs_places_are_built_in_one_place():
     assert places == set(), places  # training/runtime/paths.py builds them from RUNS and _CHECKPOINT
 
 
+def test_one_owner_reads_a_checkpoints_step():
+    """Checkpoints (training/runtime/paths.py) alone parses a checkpoint folder's name; every caller asks it."""
+    parsers = [(name, line, text) for name, path in modules().items() if name != "training.runtime.paths"
+               for line, text in _strings(path) if "checkpoint-(" in text or "step-(" in text or text == r"(\d+)$"]
+    assert parsers == [], parsers
+
+
 def test_the_store_url_is_looked_up_in_at_most_four_lines():
     import re
 

@@ -20,7 +20,7 @@ from moto_fixture import client
 
 from training.runtime import notice, preempt, publish, spot
 from training.runtime import store as shared
-from training.runtime.paths import RunPaths
+from training.runtime.paths import Checkpoints, RunPaths
 
 ROOT = Path(__file__).resolve().parents[2]
 BUCKET = "xc-preempt"
@@ -127,8 +127,8 @@ def test_a_store_that_stops_answering_after_a_notice_is_not_durable_and_the_node
     assert said.cause == notice.GROUP and said.step == 6 and said.durable is False, said
     assert released == []  # node 0 holds its node: the checkpoint lives only here
     s3 = shared.S3Store(f"s3://{BUCKET}/cl", client=client("s3"))  # straight to moto, not through the cut proxy
-    assert shared.complete_checkpoints(s3, "r1") == [2, 4]  # the periodic ones before the cut; step 6 never counts
-    assert (tmp_path / "out" / "checkpoint-6" / spot.COMPLETE_MARKER).is_file()  # whole on the node, for fab to fetch
+    assert shared.stored_steps(s3, "r1") == [2, 4]  # the periodic ones before the cut; step 6 never counts
+    assert (tmp_path / "out" / "checkpoint-6" / Checkpoints.MARKER).is_file()  # whole on the node, for fab to fetch
 
 
 def test_a_notice_whose_checkpoint_reached_the_store_is_durable_and_the_node_goes(spot_env, tmp_path, capsys):
@@ -137,13 +137,13 @@ def test_a_notice_whose_checkpoint_reached_the_store_is_durable_and_the_node_goe
     assert said.cause == notice.GROUP and said.step == 6 and said.durable is True, said
     assert len(released) == 1
     s3 = shared.S3Store(f"s3://{BUCKET}/cl", client=client("s3"))
-    assert shared.complete_checkpoints(s3, "r1")[-1] == 6
+    assert shared.stored_steps(s3, "r1")[-1] == 6
 
 
 def test_a_failed_upload_is_not_confirmed(tmp_path):
     folder = tmp_path / "checkpoint-3"
     folder.mkdir()
-    (folder / spot.COMPLETE_MARKER).write_text("{}")
+    (folder / Checkpoints.MARKER).write_text("{}")
     (tmp_path / "store").write_text("a file where the store's folder should be")
     pub = publish.Publisher((tmp_path / "store").as_uri(), "r1")
     pub.start()
@@ -227,7 +227,7 @@ def test_an_unchanged_trainer_script_stops_on_a_notice_and_resumes_through_the_h
     said = notice.Notice.parse(first.stdout.splitlines())
     assert said and said.cause == notice.SPOT and said.durable and 1 <= said.step < 12, first.stdout[-2000:]
     assert "done" not in first.stdout
-    assert shared.complete_checkpoints(shared.open_store(store_url), "r1") == [said.step]
+    assert shared.stored_steps(shared.open_store(store_url), "r1") == [said.step]
     resume_url = f"{store_url}/{RunPaths('r1').store_checkpoint(said.step)}"
     second = subprocess.run([sys.executable, str(script), str(tmp_path / "out2")], env={**env, "XC_RESUME_URL": resume_url},
                             capture_output=True, text=True, timeout=300, check=False)

@@ -12,7 +12,8 @@ from conftest import processes_with_env, progress_steps
 from fake_imds import FakeIMDS
 
 from launch.life import records
-from training.runtime import paths, spot
+from training.runtime import spot
+from training.runtime.paths import Checkpoints
 
 
 def test_watcher_takes_a_token_then_sees_the_notice():
@@ -114,8 +115,8 @@ def test_only_complete_checkpoints_count(tmp_path, monkeypatch):
         d.mkdir()
         (d / "trainer_state.json").write_text(json.dumps({"global_step": step}))
         if complete:
-            (d / spot.COMPLETE_MARKER).write_text("{}")
-    assert [p.name for _, p in paths.complete_checkpoints(tmp_path)] == ["checkpoint-10", "checkpoint-20"]
+            (d / Checkpoints.MARKER).write_text("{}")
+    assert [p.name for _, p in Checkpoints.complete(tmp_path)] == ["checkpoint-10", "checkpoint-20"]
     monkeypatch.setenv("XC_RESUME_FROM", str(tmp_path / "checkpoint-30"))
     with pytest.raises(ValueError, match="not a complete checkpoint"):
         spot.resume_from()
@@ -125,21 +126,21 @@ def test_only_complete_checkpoints_count(tmp_path, monkeypatch):
 
 def test_the_checkpoints_owner_finds_the_latest_and_purges_down_to_keep(tmp_path):
     for step in (5, 40, 300):  # numeric order, not the names' (checkpoint-300 < checkpoint-40 as text)
-        d = tmp_path / paths.checkpoint_name(step)
+        d = tmp_path / Checkpoints.name(step)
         d.mkdir()
-        paths.mark_complete(d, step)
+        Checkpoints.mark_complete(d, step)
     (tmp_path / "checkpoint-900").mkdir()  # no marker: partial, never the latest, never purged
     (tmp_path / "notes-7").mkdir()
-    assert json.loads((tmp_path / "checkpoint-40" / paths.COMPLETE_MARKER).read_text())["step"] == 40
-    assert paths.latest_checkpoint(tmp_path) == (300, tmp_path / "checkpoint-300")
-    assert [d.name for d in paths.purge_checkpoints(tmp_path, keep=2)] == ["checkpoint-5"]
+    assert json.loads((tmp_path / "checkpoint-40" / Checkpoints.MARKER).read_text())["step"] == 40
+    assert Checkpoints.latest(tmp_path) == (300, tmp_path / "checkpoint-300")
+    assert [d.name for d in Checkpoints.purge(tmp_path, keep=2)] == ["checkpoint-5"]
     assert sorted(d.name for d in tmp_path.iterdir()) == ["checkpoint-300", "checkpoint-40", "checkpoint-900", "notes-7"]
-    assert paths.latest_checkpoint(tmp_path / "missing") is None and paths.complete_checkpoints(tmp_path / "missing") == []
-    assert paths.is_checkpoint("checkpoint-12") and paths.is_checkpoint("step-12") and not paths.is_checkpoint("notes-7")
-    assert list(tmp_path.glob(paths.CHECKPOINT_GLOB)) and paths.CHECKPOINT_GLOB == "checkpoint-*"
+    assert Checkpoints.latest(tmp_path / "missing") is None and Checkpoints.complete(tmp_path / "missing") == []
+    assert Checkpoints.is_name("checkpoint-12") and Checkpoints.is_name("step-12") and not Checkpoints.is_name("notes-7")
+    assert list(tmp_path.glob(Checkpoints.GLOB)) and Checkpoints.GLOB == "checkpoint-*"
     from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
-    assert paths.checkpoint_name(7) == f"{PREFIX_CHECKPOINT_DIR}-7"  # the Trainer's own name for what it saves
+    assert Checkpoints.name(7) == f"{PREFIX_CHECKPOINT_DIR}-7"  # the Trainer's own name for what it saves
 
 
 @pytest.mark.parametrize("value, expect", [("600s", ("seconds", 600.0)), ("10m", ("seconds", 600.0)),
@@ -154,9 +155,9 @@ def test_home_checkpoints_skip_partial_transfers(tmp_path):
     for name, marker in (("checkpoint-5", True), ("checkpoint-9", False), ("checkpoint-7.partial", True)):
         (tmp_path / "checkpoints" / name).mkdir(parents=True)
         if marker:
-            (tmp_path / "checkpoints" / name / spot.COMPLETE_MARKER).write_text("{}")
+            (tmp_path / "checkpoints" / name / Checkpoints.MARKER).write_text("{}")
     (tmp_path / "checkpoints" / "step-3").mkdir()  # the name a home held before checkpoint-N: still read
-    (tmp_path / "checkpoints" / "step-3" / spot.COMPLETE_MARKER).write_text("{}")
+    (tmp_path / "checkpoints" / "step-3" / Checkpoints.MARKER).write_text("{}")
     assert [s for s, _ in outputs.home_checkpoints(tmp_path)] == [3, 5]
 
 
@@ -187,7 +188,7 @@ def test_notice_checkpoints_home_and_resume_finishes_like_an_uninterrupted_run(c
     assert stopped_in < 120, f"{stopped_in:.0f}s from notice to checkpoint at home"
     assert m.group(3) == f"{cluster2.runs.parent.as_uri()}/store/runs/{run_id}/checkpoints/checkpoint-{step}"
     ckpt = cluster2.runs.parent / "store" / "runs" / run_id / "checkpoints" / f"checkpoint-{step}"  # the local store
-    assert (ckpt / spot.COMPLETE_MARKER).is_file() and (ckpt / "optimizer.pt").is_file()
+    assert (ckpt / Checkpoints.MARKER).is_file() and (ckpt / "optimizer.pt").is_file()
     # every rank's RNG state came home with it, not only node 0's: the resume continues the same run
     assert (ckpt / "rng_state_0.pth").is_file() and (ckpt / "rng_state_1.pth").is_file()
     summary = records.load(cluster2.runs / run_id).to_json()

@@ -24,15 +24,11 @@ from pathlib import Path
 
 # preempt at the top, not where it is used: the rank hook imports this module with a user's own `training` set
 # aside, and a later `from training import ...` would find theirs (training/hook/sitecustomize.py)
-from training.runtime import events, notice, paths, preempt, publish, spot, store
+from training.runtime import events, notice, preempt, publish, spot, store
+from training.runtime.paths import Checkpoints
 
 log = logging.getLogger("training.runtime.contract")
 NOTICE_KEY, DONE_KEY = "xc/notice", "xc/notice-durable"
-
-
-def complete_steps(folder: str | os.PathLike) -> list[int]:
-    """Steps of the complete checkpoint-<step>/ folders in folder, oldest first."""
-    return [step for step, _ in paths.complete_checkpoints(folder)]
 
 
 def _trainer_owns_it() -> bool:
@@ -91,13 +87,13 @@ class Agent(threading.Thread):
         url, run_id = store.store_url(), os.environ.get("XC_RUN_ID")
         if not url or not run_id or not self.folder.is_dir():
             return
-        for step in complete_steps(self.folder):
+        for step in Checkpoints.steps(self.folder):
             if step not in self.submitted:
                 if self.publisher is None:
                     self.publisher = publish.Publisher(url, run_id)
                     self.publisher.start()
                 self.submitted.add(step)
-                self.publisher.submit(self.folder / paths.checkpoint_name(step), step)
+                self.publisher.submit(self.folder / Checkpoints.name(step), step)
 
     def run(self) -> None:
         while not self._halt.is_set():
@@ -117,12 +113,12 @@ class Agent(threading.Thread):
             return
         ok = False
         if self.rank == 0:
-            latest = paths.latest_checkpoint(self.folder)
+            latest = Checkpoints.latest(self.folder)
             step = latest[0] if latest else -1
             if self.publisher is not None and step >= 0:
                 ok = self.publisher.wait(preempt.wait_seconds(self.notice["cause"])) and self.publisher.confirmed(step)
             events.emit(notice.Notice(cause=self.notice["cause"], rank=int(self.notice["rank"]), step=step,
-                                      checkpoint=paths.checkpoint_name(step), durable=ok).event())
+                                      checkpoint=Checkpoints.name(step), durable=ok).event())
             if self.kv is not None:
                 self.kv.set(DONE_KEY, "1" if ok else "0")
         elif self.kv is not None:

@@ -7,7 +7,7 @@ those strings itself. It imports nothing outside the standard library: the ranks
                                     ranks/<rank>.json, events/<rank>.jsonl, resume/<checkpoint>
     <runs dir>/<id>/                summary.json, results.json, log.txt, events.jsonl, output/,
                                     checkpoints/<checkpoint>
-    <store>/runs/<id>/              checkpoints/<checkpoint>/ (complete once COMPLETE_MARKER is in it), output/,
+    <store>/runs/<id>/              checkpoints/<checkpoint>/ (complete once Checkpoints.MARKER is in it), output/,
                                     summary.json, results.json, log.txt, events.jsonl
 """
 from __future__ import annotations
@@ -21,55 +21,64 @@ from dataclasses import dataclass
 from pathlib import Path
 
 RUNS = "runs"
-COMPLETE_MARKER = "xc-complete"  # written last into a checkpoint folder: it is whole
-KEEP_CHECKPOINTS = 2  # complete checkpoints kept per run (home and store); the newest win
-_CHECKPOINT = "checkpoint-{}"  # one name for a checkpoint on the node (the Trainer's), at home and in the store
-_CHECKPOINT_RE = re.compile(r"checkpoint-(\d+)")
 
 
-def checkpoint_name(step: int) -> str:
-    return _CHECKPOINT.format(int(step))
+class Checkpoints:
+    """The one owner of a run's checkpoints: their folder names (the Trainer's checkpoint-<step>, on a node, at the
+    operator's home and in the store), when one counts (its marker, written last), the newest, and purging the rest.
+    Every module asks it; none builds, parses or globs those names itself. The store's copies are listed by
+    training/runtime/store.py from these same names."""
 
+    MARKER = "xc-complete"  # written last into a checkpoint folder: it is whole
+    KEEP = 2  # complete checkpoints kept per run (home and store); the newest win
+    _NAME = "checkpoint-{}"
+    GLOB = _NAME.format("*")  # what a glob (pathlib's, a shell's) finds them by
+    _STEP = re.compile(r"checkpoint-(\d+)")
 
-def checkpoint_step(name: str) -> int | None:
-    """The step of a checkpoint folder's name, else None; step-N is what stores and homes held before."""
-    m = _CHECKPOINT_RE.fullmatch(name) or re.fullmatch(r"step-(\d+)", name)
-    return int(m.group(1)) if m else None
+    @classmethod
+    def name(cls, step: int) -> str:
+        return cls._NAME.format(int(step))
 
+    @classmethod
+    def step(cls, name: str) -> int | None:
+        """The step of a checkpoint folder's name, else None; step-N is what stores and homes held before."""
+        m = cls._STEP.fullmatch(name) or re.fullmatch(r"step-(\d+)", name)
+        return int(m.group(1)) if m else None
 
-# The one owner of checkpoints in a folder (a node's output_dir, the operator's runs/<id>/checkpoints); the store's
-# are listed by training/runtime/store.py from these same names.
-CHECKPOINT_GLOB = _CHECKPOINT.format("*")  # what a glob (pathlib's, a shell's) finds them by
+    @classmethod
+    def is_name(cls, name: str) -> bool:
+        return cls.step(name) is not None
 
+    @classmethod
+    def mark_complete(cls, folder: str | os.PathLike, step: int) -> None:
+        """Written last, once everything else of the checkpoint is: from then on it counts."""
+        (Path(folder) / cls.MARKER).write_text(json.dumps({"step": int(step), "time": time.time()}))
 
-def is_checkpoint(name: str) -> bool:
-    return checkpoint_step(name) is not None
+    @classmethod
+    def complete(cls, folder: str | os.PathLike) -> list[tuple[int, Path]]:
+        """(step, folder) of the complete checkpoints in folder, oldest first; a partial one never counts."""
+        base = Path(folder)
+        found = [(cls.step(d.name), d) for d in base.iterdir()] if base.is_dir() else []
+        return sorted((step, d) for step, d in found if step is not None and (d / cls.MARKER).is_file())
 
+    @classmethod
+    def steps(cls, folder: str | os.PathLike) -> list[int]:
+        return [step for step, _ in cls.complete(folder)]
 
-def mark_complete(folder: str | os.PathLike, step: int) -> None:
-    """Written last, once everything else of the checkpoint is: from then on it counts."""
-    (Path(folder) / COMPLETE_MARKER).write_text(json.dumps({"step": int(step), "time": time.time()}))
+    @classmethod
+    def latest(cls, folder: str | os.PathLike) -> tuple[int, Path] | None:
+        found = cls.complete(folder)
+        return found[-1] if found else None
 
-
-def complete_checkpoints(folder: str | os.PathLike) -> list[tuple[int, Path]]:
-    """(step, folder) of the complete checkpoints in folder, oldest first; a partial one never counts."""
-    base = Path(folder)
-    found = [(checkpoint_step(d.name), d) for d in base.iterdir()] if base.is_dir() else []
-    return sorted((step, d) for step, d in found if step is not None and (d / COMPLETE_MARKER).is_file())
-
-
-def latest_checkpoint(folder: str | os.PathLike) -> tuple[int, Path] | None:
-    found = complete_checkpoints(folder)
-    return found[-1] if found else None
-
-
-def purge_checkpoints(folder: str | os.PathLike, keep: int = KEEP_CHECKPOINTS) -> list[Path]:
-    """Delete all but the newest `keep` complete checkpoints in folder; returns the deleted ones."""
-    found = complete_checkpoints(folder)
-    old = [d for _, d in found[:max(0, len(found) - keep)]]
-    for d in old:
-        shutil.rmtree(d, ignore_errors=True)
-    return old
+    @classmethod
+    def purge(cls, folder: str | os.PathLike, keep: int | None = None) -> list[Path]:
+        """Delete all but the newest `keep` (default KEEP) complete checkpoints in folder; returns the deleted ones."""
+        keep = cls.KEEP if keep is None else keep
+        found = cls.complete(folder)
+        old = [d for _, d in found[:max(0, len(found) - keep)]]
+        for d in old:
+            shutil.rmtree(d, ignore_errors=True)
+        return old
 
 
 @dataclass(frozen=True)
@@ -118,7 +127,7 @@ class RunPaths:
         return self.home / "checkpoints"
 
     def home_checkpoint(self, step: int) -> Path:
-        return self.home_checkpoints / checkpoint_name(step)
+        return self.home_checkpoints / Checkpoints.name(step)
 
     # -- in the store (keys under its root) ---------------------------------------------------------------------
     @property
@@ -130,7 +139,7 @@ class RunPaths:
         return f"{self.store}/checkpoints"
 
     def store_checkpoint(self, step: int) -> str:
-        return f"{self.store_checkpoints}/{checkpoint_name(step)}"
+        return f"{self.store_checkpoints}/{Checkpoints.name(step)}"
 
     @property
     def store_output(self) -> str:
@@ -152,7 +161,7 @@ def runs_under(home: str | Path) -> Path:
 def parse_checkpoint_url(url: str) -> tuple[str, str, int]:
     """(store root, run id, step) of a checkpoint URL that RunPaths.store_url made."""
     m = re.fullmatch(rf"(.*)/{RUNS}/([^/]+)/checkpoints/([^/]+)/?", url)
-    step = checkpoint_step(m.group(3)) if m else None
+    step = Checkpoints.step(m.group(3)) if m else None
     if m is None or step is None:
         raise ValueError(f"{url} is not a run's checkpoint in a store")
     return m.group(1), m.group(2), step

@@ -20,7 +20,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from training.runtime import events, notice, paths, publish, spot, startup, store, tbsync
+from training.runtime import events, notice, publish, spot, startup, store, tbsync
+from training.runtime.paths import Checkpoints
 
 log = logging.getLogger("training.runtime.preempt")
 
@@ -148,8 +149,8 @@ def end_if_noticed(trainer) -> None:
     import torch.distributed as dist
 
     rank, local_rank, _ = _rank()
-    folder = Path(trainer.args.output_dir) / paths.checkpoint_name(cb.step)
-    saved = (folder / spot.COMPLETE_MARKER).is_file()
+    folder = Path(trainer.args.output_dir) / Checkpoints.name(cb.step)
+    saved = (folder / Checkpoints.MARKER).is_file()
     ok = durable(guard, cb.step, cb.cause)
     if rank == 0:
         if not ok:
@@ -157,7 +158,7 @@ def end_if_noticed(trainer) -> None:
                       "" if guard.publisher is not None else " (no store: XC_STORE is not set)")
         step = cb.step if saved else -1
         events.emit(notice.Notice(cause=cb.cause, rank=cb.preempted_by, step=step,
-                                  checkpoint=paths.checkpoint_name(step), durable=ok).event())
+                                  checkpoint=Checkpoints.name(step), durable=ok).event())
     spot.release_node(guard.watcher, rank, local_rank, durable=ok)  # after the checkpoint is safe, never before
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()

@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 from training.runtime import events, store
-from training.runtime.paths import checkpoint_name
+from training.runtime.paths import Checkpoints
 
 log = logging.getLogger("training.runtime.store")
 ON_NOTICE_S = 100  # a spot notice leaves ~120 s: the checkpoint must be durable well before the node goes
@@ -104,8 +104,8 @@ def publisher_callback():
             self.publisher: Publisher | None = None
 
         def on_save(self, args, state, control, **kw):
-            folder = Path(args.output_dir) / checkpoint_name(state.global_step)
-            if state.is_world_process_zero and (folder / store.COMPLETE_MARKER).is_file():
+            folder = Path(args.output_dir) / Checkpoints.name(state.global_step)
+            if state.is_world_process_zero and (folder / Checkpoints.MARKER).is_file():
                 if self.publisher is None:
                     self.publisher = Publisher(url, run_id)
                     self.publisher.start()

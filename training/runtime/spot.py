@@ -5,7 +5,7 @@ Contract with the operator (fab train), through the ranks' environment:
 - XC_SAVE_EVERY: "600s" / "10m" (training time) or "200" (steps); "0" turns periodic checkpoints off.
 - XC_RESUME_FROM: a checkpoint folder to resume from (HF Trainer's resume_from_checkpoint); your
   own --script can read it too.
-A checkpoint counts only once COMPLETE_MARKER is written in it, after the Trainer finished saving.
+A checkpoint counts only once Checkpoints.MARKER is written in it, after the Trainer finished saving.
 On a notice the job saves one, rank 0 prints training.runtime.notice's Notice line and every rank exits notice.EXIT (75):
 training.runtime.preempt does that for the bundled jobs and, through the rank hook, for users' Trainer scripts.
 """
@@ -23,7 +23,7 @@ from pathlib import Path
 
 from training.runtime import events
 from training.runtime import notice as _notice
-from training.runtime.paths import COMPLETE_MARKER, checkpoint_name, mark_complete
+from training.runtime.paths import Checkpoints
 
 log = logging.getLogger("training.runtime.spot")
 
@@ -210,8 +210,8 @@ def resume_from() -> str | None:
     path = os.environ.get("XC_RESUME_FROM")
     if not path:
         return None
-    if not (Path(path) / COMPLETE_MARKER).is_file():
-        raise ValueError(f"XC_RESUME_FROM {path} is not a complete checkpoint (no {COMPLETE_MARKER} in it)")
+    if not (Path(path) / Checkpoints.MARKER).is_file():
+        raise ValueError(f"XC_RESUME_FROM {path} is not a complete checkpoint (no {Checkpoints.MARKER} in it)")
     return path
 
 
@@ -288,10 +288,10 @@ def spot_callback(watcher: NoticeWatcher | None = None, save_every: str | None =
 
         def on_save(self, args, state, control, **kw):
             self.last_save = time.monotonic()
-            folder = Path(args.output_dir) / checkpoint_name(state.global_step)
+            folder = Path(args.output_dir) / Checkpoints.name(state.global_step)
             gather_rng_states(folder, state.is_world_process_zero)
             if state.is_world_process_zero and folder.is_dir():  # the Trainer has finished writing it: it counts
-                mark_complete(folder, state.global_step)
+                Checkpoints.mark_complete(folder, state.global_step)
 
     return Spot()
 

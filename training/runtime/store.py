@@ -2,7 +2,7 @@
 
 One URL names it: ``file:///folder`` (a folder every node shares: the local cluster's, the operator's disk)
 or ``s3://bucket/prefix`` (AWS, or any S3-compatible endpoint named by XC_S3_ENDPOINT_URL). Its layout is
-training/runtime/paths.py's RunPaths; a checkpoint counts once COMPLETE_MARKER is in it (written last).
+training/runtime/paths.py's RunPaths; a checkpoint counts once Checkpoints.MARKER is in it (written last).
 
 Contract with the operator through the ranks' environment: XC_STORE (the URL), XC_S3_ENDPOINT_URL,
 XC_RUN_ID, XC_RESUME_URL (a checkpoint in the store to resume from). Credentials: the node's instance
@@ -14,7 +14,6 @@ from __future__ import annotations
 import errno
 import logging
 import os
-import re
 import shutil
 import time
 import uuid
@@ -23,7 +22,7 @@ from pathlib import Path
 from urllib.parse import unquote, urlparse
 
 from training.runtime import paths
-from training.runtime.paths import COMPLETE_MARKER, KEEP_CHECKPOINTS, RunPaths, tag_of
+from training.runtime.paths import Checkpoints, RunPaths, tag_of
 from training.runtime.s3client import s3_client
 
 log = logging.getLogger("training.runtime.store")
@@ -281,8 +280,8 @@ def probe(url: str) -> float:
 
 # -- trees: checkpoints and outputs -------------------------------------------------------------------
 def upload_tree(store, folder: Path, prefix: str, skip=lambda rel: False, progress=None) -> int:
-    """Every file of folder under prefix, COMPLETE_MARKER last; returns the bytes sent."""
-    files = sorted((p for p in Path(folder).rglob("*") if p.is_file()), key=lambda p: p.name == COMPLETE_MARKER)
+    """Every file of folder under prefix, Checkpoints.MARKER last; returns the bytes sent."""
+    files = sorted((p for p in Path(folder).rglob("*") if p.is_file()), key=lambda p: p.name == Checkpoints.MARKER)
     sent = 0
     for path in files:
         rel = path.relative_to(folder).as_posix()
@@ -294,8 +293,8 @@ def upload_tree(store, folder: Path, prefix: str, skip=lambda rel: False, progre
 
 
 def download_tree(store, prefix: str, dest: Path, skip=lambda rel: False, progress=None) -> int:
-    """Every object under prefix into dest (COMPLETE_MARKER last); returns the bytes received."""
-    entries = sorted(store.list(prefix), key=lambda e: e.key.endswith("/" + COMPLETE_MARKER))
+    """Every object under prefix into dest (Checkpoints.MARKER last); returns the bytes received."""
+    entries = sorted(store.list(prefix), key=lambda e: e.key.endswith("/" + Checkpoints.MARKER))
     got = 0
     for e in entries:
         rel = e.key[len(prefix.rstrip("/")) + 1:]
@@ -306,13 +305,13 @@ def download_tree(store, prefix: str, dest: Path, skip=lambda rel: False, progre
     return got
 
 
-def complete_checkpoints(store, run_id: str) -> list[int]:
+def stored_steps(store, run_id: str) -> list[int]:
     """Steps of the run's checkpoints whose marker is in the store, oldest first."""
     where = RunPaths(run_id).store_checkpoints
     steps = []
     for e in store.list(where):
         folder, _, marker = e.key[len(where) + 1:].partition("/")
-        step = paths.checkpoint_step(folder) if marker == COMPLETE_MARKER else None
+        step = Checkpoints.step(folder) if marker == Checkpoints.MARKER else None
         if step is not None:
             steps.append(step)
     return sorted(steps)
@@ -321,21 +320,22 @@ def complete_checkpoints(store, run_id: str) -> list[int]:
 def publish_checkpoint(path: str | os.PathLike, step: int | None = None, run_id: str | None = None,
                        url: str | None = None) -> str | None:
     """Copy a complete checkpoint folder into the store (its marker last), then drop the run's older
-    checkpoints there beyond KEEP_CHECKPOINTS. Returns its URL, or None when no store is configured.
-    Raises StoreError. Call it after the checkpoint's COMPLETE_MARKER is written."""
+    checkpoints there beyond Checkpoints.KEEP. Returns its URL, or None when no store is configured.
+    Raises StoreError. Call it after the checkpoint's Checkpoints.MARKER is written."""
     url = url or store_url()
     run_id = run_id or os.environ.get("XC_RUN_ID")
     if not url or not run_id:
         return None
     folder = Path(path)
+    step = Checkpoints.step(folder.name) if step is None else step
     if step is None:
-        m = re.search(r"(\d+)$", folder.name)
-        step = int(m.group(1)) if m else 0
+        raise StoreError(f"{folder} is not a checkpoint folder ({Checkpoints.GLOB})",
+                         fix="name the folder as the Trainer does, or give step=")
     try:
         store = open_store(url)
         prefix = RunPaths(run_id).store_checkpoint(step)
         upload_tree(store, folder, prefix)
-        for old in complete_checkpoints(store, run_id)[:-KEEP_CHECKPOINTS]:
+        for old in stored_steps(store, run_id)[:-Checkpoints.KEEP]:
             store.delete_prefix(RunPaths(run_id).store_checkpoint(old))
     except Exception as exc:  # noqa: BLE001
         raise explain(exc, url) from None
@@ -359,7 +359,7 @@ def fetch_resume(dest: str | os.PathLike | None = None) -> str | None:
         os.environ["XC_RESUME_FROM"] = str(store.path(key))
         return os.environ["XC_RESUME_FROM"]
     target = Path(dest or os.environ.get("XC_RESUME_FROM") or f"resume/{Path(key).name}")
-    if os.environ.get("LOCAL_RANK", "0") == "0" and not (target / COMPLETE_MARKER).is_file():
+    if os.environ.get("LOCAL_RANK", "0") == "0" and not (target / Checkpoints.MARKER).is_file():
         partial = target.with_name(target.name + ".partial")
         shutil.rmtree(partial, ignore_errors=True)
         started = time.monotonic()
@@ -367,15 +367,15 @@ def fetch_resume(dest: str | os.PathLike | None = None) -> str | None:
             got = download_tree(store, key, partial)
         except Exception as exc:  # noqa: BLE001
             raise explain(exc, base) from None
-        if not (partial / COMPLETE_MARKER).is_file():
-            raise StoreError(f"XC_RESUME_URL {source} is not a complete checkpoint (no {COMPLETE_MARKER})", fix="resume "
+        if not (partial / Checkpoints.MARKER).is_file():
+            raise StoreError(f"XC_RESUME_URL {source} is not a complete checkpoint (no {Checkpoints.MARKER})", fix="resume "
                              "from another step")
         shutil.rmtree(target, ignore_errors=True)
         partial.rename(target)
         log.info("checkpoint %s from the store: %.0f MB in %.1fs", Path(key).name, got / 1e6,
                  time.monotonic() - started)
     deadline = time.monotonic() + float(os.environ.get("XC_DIST_TIMEOUT") or 600)
-    while not (target / COMPLETE_MARKER).is_file():
+    while not (target / Checkpoints.MARKER).is_file():
         if time.monotonic() > deadline:
             raise StoreError(f"the checkpoint from {source} did not arrive in {target}")
         time.sleep(0.5)
@@ -391,6 +391,6 @@ def publish_output(output_dir: str | os.PathLike, url: str | None = None, run_id
         return None
     try:
         return upload_tree(open_store(url), Path(output_dir), RunPaths(run_id).store_output,
-                           skip=lambda rel: paths.is_checkpoint(rel.split("/", 1)[0]) or rel.startswith(".xc-"))
+                           skip=lambda rel: Checkpoints.is_name(rel.split("/", 1)[0]) or rel.startswith(".xc-"))
     except Exception as exc:  # noqa: BLE001
         raise explain(exc, url) from None
