@@ -19,10 +19,9 @@ from pathlib import Path
 from cluster import aws, inventory
 from core.constants import PROJECT_ROOT
 from core.errors import ClusterError
-from training.runtime import events, paths
+from training.runtime import events
 from training.runtime import store as shared
 from training.runtime.paths import Checkpoints, RunPaths
-from training.runtime.store import STORE_ENV, StoreError, explain, open_store
 
 log = logging.getLogger(__name__)
 
@@ -85,9 +84,9 @@ def choose(flag: str | None = None, config: dict | None = None, spec: str | None
 def _choose(flag: str | None, config: dict | None, spec: str) -> Choice:
     if flag:
         return Choice(_normal(flag), "--store")
-    from_env = os.environ.get(STORE_ENV)
+    from_env = os.environ.get(shared.STORE_ENV)
     if from_env:
-        return Choice(_normal(from_env), STORE_ENV)
+        return Choice(_normal(from_env), shared.STORE_ENV)
     configured = ((config or {}).get("xc") or {}).get("store")
     if configured:
         return Choice(_normal(str(configured)), "fabric.yaml xc.store")
@@ -97,7 +96,7 @@ def _choose(flag: str | None, config: dict | None, spec: str) -> Choice:
     return Choice(default_folder().as_uri(), "the local folder")
 
 
-def as_cluster_error(exc: StoreError) -> ClusterError:
+def as_cluster_error(exc: shared.StoreError) -> ClusterError:
     """The store's error as the CLI shows it: the same what and fix."""
     return ClusterError(exc.what, fix=exc.fix)
 
@@ -107,8 +106,8 @@ def _normal(url: str) -> str:
     if "://" not in url:
         return Path(url).expanduser().resolve().as_uri()
     try:
-        open_store(url)
-    except StoreError as exc:
+        shared.open_store(url)
+    except shared.StoreError as exc:
         raise as_cluster_error(exc) from None
     return url.rstrip("/")
 
@@ -118,12 +117,12 @@ def check(choice: Choice, spec: str | None = None) -> float:
     check_reachable_from_nodes(choice, spec)
     if choice.url.startswith("file:"):  # the folder is made on first use, as a bucket is by 'pulumi up'
         try:
-            Path(open_store(choice.url).root).mkdir(parents=True, exist_ok=True)
+            Path(shared.open_store(choice.url).root).mkdir(parents=True, exist_ok=True)
         except OSError as exc:
-            raise as_cluster_error(explain(exc, choice.url)) from None
+            raise as_cluster_error(shared.explain(exc, choice.url)) from None
     try:
         return shared.probe(choice.url)
-    except StoreError as exc:
+    except shared.StoreError as exc:
         raise as_cluster_error(exc) from None
 
 
@@ -140,7 +139,7 @@ def rank_env(choice: Choice, spec: str | None = None) -> dict[str, str]:
     """What the ranks need: XC_STORE, the endpoint and region, and (off AWS, for an s3 store) the operator's
     credentials, which launch.ship.secrets keeps off command lines and records by their names."""
     spec = spec or choice.spec
-    env = {STORE_ENV: choice.url}
+    env = {shared.STORE_ENV: choice.url}
     env.update({k: os.environ[k] for k in PUBLIC_ENV if os.environ.get(k)})
     if choice.url.startswith("s3:") and not _aws_kind(spec):
         env.update(operator_credentials())
@@ -197,8 +196,8 @@ def credentials_line(choice: Choice, spec: str | None = None) -> str | None:
 # -- reading it ----------------------------------------------------------------------------------
 def _store(url: str):
     try:
-        return open_store(url)
-    except StoreError as exc:
+        return shared.open_store(url)
+    except shared.StoreError as exc:
         raise as_cluster_error(exc) from None
 
 
@@ -208,7 +207,7 @@ def _guard(url: str, fn, *args, **kw):
     except ClusterError:
         raise
     except Exception as exc:  # noqa: BLE001 - the store's failures become one line with the fix
-        raise as_cluster_error(explain(exc, url)) from None
+        raise as_cluster_error(shared.explain(exc, url)) from None
 
 
 def checkpoints(url: str, run_id: str) -> list[int]:
@@ -240,7 +239,7 @@ def get_file(url: str, key: str, local: Path) -> None:
 
 def run_ids(url: str) -> list[str]:
     """The run ids the store has a folder for."""
-    return _guard(url, _store(url).children, paths.RUNS)
+    return _guard(url, _store(url).children, RunPaths.RUNS)
 
 
 def store_runs(url: str) -> dict[str, dict]:
@@ -260,7 +259,7 @@ def publish_records(run_dir: Path, url: str | None, ended: bool = False) -> None
     if not url:
         return
     try:
-        store = open_store(url)
+        store = shared.open_store(url)
         for name in RECORDS:
             path = Path(run_dir) / name
             if path.is_file():
@@ -269,7 +268,7 @@ def publish_records(run_dir: Path, url: str | None, ended: bool = False) -> None
         if ended and log_txt.is_file():
             compact_log(store, Path(run_dir).name, log_txt.stat().st_size)
     except Exception as exc:  # noqa: BLE001
-        log.warning("the run's records did not reach the store: %s", explain(exc, url))
+        log.warning("the run's records did not reach the store: %s", shared.explain(exc, url))
 
 
 def _parts_end(parts) -> int:
@@ -278,7 +277,7 @@ def _parts_end(parts) -> int:
 
 def compact_log(store, run_id: str, whole_size: int) -> int:
     """Delete a run's log parts once its whole log.txt (whole_size bytes) covers them; returns how many went."""
-    parts = store.list(f"{RunPaths(run_id).store}/{paths.LOG_PARTS}")
+    parts = store.list(f"{RunPaths(run_id).store}/{RunPaths.LOG_PARTS}")
     if not parts or _parts_end(parts) > whole_size:
         return 0
     for e in parts:
@@ -300,7 +299,7 @@ class LivePublisher:
     def _offset(self, store, run_id: str) -> int:
         """Where the log's parts end: a restarted supervisor goes on after what its predecessor sent."""
         if run_id not in self.offsets:
-            parts = _guard(self.url, store.list, f"{RunPaths(run_id).store}/{paths.LOG_PARTS}")
+            parts = _guard(self.url, store.list, f"{RunPaths(run_id).store}/{RunPaths.LOG_PARTS}")
             self.offsets[run_id] = _parts_end(parts)
         return self.offsets[run_id]
 
@@ -324,7 +323,7 @@ class LivePublisher:
             new = b""
         new = new[:new.rfind(b"\n") + 1]  # whole lines: the rest goes with the next part
         if new:
-            key = f"{RunPaths(run_id).store}/{paths.LOG_PARTS}/{offset:012d}"
+            key = f"{RunPaths(run_id).store}/{RunPaths.LOG_PARTS}/{offset:012d}"
             _guard(self.url, store.put_bytes, key, new)
             self.offsets[run_id] = offset + len(new)
             written += 1
@@ -339,7 +338,7 @@ def read_log(url: str, run_id: str, parts_seen: dict[str, bytes] | None = None) 
     store, where = _store(url), RunPaths(run_id)
     whole = _guard(url, store.get_bytes, where.store_record("log.txt"))
     seen = parts_seen if parts_seen is not None else {}
-    listed = _guard(url, store.list, f"{where.store}/{paths.LOG_PARTS}")
+    listed = _guard(url, store.list, f"{where.store}/{RunPaths.LOG_PARTS}")
     if whole is not None and len(whole) >= _parts_end(listed):
         return whole.decode(errors="replace")
     for e in listed:
@@ -401,9 +400,9 @@ def pull(url: str, run_id: str, dest: Path, with_checkpoints: bool = False, with
                 why = "no space left on device" if exc.errno == errno.ENOSPC else "permission denied"
                 raise ClusterError(f"pulling {run_id} from {url} into {dest}: {why}", fix="free space there or pass --to "
                                    "another folder") from None
-            raise as_cluster_error(explain(exc, url)) from None
+            raise as_cluster_error(shared.explain(exc, url)) from None
         except Exception as exc:  # noqa: BLE001
-            raise as_cluster_error(explain(exc, url)) from None
+            raise as_cluster_error(shared.explain(exc, url)) from None
         done += e.size
         if say:
             say(f"  {rel} ({e.size / 2**20:.1f} MiB; {done / 2**20:.0f}/{total / 2**20:.0f} MiB, "

@@ -9,7 +9,7 @@ import time
 from collections.abc import Callable
 
 from cluster import aws
-from training.runtime.paths import LOG_TAG
+from training.runtime.paths import RunPaths
 
 # The order of deletion, and of the table fab sweep prints.
 ORDER = (
@@ -230,7 +230,7 @@ def _store_objects(c, o) -> None:
             gaps.append(log)  # a missing part: its log.txt, shorter, and the parts stay as they are
             continue
         data = b"".join(s3.get_object(Bucket=bucket, Key=key)["Body"].read() for key, _ in parts)
-        s3.put_object(Bucket=bucket, Key=log, Body=data, Tagging=LOG_TAG)
+        s3.put_object(Bucket=bucket, Key=log, Body=data, Tagging=RunPaths.LOG_TAG)
     skip = {key for log in gaps for key, _ in o.ref["logs"][log]}
     _versions(s3, bucket, [v for v in o.ref["versions"] if v["Key"] not in skip])
     if gaps:

@@ -12,9 +12,8 @@ from dataclasses import dataclass, field
 from cluster.mesh import ROOT
 from core import catalog
 from core.constants import TAG_CLUSTER, TAG_IMAGE_BUILD
-from training.runtime.paths import LOG_PARTS, RUNS
-from training.runtime.pylayer import WHEELS
-from training.runtime.snapshot import FOLDER as SNAPSHOTS
+from training.runtime import pylayer, snapshot
+from training.runtime.paths import RunPaths
 
 log = logging.getLogger(__name__)
 
@@ -32,8 +31,9 @@ KMS_KEY_USD_MONTH, GONE_KEY_STATES = 1.0, ("PendingDeletion", "PendingReplicaDel
 ROLE_PATH, BOUNDARY_PREFIX = "/xeon-cluster/", "xc-boundary-"
 # What of a kept store under <cluster>/ no run needs: launch.chain.adopt.CODE, training/runtime/store.py PROBE_PREFIX...
 LEFTOVERS = {"code": "the head's code tarballs (fab puts them again)", ".xc-probe": "the store probe's object",
-             SNAPSHOTS: "code snapshots no resumable run names", WHEELS: "requirement wheels no resumable run names",
-             LOG_PARTS: "log parts (compacted into their run's log.txt first)"}
+             snapshot.FOLDER: "code snapshots no resumable run names",
+             pylayer.WHEELS: "requirement wheels no resumable run names",
+             RunPaths.LOG_PARTS: "log parts (compacted into their run's log.txt first)"}
 
 
 @dataclass
@@ -346,11 +346,11 @@ def _resumable_code(s3, bucket: str, base: str, runs: list[str]) -> set[tuple[st
 
     def named(run: str) -> list[tuple[str, str]]:
         try:
-            summary = json.loads(s3.get_object(Bucket=bucket, Key=f"{base}{RUNS}/{run}/summary.json")["Body"].read())
+            summary = json.loads(s3.get_object(Bucket=bucket, Key=base + RunPaths(run).store_record("summary.json"))["Body"].read())
         except (ClientError, ValueError):
             return []
         request = (summary.get("request") or {}) if summary.get("status") != "ok" else {}
-        return [(SNAPSHOTS, request.get("snapshot")), (WHEELS, request.get("pylayer"))]
+        return [(snapshot.FOLDER, request.get("snapshot")), (pylayer.WHEELS, request.get("pylayer"))]
 
     return {pair for pairs in _each(named, runs) for pair in pairs if pair[1]}
 
@@ -361,10 +361,11 @@ def store_leftovers(s3, bucket: str, cluster: str, held: dict) -> list[Orphan]:
     base, found = f"{cluster}/", {}
     for key, versions in held["keys"].items():
         rel = key.removeprefix(base).split("/") if key.startswith(base) else []
-        folder = LOG_PARTS if len(rel) == 4 and rel[0] == RUNS and rel[2] == LOG_PARTS else rel[0] if rel else ""
+        parts = len(rel) == 4 and rel[0] == RunPaths.RUNS and rel[2] == RunPaths.LOG_PARTS
+        folder = RunPaths.LOG_PARTS if parts else rel[0] if rel else ""
         if len(rel) >= 2 and folder in LEFTOVERS:  # snapshots/<key>.tar.gz, snapshots/<key>.json, wheels/<key>/...
             found.setdefault(folder, {})[key] = versions
-    kept = _resumable_code(s3, bucket, base, held["runs"]) if found.keys() & {SNAPSHOTS, WHEELS} else set()
+    kept = _resumable_code(s3, bucket, base, held["runs"]) if found.keys() & {snapshot.FOLDER, pylayer.WHEELS} else set()
     out = []
     for folder, keys in found.items():
         keys = {k: v for k, v in keys.items() if (folder, k.removeprefix(base).split("/")[1].split(".")[0]) not in kept}
@@ -373,12 +374,12 @@ def store_leftovers(s3, bucket: str, cluster: str, held: dict) -> list[Orphan]:
         versions = [{"Key": k, "VersionId": v["VersionId"]} for k, vs in keys.items() for v in vs]
         size = sum(v["Size"] for vs in keys.values() for v in vs)
         ref = {"bucket": bucket, "versions": versions, "bytes": size}
-        if folder == LOG_PARTS:
+        if folder == RunPaths.LOG_PARTS:
             ref["logs"] = {}
             for k, vs in sorted(keys.items()):
                 for v in [v for v in vs if v["IsLatest"] and not v["marker"]]:
                     ref["logs"].setdefault(k.rsplit("/", 2)[0] + "/log.txt", []).append([k, v["Size"]])
-        where = f"{RUNS}/*/{LOG_PARTS}" if folder == LOG_PARTS else folder
+        where = f"{RunPaths.RUNS}/*/{RunPaths.LOG_PARTS}" if folder == RunPaths.LOG_PARTS else folder
         out.append(Orphan("store objects", f"{bucket}/{base}{where}/", f"{len(versions)} version(s), {size / 2**30:.2f} "
                           f"GiB: {LEFTOVERS[folder]}", round(size / 2**30 * catalog.S3_USD_PER_GIB_MONTH, 2), cluster,
                           ref))

@@ -35,9 +35,8 @@ from launch.life.lifecycle import Outcome, Run, end
 from launch.life.records import RunRecord, Status
 from launch.plan.request import TrainRequest
 from launch.ship import run_secrets, secrets
-from training.runtime import store
-from training.runtime.paths import RunPaths, node_run_of
-from training.runtime.spot import cluster_env
+from training.runtime import spot, store
+from training.runtime.paths import RunPaths
 
 log = logging.getLogger(__name__)
 
@@ -117,7 +116,7 @@ def instance_gone(instance: str) -> bool:
     """EC2 says the instance is gone or going (or knows it no more); False where it cannot tell (then the stale
     wait decides)."""
     try:
-        found = ec2_client(cluster_env().get("XC_REGION") or None).describe_instances(InstanceIds=[instance])
+        found = ec2_client(spot.cluster_env().get("XC_REGION") or None).describe_instances(InstanceIds=[instance])
     except Exception as exc:  # noqa: BLE001
         code = getattr(exc, "response", {}).get("Error", {}).get("Code", "")
         return code == "InvalidInstanceID.NotFound"
@@ -201,7 +200,7 @@ def master_lost(run_dir: Path, mirror: detach.LogMirror, out, exc: ClusterError,
     out.write(f"run {rec.run_id}: node 0 ({detach.master_node(rec).name}) {how} ({exc.what}): ending it as a run "
               "that lost a node\n")
     out.flush()
-    home, _ = node_run_of(rec.remote_run)
+    home, _ = RunPaths.node_run_of(rec.remote_run)
     r = Run(rec.run_id, run_dir.parent, home, [Node(**n) for n in rec.nodes], detach.log_plan(rec), rec,
             remote_output=rec.remote_output or RunPaths(rec.run_id, home).node_output, is_job=bool(rec.job))
     wall = max(0.0, time.time() - float(rec.started_at or time.time()))
@@ -235,7 +234,7 @@ def main() -> int:
     if not url:
         print("xc-head-adopt: no store (XC_STORE): nothing to take over", flush=True)
         return 0
-    name = os.environ.get(head.HEAD_ENV) or cluster_env().get("XC_HEAD_GROUP", "head")  # as fab names the head
+    name = os.environ.get(head.HEAD_ENV) or spot.cluster_env().get("XC_HEAD_GROUP", "head")  # as fab names the head
     runs_dir = head.runs_here()
     folder = runs_dir / ".supervisors"
     folder.mkdir(parents=True, exist_ok=True)

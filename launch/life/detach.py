@@ -28,7 +28,7 @@ from launch.life.lifecycle import Outcome, Run, end
 from launch.life.records import RunRecord, RunResult, Status
 from launch.life.stream import OutputRouter
 from launch.ship import outputs, secrets
-from training.runtime.paths import RunPaths, node_run_of
+from training.runtime.paths import RunPaths
 
 log = logging.getLogger(__name__)
 
@@ -159,7 +159,7 @@ def conclude(run_dir: Path, master: Node, out: TextIO | None, follower: bool = F
         router = OutputRouter(plan, out or io.StringIO(), log_file)
         router.write(text.getvalue().decode(errors="replace"))
         router.flush_rest()
-    home, _ = node_run_of(rec.remote_run)
+    home, _ = RunPaths.node_run_of(rec.remote_run)
     r = Run(rec.run_id, run_dir.parent, home, nodes, plan, rec,
             remote_output=rec.remote_output or RunPaths(rec.run_id, home).node_output, is_job=bool(rec.job))
     if r.is_job:

@@ -26,8 +26,8 @@ from core.errors import ClusterError
 from launch.life import records
 from launch.life.records import RunRecord, Status
 from launch.plan import request
-from training.runtime.paths import RunPaths, runs_under
-from training.runtime.spot import cluster_env
+from training.runtime import spot
+from training.runtime.paths import RunPaths
 
 log = logging.getLogger(__name__)
 
@@ -50,7 +50,7 @@ def publish_s() -> float:
 
 def runs_here() -> Path:
     """The runs folder of this machine's work root: where a head's supervisors keep their runs."""
-    return runs_under(os.environ.get("XC_HOME") or Path.home() / REMOTE_HOME)
+    return RunPaths.runs_under(os.environ.get("XC_HOME") or Path.home() / REMOTE_HOME)
 
 
 def runs_on_head(head: Node | None) -> bool:
@@ -121,7 +121,7 @@ def no_head_line(spec: str, head: Node | None, supervised: bool = False, why: st
 def own_instance() -> str | None:
     """This head's EC2 instance id (cloud-init's cluster.env), None off AWS: a new head that sees the heartbeat's
     instance gone takes the chain over at once instead of waiting for the beat to go stale."""
-    return cluster_env().get("XC_INSTANCE_ID") or None
+    return spot.cluster_env().get("XC_INSTANCE_ID") or None
 
 
 class Beat(threading.Thread):

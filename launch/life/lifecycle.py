@@ -22,7 +22,6 @@ from launch.life.records import Cause, RunRecord, RunResult, Status, supervisor_
 from launch.life.stream import failed_rank
 from launch.ship import outputs, userscript
 from training.runtime import events
-from training.runtime import notice as notice_lib
 from training.runtime.notice import Notice
 from training.runtime.paths import RunPaths
 
@@ -167,7 +166,7 @@ def _preempted(r: Run, o: Outcome, notice: Notice) -> None:
                           f"{swept.claim()}", [node], run_id=r.run_id, lost=sorted(swept.unchecked), fix="")
     if got is None or got[0] != step:
         step, ckpt = home[-1]
-    r.write(Status.PREEMPTED, notice_lib.EXIT, o.wall_s, cause=cause,
+    r.write(Status.PREEMPTED, Notice.EXIT, o.wall_s, cause=cause,
             preempted={"node": node, "rank": rank, "step": step, "checkpoint": str(ckpt), "noticed_at": o.noticed_at},
             cleanup=swept.to_dict())
     base = r.run_dir.parent.parent
@@ -202,7 +201,7 @@ def _preempted_in_store(r: Run, o: Outcome, url: str, node: str, notice: Notice,
     rank, step, cause = notice.rank, notice.step, notice.cause
     steps = _store_steps(url, r.run_id)
     if steps is None:  # unknown: the run stays restartable, and its resume asks the store again
-        r.write(Status.PREEMPTED, notice_lib.EXIT, o.wall_s, cause=Cause.STORE_UNREACHABLE.value,
+        r.write(Status.PREEMPTED, Notice.EXIT, o.wall_s, cause=Cause.STORE_UNREACHABLE.value,
                 preempted={"node": node, "rank": rank, "step": step, "checkpoint": None, "notice_step": step,
                            "durable": None, "noticed_at": o.noticed_at, "notice_cause": cause},
                 cleanup=swept.to_dict(), reason=f"spot notice on {node} at step {step}; the store {url} did not answer "
@@ -223,7 +222,7 @@ def _preempted_in_store(r: Run, o: Outcome, url: str, node: str, notice: Notice,
         log.warning("the notice's checkpoint (step %s) is not in the store; the newest there is step %s", step, steps[-1])
         step = steps[-1]
     where = r.paths.store_url(url, step)
-    r.write(Status.PREEMPTED, notice_lib.EXIT, o.wall_s, cause=cause,
+    r.write(Status.PREEMPTED, Notice.EXIT, o.wall_s, cause=cause,
             preempted={"node": node, "rank": rank, "step": step, "checkpoint": where, "notice_step": noticed,
                        "durable": durable, "noticed_at": o.noticed_at}, cleanup=swept.to_dict(),
             reason=None if durable else f"the notice's checkpoint (step {noticed}) did not become durable in the "

@@ -20,8 +20,9 @@ from core import procs
 from core.errors import ClusterError, NoRecord
 from launch.plan import batch, launcher
 from launch.ship import secrets
-from training.runtime import events, notice
-from training.runtime.store import STORE_ENV
+from training.runtime import events
+from training.runtime import store as shared_store
+from training.runtime.notice import Notice
 
 log = logging.getLogger(__name__)
 
@@ -50,8 +51,8 @@ class Status(str, enum.Enum):
 
 class Cause(str, enum.Enum):
     """Why a run ended other than ok, as a value (the record's `cause`), never free text."""
-    SPOT = notice.SPOT
-    GROUP = notice.GROUP
+    SPOT = Notice.SPOT
+    GROUP = Notice.GROUP
     NODE_LOST = "node lost"
     CRASHED = "crashed"
     INTERRUPTED = "interrupted"
@@ -155,7 +156,7 @@ class RunRecord:
     @property
     def store(self) -> str | None:
         """The store the run's ranks used (None: a run recorded before stores)."""
-        return (self.env or {}).get(STORE_ENV)
+        return (self.env or {}).get(shared_store.STORE_ENV)
 
     @property
     def node_names(self) -> list[str]:

@@ -10,7 +10,6 @@ from core.errors import ClusterError
 from launch.plan.request import TrainRequest
 from launch.ship import secrets
 from training.runtime import store as training_store
-from training.runtime.store import STORE_ENV
 
 log = logging.getLogger(__name__)
 
@@ -20,7 +19,7 @@ def apply(req: TrainRequest, choice: store_lib.Choice, spec: str | None = None) 
     credentials where the request has none of its own (--env wins; a resumed record's *** is filled in)."""
     env, wanted = dict(req.env), store_lib.rank_env(choice, spec)
     for key, value in wanted.items():
-        if key == STORE_ENV or key not in env or env[key] == secrets.MASK:
+        if key == training_store.STORE_ENV or key not in env or env[key] == secrets.MASK:
             env[key] = value
     for key in ("XC_S3_ENDPOINT_URL",):  # a resumed record's endpoint that no longer applies
         if key in env and key not in wanted:

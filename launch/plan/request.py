@@ -22,8 +22,8 @@ from launch.plan.probe import NodeFacts, master_port, probe, resolve_backend, re
 from launch.ship import jobdata, jobflags, secrets, snapshot, workdir
 from launch.ship.datafiles import FILE_FLAGS, file_digest, local_files, rewrite_files
 from training.runtime import spot
+from training.runtime import store as shared_store
 from training.runtime.paths import Checkpoints
-from training.runtime.store import STORE_ENV
 from training.runtime.wire import COMM_HOOKS
 
 log = logging.getLogger(__name__)
@@ -150,7 +150,7 @@ class TrainRequest:
     @property
     def store(self) -> str | None:
         """The cluster's store the ranks get (store_run.apply puts it in their environment)."""
-        return self.env.get(STORE_ENV) or None
+        return self.env.get(shared_store.STORE_ENV) or None
 
     def to_record(self) -> dict:
         """What a record keeps to run this again (--resume, --max-restarts): secrets as ***, and the key of the run's

@@ -42,7 +42,6 @@ from core.errors import ClusterError
 from node_setup import profiles
 from training.runtime import pylayer
 from training.runtime import store as store_lib
-from training.runtime.store import STORE_ENV
 
 log = logging.getLogger(__name__)
 
@@ -422,7 +421,7 @@ def install(conn, python: str, code_dir: str, run_dir: str, home: str, key: str,
     Raises ClusterError."""
     layer = f"{run_dir}/pylayer"
     q = shlex.quote
-    store_env = " ".join(f"{k}={q(v)}" for k, v in env.items() if k in (STORE_ENV, *PUBLIC_ENV))
+    store_env = " ".join(f"{k}={q(v)}" for k, v in env.items() if k in (store_lib.STORE_ENV, *PUBLIC_ENV))
     command = (f"cd {q(run_dir)} && {{ [ ! -f ./secrets.env ] || . ./secrets.env; }} && env {store_env} "
                f"PYTHONPATH={q(code_dir)} {q(python)} -m training.runtime.pylayer {q(key)} {q(layer)} "
                f"{q(home + '/' + pylayer.WHEELS)}")

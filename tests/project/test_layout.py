@@ -107,12 +107,38 @@ def test_packages_depend_one_way():
                 assert order[target] < order[pkg], f"{name} imports {dep}"
 
 
-def test_the_operator_side_imports_from_training_only_its_runtime():
-    """training/runtime is the contract between launch and the ranks: a change to a job cannot break fab."""
-    for name, deps in graph().items():
-        if not name.startswith("training"):
-            wrong = {d for d in deps if d.startswith("training") and not d.startswith("training.runtime")}
-            assert not wrong, f"{name} imports {sorted(wrong)}: the operator side imports only training.runtime"
+def contract_names(path: Path) -> set[str]:
+    """The names a module imports from training, relative to training.runtime: 'store', 'paths.RunPaths'; a name
+    from elsewhere in training keeps its whole path ('training.jobs.dist')."""
+    used = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.level == 0 and (node.module or "").split(".")[0] == "training":
+            base = node.module.removeprefix("training.runtime").lstrip(".")
+            used |= {f"{base}.{a.name}".lstrip(".") if base or node.module == "training.runtime" else
+                     f"{node.module}.{a.name}" for a in node.names}
+        elif isinstance(node, ast.Import):
+            used |= {a.name for a in node.names if a.name.split(".")[0] == "training"}
+    return used
+
+
+def test_the_operator_side_imports_only_the_contract():
+    """training/runtime is the contract between launch and the ranks, and only its CONTRACT names cross: a change to a
+    job, or to the runtime's insides, cannot break fab."""
+    from training.runtime import CONTRACT
+
+    assert len(CONTRACT) <= 12, CONTRACT
+    used = {name: contract_names(path) for name, path in modules().items() if not name.startswith("training")}
+    outside = {name: sorted(names - set(CONTRACT)) for name, names in used.items() if names - set(CONTRACT)}
+    assert outside == {}, outside
+    assert set().union(*used.values()) == set(CONTRACT)  # each name is used: the list says what crosses, no more
+
+
+def test_the_contract_check_sees_a_name_from_outside_it(tmp_path):
+    probe = tmp_path / "probe.py"
+    probe.write_text("from training.runtime import store\nfrom training.runtime.paths import RunPaths, node_run_of\n"
+                     "from training.jobs import dist\nimport training.speed.mfu\n")
+    assert contract_names(probe) == {"store", "paths.RunPaths", "paths.node_run_of", "training.jobs.dist",
+                                     "training.speed.mfu"}
 
 
 def _room(name: str, top: str) -> str | None:
@@ -205,7 +231,7 @@ def test_the_store_url_is_looked_up_in_at_most_four_lines():
     import re
 
     lookups = [(m, i) for m, i, line in _code_lines()
-               if re.search(r"""(\.get\(|\[)(["']XC_STORE["']|STORE_ENV)""", line)]
+               if re.search(r"""(\.get\(|\[)(["']XC_STORE["']|(\w+\.)?STORE_ENV)""", line)]
     # the fifth: node_setup/head_boot.py, which runs at a head's boot before any of the project's code is there
     assert len(lookups) <= 5, lookups
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import ClassVar
 
 from training.runtime import events
 
@@ -20,6 +21,10 @@ CAUSES = (SPOT, GROUP)
 
 @dataclass(frozen=True)
 class Notice:
+    EXIT: ClassVar[int] = EXIT  # what every rank exits with after the notice
+    SPOT: ClassVar[str] = SPOT
+    GROUP: ClassVar[str] = GROUP
+
     cause: str  # SPOT or GROUP
     rank: int  # the rank that saw the notice first
     step: int  # the optimizer step of the notice's checkpoint (-1: none was saved)

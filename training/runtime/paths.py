@@ -19,6 +19,7 @@ import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import ClassVar
 
 RUNS = "runs"
 
@@ -81,8 +82,22 @@ class Checkpoints:
         return old
 
 
+# -- object tags in the store: infra/store.py's lifecycle rules select by them ----------------------------------------
+CHECKPOINT_TAG = "xeon-cluster-kind=checkpoint"  # expires after checkpointRetentionDays
+# A run's log (log.txt and its appended parts) and the head's heartbeats change often: their old versions expire
+# after a day (records and outputs keep theirs for 30)
+LOG_TAG = "xeon-cluster-kind=log"
+LOG_NAMES = ("log.txt", "heartbeat.json")
+LOG_PARTS = "log.parts"  # runs/<id>/log.parts/<byte offset>: a running run's log, each piece written once
+
+
+
 @dataclass(frozen=True)
 class RunPaths:
+    RUNS: ClassVar[str] = RUNS
+    LOG_PARTS: ClassVar[str] = LOG_PARTS
+    LOG_TAG: ClassVar[str] = LOG_TAG
+
     run_id: str
     node_home: str = '"${XC_HOME:-$HOME/.xeon-cluster}"'  # the node's work root: a shell word or a path
     runs_dir: Path | None = None  # the operator's runs/ folder
@@ -152,10 +167,19 @@ class RunPaths:
         """The checkpoint's URL: what XC_RESUME_URL carries to the ranks."""
         return f"{root.rstrip('/')}/{self.store_checkpoint(step)}"
 
+    # -- lookups ---------------------------------------------------------------------------------------------------
+    @staticmethod
+    def runs_under(home: str | Path) -> Path:
+        """The runs folder under a machine's work root: what a head's supervisors write records into."""
+        return Path(home) / RUNS
 
-def runs_under(home: str | Path) -> Path:
-    """The runs folder under a machine's work root: what a head's supervisors write records into."""
-    return Path(home) / RUNS
+    @staticmethod
+    def node_run_of(path: str) -> tuple[str, str]:
+        """(node home, run id) of a run folder on a node that RunPaths.node named."""
+        home, sep, run_id = path.rstrip("/").rpartition(f"/{RUNS}/")
+        if not sep or "/" in run_id:
+            raise ValueError(f"{path} is not a run folder on a node")
+        return home, run_id
 
 
 def parse_checkpoint_url(url: str) -> tuple[str, str, int]:
@@ -165,23 +189,6 @@ def parse_checkpoint_url(url: str) -> tuple[str, str, int]:
     if m is None or step is None:
         raise ValueError(f"{url} is not a run's checkpoint in a store")
     return m.group(1), m.group(2), step
-
-
-def node_run_of(path: str) -> tuple[str, str]:
-    """(node home, run id) of a run folder on a node that RunPaths.node named."""
-    home, sep, run_id = path.rstrip("/").rpartition(f"/{RUNS}/")
-    if not sep or "/" in run_id:
-        raise ValueError(f"{path} is not a run folder on a node")
-    return home, run_id
-
-
-# -- object tags in the store: infra/store.py's lifecycle rules select by them ----------------------------------------
-CHECKPOINT_TAG = "xeon-cluster-kind=checkpoint"  # expires after checkpointRetentionDays
-# A run's log (log.txt and its appended parts) and the head's heartbeats change often: their old versions expire
-# after a day (records and outputs keep theirs for 30)
-LOG_TAG = "xeon-cluster-kind=log"
-LOG_NAMES = ("log.txt", "heartbeat.json")
-LOG_PARTS = "log.parts"  # runs/<id>/log.parts/<byte offset>: a running run's log, each piece written once
 
 
 def tag_of(key: str) -> str | None:
