@@ -141,7 +141,7 @@ test-fast: venv
 	$(BIN)/python -m pytest -q --durations=15 -m "not cluster and not slow" $(XDIST)
 
 # ruff, the layout rules (tests/project/test_layout.py) and the docs' links, and repeated code across the packages.
-LINT_PKGS := core cluster node_setup launch doctor reports infra training fabfile.py __main__.py
+LINT_PKGS := core cluster twin sweep node_setup launch doctor reports infra training fabfile.py __main__.py
 lint: venv
 	$(BIN)/ruff check .
 	$(BIN)/python -m pytest -q tests/project/test_layout.py tests/project/test_docs.py
