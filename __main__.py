@@ -9,13 +9,13 @@ import pulumi_aws as aws
 
 from core.errors import ClusterError
 from infra import checks, cost
+from infra.bucket import Store
 from infra.head import HEAD_USER, Head
 from infra.image import Image
 from infra.network import Network
 from infra.nodes import MIN_HEALTHY_PERCENT, ROLLING_KEYS, Nodes, group_name
 from infra.policies import ROLE_PATH, boundary_name, boundary_policy, secrets_path
 from infra.settings import CONFIG_KEYS, ClusterSettings
-from infra.store import Store
 
 
 def read_settings() -> ClusterSettings:

@@ -21,7 +21,7 @@ from core.report import CLUSTER, Report, Row
 from doctor.collective import allreduce_row, rendezvous_rows
 from doctor.head import head_rows
 from doctor.rows import clock_row, hardware_rows, package_rows, runs_rows
-from doctor.store import store_rows
+from doctor.store_probe import store_rows
 from launch.plan.preflight import STACK, gather_all, mesh_rows, preflight_rows
 from node_setup import profiles
 from node_setup.setup import default_venv, venv_python

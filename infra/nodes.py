@@ -66,7 +66,7 @@ def node_tags(settings: ClusterSettings) -> dict[str, str]:
 
 def store_tag(store) -> list[dict]:
     """The group names the store bucket it writes: 'fab sweep --include-store' never empties a live group's store,
-    and may remove an older bucket of the same cluster that no live group names (infra/store.py storeBucket)."""
+    and may remove an older bucket of the same cluster that no live group names (infra/bucket.py storeBucket)."""
     return [] if store is None else [{"key": TAG_STORE, "value": store.bucket.id, "propagate_at_launch": False}]
 
 

@@ -18,7 +18,7 @@ from training.runtime.paths import RunPaths
 log = logging.getLogger(__name__)
 
 KEYS = (TAG_CLUSTER, TAG_IMAGE_BUILD)
-STORE_BUCKET_PREFIX = "xc-"  # infra.store names every store bucket xc-<cluster>-<suffix>
+STORE_BUCKET_PREFIX = "xc-"  # infra.bucket names every store bucket xc-<cluster>-<suffix>
 # Credentials that do not work fail every call alike: an error, not a warning per kind (or per bucket).
 FATAL_CODES = {"AuthFailure", "UnrecognizedClientException", "InvalidClientTokenId", "ExpiredToken",
                "ExpiredTokenException", "SignatureDoesNotMatch", "RequestExpired", "InvalidAccessKeyId"}
@@ -387,7 +387,7 @@ def store_leftovers(s3, bucket: str, cluster: str, held: dict) -> list[Orphan]:
 
 
 def _buckets(c) -> list[Orphan]:
-    """The cluster's store (infra.store): kept by 'pulumi destroy' because it may hold trained models. Only
+    """The cluster's store (infra.bucket): kept by 'pulumi destroy' because it may hold trained models. Only
     buckets named as stores are asked anything (docs/iam-policy.json allows the bucket calls on xc-* only), and
     one that still refuses is a warning naming it, not the end of the S3 listing."""
     from botocore.exceptions import ClientError

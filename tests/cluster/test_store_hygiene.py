@@ -12,7 +12,7 @@ import pytest
 from moto_fixture import client
 
 from cluster import store as store_lib
-from infra.store import CHECKPOINT_TAG_KEY, NONCURRENT_LOG_DAYS
+from infra.bucket import CHECKPOINT_TAG_KEY, NONCURRENT_LOG_DAYS
 from launch.life import head, records
 from launch.life.records import RunRecord, Status
 from training.runtime.paths import LOG_TAG

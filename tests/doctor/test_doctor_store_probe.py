@@ -1,5 +1,5 @@
 """fab doctor's store row asks only what the node role allows (issue 41 item 6): the real moto server process on
-127.0.0.1 holds the bucket; the node role (infra.store.node_statements) is enforced on the client, since moto's IAM
+127.0.0.1 holds the bucket; the node role (infra.bucket.node_statements) is enforced on the client, since moto's IAM
 emulation ignores the s3:prefix condition that the role's listing depends on."""
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import moto_fixture
 import pytest
 from botocore.exceptions import ClientError
 
-from doctor import store as doctor_store
+from doctor import store_probe as doctor_store
 from training.runtime import store as shared
 from training.runtime.store import S3Store, StoreError
 
@@ -23,10 +23,10 @@ ACTION = {"HeadBucket": "s3:ListBucket", "ListObjectsV2": "s3:ListBucket", "List
           "PutObject": "s3:PutObject", "GetObject": "s3:GetObject", "DeleteObject": "s3:DeleteObject"}
 
 
-try:  # the node role's store statements: infra.policies since issue 41 item 3, infra.store before
+try:  # the node role's store statements: infra.policies since issue 41 item 3, infra.bucket before
     from infra.policies import store_statements as node_statements
 except ImportError:
-    from infra.store import node_statements
+    from infra.bucket import node_statements
 
 
 def allowed(operation: str, params: dict) -> bool:

@@ -123,7 +123,7 @@ def plant(cluster: str) -> dict[str, str]:
 
 
 def plant_bucket(name: str, cluster: str | None, keys: list[str]) -> str:
-    """A store bucket as infra.store makes it (tagged through the provider's default tags), holding ``keys``."""
+    """A store bucket as infra.bucket makes it (tagged through the provider's default tags), holding ``keys``."""
     s3 = client("s3")
     s3.create_bucket(Bucket=name)
     if cluster:

@@ -8,7 +8,7 @@ import subprocess
 import sys
 
 from cluster import shipping
-from doctor import store as doctor_store
+from doctor import store_probe as doctor_store
 from launch.chain import restarts
 
 

@@ -82,7 +82,7 @@ class Checkpoints:
         return old
 
 
-# -- object tags in the store: infra/store.py's lifecycle rules select by them ----------------------------------------
+# -- object tags in the store: infra/bucket.py's lifecycle rules select by them ----------------------------------------
 CHECKPOINT_TAG = "xeon-cluster-kind=checkpoint"  # expires after checkpointRetentionDays
 # A run's log (log.txt and its appended parts) and the head's heartbeats change often: their old versions expire
 # after a day (records and outputs keep theirs for 30)

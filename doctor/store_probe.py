@@ -1,6 +1,6 @@
 """`fab doctor`'s store row: every node writes, reads back and deletes a probe object in the cluster's store,
 with the credentials its ranks would get (in a 0600 file removed right after, never on a command line), asking
-only what the node role allows (infra.store.node_statements): objects and listing under the cluster's prefix."""
+only what the node role allows (infra.bucket.node_statements): objects and listing under the cluster's prefix."""
 from __future__ import annotations
 
 import io
