@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import logging
 import math
-import re
 import threading
 from collections.abc import Callable
 
@@ -20,6 +19,7 @@ from launch.life import records
 from launch.life.cleanup import sweep
 from launch.plan.batch import micro_batches, smaller_sizes
 from launch.plan.request import TrainRequest
+from training.runtime import events
 from training.runtime.paths import Checkpoints, RunPaths
 
 log = logging.getLogger(__name__)
@@ -85,7 +85,7 @@ class GrowBack(threading.Thread):
             text = (RunPaths(self.run_id, runs_dir=self.runs_dir).home / "log.txt").read_text(errors="replace")
         except OSError:
             return 1 << 62
-        totals = re.findall(r"\[progress\] step \d+/(\d+)", text[-20000:])
+        totals = [e.payload["total"] for e in events.of_lines(text[-20000:].splitlines()) if e.kind == events.PROGRESS]
         return int(totals[-1]) if totals else 1 << 62
 
     def run(self) -> None:

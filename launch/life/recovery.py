@@ -82,7 +82,11 @@ class Recovery:
         return out
 
     def _last_step(self) -> int | None:
-        """The highest step the run that ended printed (a lost node: no notice says where it was)."""
+        """The highest step the run that ended reached (a lost node: no notice says where it was): its record's, folded
+        from its ranks' events at its end, else its log's progress events (node 0 lost with its events file)."""
+        reached = ((self.prev.segment or {}) if self.prev else {}).get("to_step")
+        if isinstance(reached, int):
+            return reached
         try:
             steps = events.steps(self.log_path.read_text(errors="replace"))
         except OSError:

@@ -159,3 +159,16 @@ def test_fab_runs_shows_a_chains_sizes_and_its_steps_at_reduced_size():
 def test_torch_sampler_protocol():
     s = order.GlobalOrder(10, 4, seed=0)
     assert isinstance(s, torch.utils.data.Sampler) and len(list(s)) == len(s) == 8
+
+
+def test_grow_back_reads_the_runs_step_count_from_its_progress_events(tmp_path):
+    from training.runtime import events
+
+    run = tmp_path / "r1"
+    run.mkdir()
+    watcher = elastic.GrowBack("r1", tmp_path, None, 2, lambda: False, print)
+    assert watcher._total() == 1 << 62  # no log yet: never reached
+    lines = ["[0 node0] rank 0/1 backend=gloo", f"[0 node0] {events.progress(5, 40, 2.0, 0.69).line()}",
+             f"[0 node0] {events.progress(10, 40, 4.0).line()}"]
+    (run / "log.txt").write_text("\n".join(lines) + "\n")
+    assert watcher._total() == 40
