@@ -34,6 +34,8 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 from glue_single_node import cpu_line, load_line
 
+from training.runtime import events
+
 KEEP_OUT = ("XC_CLUSTER", "XC_STORE", "XC_AWS_ENDPOINT_URL", "XC_S3_ENDPOINT_URL", "XC_SSH_KEY")
 ARGS = ("--max_train_samples", "3840", "--num_train_epochs", "1", "--per_device_train_batch_size", "8",
         "--max_eval_samples", "64", "--save_steps", "0")
@@ -51,8 +53,7 @@ def must(res: subprocess.CompletedProcess, what: str) -> str:
 
 
 def steps(env: dict, run_id: str) -> int:
-    found = re.findall(r"\[progress\] step (\d+)", fab(env, "logs", run_id, timeout=60).stdout)
-    return max(map(int, found), default=0)
+    return max(events.steps(fab(env, "logs", run_id, timeout=60).stdout), default=0)
 
 
 def wait(what: str, check, timeout: float, poll: float = 1.0):
