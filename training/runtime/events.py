@@ -8,6 +8,7 @@ project writes or parses these lines or files (tests/project/test_layout.py chec
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -41,8 +42,7 @@ class RunEvent:
         return _WRITE[self.kind](self)
 
     def to_json(self) -> str:
-        return json.dumps({"kind": self.kind, "rank": self.rank, "step": self.step, "time": self.time,
-                           "payload": self.payload}, sort_keys=True)
+        return json.dumps(dataclasses.asdict(self), sort_keys=True)
 
     @classmethod
     def from_json(cls, text: str) -> RunEvent:
