@@ -40,6 +40,7 @@ from node_setup import setup as setup_lib
 from reports import bench as bench_lib
 from reports import kube as kube_lib
 from sweep import run as sweep_lib
+from training.runtime.spec import RunSpec
 from twin import notice as notice_lib
 from twin import up as twin_lib
 
@@ -309,8 +310,8 @@ def doctor(c, profile=None, nodes=None, cluster=None, quick=False, full=False, m
         raise ClusterError("--quick and --full exclude each other", fix="pass one of them")
     count = as_int(nodes, "--nodes", 1) if nodes is not None else None
     port = as_int(master_port, "--master-port", 1024, 65535) if master_port else DEFAULT_MASTER_PORT
-    if backend not in request_lib.BACKENDS:
-        raise ClusterError(f"--backend {backend!r} is not one of {', '.join(request_lib.BACKENDS)}", fix="pass one of them")
+    if backend not in RunSpec.BACKENDS:
+        raise ClusterError(f"--backend {backend!r} is not one of {', '.join(RunSpec.BACKENDS)}", fix="pass one of them")
     extra_env = env_pairs(env)
     p = profiles_lib.load_profile(profile) if profile is not None else None  # the flags before the nodes
     cl = open_cluster(_cluster(c, cluster), require_running=False)  # a stopped node is a row, not an abort
@@ -343,7 +344,7 @@ def bench(c, nodes=None, job="glue", runs=None, ppn="auto", threads="auto", back
     else:
         if not nodes:
             raise ClusterError("--nodes is missing", fix="give the sizes to compare, e.g. --nodes 1,2,4")
-        req = request_lib.TrainRequest(job=job, args=job_args(), ppn=str(ppn), threads=str(threads), backend=backend,
+        req = request_lib.TrainRequest.of(job=job, args=job_args(), ppn=str(ppn), threads=str(threads), backend=backend,
                                      precision=precision, comm_hook=str(comm_hook), env=env_pairs(env),
                                      valueless=valueless_keys(env), timeout_s=as_int(timeout, "--timeout", 1), pin=not no_pin)
         bench_lib.parse_sizes(str(nodes))  # the flags and data before the cluster is asked anything

@@ -202,7 +202,7 @@ def allreduce_row(cluster: Cluster, nodes: list[Node], port: int, backend: str =
     script = folder / "allreduce.py"
     script.write_text(ALLREDUCE_PY)
     run_id = new_run_id("doctor")
-    req = TrainRequest(nodes=len(nodes), job=None, script=str(script), backend=backend, precision="fp32",
+    req = TrainRequest.of(nodes=len(nodes), job=None, script=str(script), backend=backend, precision="fp32",
                                  master_port=port, timeout_s=COLLECTIVE_TIMEOUT_S, runs_dir=folder / "runs",
                                  env=dict(env or {}), args=[str(COLLECTIVE_TIMEOUT_S * 2), str(COLLECTIVE_TIMEOUT_S)],
                                  run_id=run_id)

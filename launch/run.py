@@ -3,7 +3,6 @@ stream every rank's output, collect results into runs/<run-id>/, and clean up af
 """
 from __future__ import annotations
 
-import dataclasses
 import io
 import logging
 import shlex
@@ -96,7 +95,7 @@ def _stage(fact: NodeFacts, plan: launcher.LaunchPlan, node_plan: launcher.NodeP
 
 
 def train(cluster: Cluster, req: TrainRequest, out: TextIO = sys.stdout) -> RunResult:
-    """Run a job across the first req.nodes nodes. Raises ClusterError / NodeFailure on failure."""
+    """Run a job across the first req.spec.where.nodes nodes. Raises ClusterError / NodeFailure on failure."""
     def say(msg: str) -> None:
         out.write(msg + "\n")
         out.flush()
@@ -126,7 +125,7 @@ def _run(cluster: Cluster, req: TrainRequest, plan: launcher.LaunchPlan, facts: 
     master = facts[0]
     record = new_record(cluster, req, plan, facts, args)
     r = Run(plan.run_id, Path(req.runs_dir), master.home, nodes, plan, record,
-            remote_output=_remote_output_dir(master, plan, args), is_job=req.script is None,
+            remote_output=_remote_output_dir(master, plan, args), is_job=req.spec.what.script is None,
             fetch_model=req.fetch_model)
     try:
         r.run_dir.mkdir(parents=True)
@@ -206,7 +205,7 @@ def _run(cluster: Cluster, req: TrainRequest, plan: launcher.LaunchPlan, facts: 
             if mirror:
                 mirror.stop()
             # every ending brings the output home; after Ctrl-C without the weights (the user asked to stop)
-            _bring_home(master, r.run_dir, r.remote_output, dataclasses.replace(req, fetch_model=False)
+            _bring_home(master, r.run_dir, r.remote_output, req.but(fetch_model=False)
                         if ctrl_c.pressed else req, say)
     return end(r, Outcome(exit_code, router.lines, router.finished, time.monotonic() - started,
                           watch.failure, bool(ctrl_c.pressed), router.noticed_at), say)
@@ -225,12 +224,13 @@ def _prepare(cluster: Cluster, req: TrainRequest, plan: launcher.LaunchPlan, fac
     tarball = shipping.code_tarball()
     hostfile = render("hostfile.j2", nodes=nodes)
     resume = Path(req.resume.checkpoint) if req.resume and req.resume.checkpoint else None  # [store]: None
-    held = req.snapshot if req.store else None
+    held = req.spec.what.snapshot if req.store else None
 
     def stage(node: Node):
         i = nodes.index(node)
-        return _stage(facts[i], plan, plan.nodes[i], digest, tarball, ship, req.script, i == 0, hostfile, resume,
-                      req.pylayer, held)
+        what = req.spec.what
+        return _stage(facts[i], plan, plan.nodes[i], digest, tarball, ship, what.script, i == 0, hostfile, resume,
+                      what.pylayer, held)
 
     staged = fan_out(nodes, stage, "staging the run")
     if held:
@@ -291,7 +291,7 @@ DEMO_ARGS = ["--num_train_epochs", "2", "--per_device_train_batch_size", "8", "-
 
 def demo(nodes: int = 2, port: int | None = None, out: TextIO = sys.stdout) -> RunResult:
     """Local cluster up, fine-tune on the bundled paraphrase set, cluster down (even on failure)."""
-    req = TrainRequest(nodes=nodes, job="glue", args=list(DEMO_ARGS))
+    req = TrainRequest.of(nodes=nodes, job="glue", args=list(DEMO_ARGS))
     store = store_run.store_lib.choose(None, None, "local")  # [store] XC_STORE, else the local folder: no server
     req = store_run.apply(req, store, "local")
     req = validate(req)  # an unwritable runs folder is refused before any sshd starts

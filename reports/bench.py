@@ -307,26 +307,27 @@ def bench(cluster: Cluster, sizes_text: str, template: TrainRequest, out: TextIO
         out.write(msg + "\n")
         out.flush()
 
-    if template.script is not None:
+    what = template.spec.what
+    if what.script is not None:
         raise ClusterError("fab bench runs the bundled jobs (--job glue|qa|clm), whose results.json the report "
                            "reads", fix="drop --script")
     sizes = parse_sizes(sizes_text, len(cluster.nodes), cluster.spec)
     validate(template)  # a bad job or missing data fails before the first run
-    label = template.job
+    label = what.job
     bench_id = f"bench-{new_run_id(label)}"
     bench_dir = Path(template.runs_dir) / bench_id
-    flags = [f"--env {k}={v}" for k, v in secrets.masked(template.env, template.valueless).items()]
-    flags += ([] if template.pin else ["--no-pin"]) + ([f"--timeout {template.timeout_s}"] if template.timeout_s != 300
-                                                         else [])
+    where = template.spec.where
+    flags = [f"--env {k}={v}" for k, v in secrets.masked(what.env, template.valueless).items()]
+    flags += ([] if where.pin else ["--no-pin"]) + ([f"--timeout {where.timeout_s}"] if where.timeout_s != 300 else [])
     command = command or (f"fab bench --nodes {','.join(map(str, sizes))} --job {label} "
-                          + "".join(f + " " for f in flags) + "-- " + shlex.join(template.args))
+                          + "".join(f + " " for f in flags) + "-- " + shlex.join(what.args))
     runs: list[RunRecord] = []
     started = time.monotonic()
     for i, n in enumerate(sizes, 1):
         say(f"[bench {i}/{len(sizes)}] {n} node(s): {label} "
             f"(elapsed {time.monotonic() - started:.0f}s)")
         try:
-            result = train(cluster, dataclasses.replace(template, nodes=n), out)
+            result = train(cluster, template.but(nodes=n), out)
         except ClusterError as exc:
             done = ", ".join(f"{r.nodes} node(s): {r.run_id}" for r in runs) or "none"
             raise ClusterError(f"bench {bench_id} stopped: the {n}-node run failed: {exc} (finished runs: {done})") \

@@ -14,6 +14,7 @@ from core import catalog
 from core.constants import TAG_CLUSTER, TAG_IMAGE_BUILD
 from training.runtime import pylayer, snapshot
 from training.runtime.paths import RunPaths
+from training.runtime.spec import RunSpec
 
 log = logging.getLogger(__name__)
 
@@ -349,8 +350,9 @@ def _resumable_code(s3, bucket: str, base: str, runs: list[str]) -> set[tuple[st
             summary = json.loads(s3.get_object(Bucket=bucket, Key=base + RunPaths(run).store_record("summary.json"))["Body"].read())
         except (ClientError, ValueError):
             return []
-        request = (summary.get("request") or {}) if summary.get("status") != "ok" else {}
-        return [(snapshot.FOLDER, request.get("snapshot")), (pylayer.WHEELS, request.get("pylayer"))]
+        kept = RunSpec.of_summary(summary) if summary.get("status") != "ok" else None
+        what = kept.what if kept else RunSpec().what
+        return [(snapshot.FOLDER, what.snapshot), (pylayer.WHEELS, what.pylayer)]
 
     return {pair for pairs in _each(named, runs) for pair in pairs if pair[1]}
 

@@ -16,7 +16,6 @@ fetches it from there at staging, so nothing of the operator's machine, nor the 
 """
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 import os
@@ -37,6 +36,7 @@ from launch.plan.request import TrainRequest
 from launch.ship import run_secrets, secrets
 from training.runtime import spot, store
 from training.runtime.paths import RunPaths
+from training.runtime.spec import RunSpec
 
 log = logging.getLogger(__name__)
 
@@ -59,7 +59,7 @@ def save_job(url: str, chain: str, spec: str, req, digest: str, secrets_at: str 
     """`secrets`: the names of the chain's secret --env values and arguments (a record keeps them masked);
     `secrets_at`: the cluster under whose SSM path fab keeps their values (launch.ship.run_secrets), if it did."""
     job = {"chain": chain, "spec": spec, "secrets": sorted(run_secrets.of_request(req)), "secrets_at": secrets_at,
-           "code": digest}  # the recovery policy is in the runs' records (TrainRequest.recovery), not here
+           "code": digest}  # the recovery policy is in the runs' records (their RunSpec), not here
     store_lib.put_record(url, chain, JOB, json.dumps(job, indent=2).encode())
 
 
@@ -288,14 +288,12 @@ def kept_secrets(job: dict) -> dict[str, str] | None:
 def adopted_request(url: str, job: dict, rec: RunRecord, runs_dir: Path, values: dict[str, str] | None = None):
     """The request the chain's restart loop goes on with: the record's, with what the record does not keep (the
     secrets' `values`: the record has them masked)."""
-    summary = store_lib.read_summary(url, rec.run_id) or rec.to_json()
+    kept = RunSpec.of_summary(store_lib.read_summary(url, rec.run_id) or rec.to_json()) or RunSpec()
     values = values or {}
-    env = dict(summary["request"].get("env") or {})
-    env.update({k: v for k, v in values.items() if k in env})
-    request = {**summary["request"], "args": secrets.fill_masked(summary["request"]["args"], values)}
-    req = TrainRequest.from_record(request, env, set(job.get("secrets") or ()), runs_dir=runs_dir,
-                                 nodes=len(rec.nodes) or None)
-    return dataclasses.replace(req, wrapped=True)
+    env = {k: values.get(k, v) for k, v in kept.what.env.items()}
+    return TrainRequest.of(kept, env=env, args=secrets.fill_masked(list(kept.what.args), values),
+                           valueless=set(job.get("secrets") or ()), runs_dir=runs_dir, nodes=len(rec.nodes) or None,
+                           wrapped=True)
 
 
 if __name__ == "__main__":

@@ -5,7 +5,6 @@ is not restarted: it would crash again.
 """
 from __future__ import annotations
 
-import dataclasses
 import functools
 import shlex
 import sys
@@ -128,7 +127,8 @@ def next_request(run_id: str, req: TrainRequest, say) -> TrainRequest:
     current = run_id
     while True:
         try:
-            nxt = resume_lib.resume_request(current, req.runs_dir, nodes=req.nodes, fetch_model=req.fetch_model)
+            nxt = resume_lib.resume_request(current, req.runs_dir, nodes=req.spec.where.nodes,
+                                            fetch_model=req.fetch_model)
             break
         except NoCheckpoint:
             earlier = resume_lib.resumed_from(req.runs_dir, current)
@@ -137,9 +137,10 @@ def next_request(run_id: str, req: TrainRequest, say) -> TrainRequest:
                 return req
             current = earlier
     # the record masks secret arguments: this run's own values go on
-    nxt = dataclasses.replace(nxt, args=secrets.unmask_args(nxt.args, req.args))
-    return dataclasses.replace(nxt, master_port=req.master_port, valueless=nxt.valueless | req.valueless,
-                               env={**nxt.env, **{k: v for k, v in req.env.items() if k in nxt.env}})  # *** in records
+    kept, mine = nxt.spec.what, req.spec.what
+    return nxt.but(args=secrets.unmask_args(kept.args, mine.args), master_port=req.master_port,
+                   valueless=nxt.valueless | req.valueless,
+                   env={**kept.env, **{k: v for k, v in mine.env.items() if k in kept.env}})  # *** in records
 
 
 def refuse_base_image(cluster: Cluster, max_restarts: int) -> None:
@@ -156,7 +157,7 @@ def refuse_base_image(cluster: Cluster, max_restarts: int) -> None:
 def train_with_restarts(cluster: Cluster, req: TrainRequest, out: TextIO = sys.stdout, poll_s: float = POLL_S,
                         ended: ClusterError | None = None, restarts_done: int = 0) -> RunResult:
     """Run, and after a preemption or a lost node wait for the cluster and resume, as the request's recovery policy
-    says (req.recovery, which every run of the chain keeps in its record). The run that ended is recorded
+    says (req.spec.recovery, which every run of the chain keeps in its record). The run that ended is recorded
     `restarting` while this waits, and names the run it was resumed as. With min_nodes, a wait that ends short of
     every node goes on with fewer (launch.life.elastic). `ended`: a run of the chain already ended so (a head that
     took the chain over, launch.chain.adopt): handled first, with the chain's `restarts_done` already counted."""
@@ -164,17 +165,17 @@ def train_with_restarts(cluster: Cluster, req: TrainRequest, out: TextIO = sys.s
         out.write(msg + "\n")
         out.flush()
 
-    max_restarts, restart_wait = req.recovery.max_restarts, req.recovery.restart_wait
+    max_restarts, restart_wait = req.spec.recovery.max_restarts, req.spec.recovery.restart_wait
     refuse_base_image(cluster, max_restarts)
     full = check_min_nodes(cluster, req)
-    endpoint = req.env.get("XC_IMDS_ENDPOINT") or ""  # else the node's own (a local node's sshd sets it)
+    endpoint = req.spec.what.env.get("XC_IMDS_ENDPOINT") or ""  # else the node's own (a local node's sshd sets it)
     attempt = restarts_done
     while True:
         grow = None
-        policy = req.recovery
-        if policy.min_nodes is not None and policy.grow_back and req.nodes is not None and req.nodes < full:
-            req = dataclasses.replace(req, run_id=req.run_id or new_run_id("script" if req.script or req.module
-                                                                           else req.job))
+        policy = req.spec.recovery
+        size = req.spec.where.nodes
+        if policy.min_nodes is not None and policy.grow_back and size is not None and size < full:
+            req = req.but(run_id=req.run_id or new_run_id("script" if req.spec.what.own else req.spec.what.job))
             grow = elastic.GrowBack(req.run_id, req.runs_dir, req.store, full,
                                     functools.partial(_all_back, cluster.spec, full, endpoint), say, poll_s=poll_s)
             grow.start()
@@ -207,7 +208,7 @@ def train_with_restarts(cluster: Cluster, req: TrainRequest, out: TextIO = sys.s
                     records.restart_given_up(run_dir, gave_up)
                     raise type(exc)(f"{wait_exc.text}; {exc.what}", fix=exc.fix, **_same(exc)) from None
             at = time.monotonic()
-            nxt = next_request(exc.run_id, dataclasses.replace(req, nodes=count), say)
+            nxt = next_request(exc.run_id, req.but(nodes=count), say)
             req = _carry(nxt, req, restart_of=exc.run_id)
             found = time.monotonic()
             # a replaced node has a new address: discover them anew (a lost one left out: --min-nodes goes on without)
@@ -236,7 +237,7 @@ def _all_back(spec: str, full: int, endpoint: str) -> bool:
 
 def check_min_nodes(cluster: Cluster, req: TrainRequest) -> int:
     """The run's full size; --min-nodes above it is refused before anything starts."""
-    full, least = req.nodes or len(cluster.nodes), req.recovery.min_nodes
+    full, least = req.spec.where.nodes or len(cluster.nodes), req.spec.recovery.min_nodes
     if least is not None and least > full:
         raise ClusterError(f"--min-nodes {least} is above the run's {full} node(s)",
                            fix=f"pass --min-nodes from 1 to {full}")
@@ -246,7 +247,7 @@ def check_min_nodes(cluster: Cluster, req: TrainRequest) -> int:
 def _carry(nxt: TrainRequest, req: TrainRequest, restart_of: str) -> TrainRequest:
     """The next segment's request (its recovery policy is the record's); rank 0 marks its first step, where
     recovery_s ends."""
-    return dataclasses.replace(nxt, restart_of=restart_of, run_id=None, env={**nxt.env, timeline.ENV: "1"},
+    return nxt.but(restart_of=restart_of, run_id=None, env={**nxt.spec.what.env, timeline.ENV: "1"},
                                wrapped=req.wrapped)
 
 
@@ -254,7 +255,7 @@ def _smaller(rec, wait_exc: ClusterError, req: TrainRequest, full: int, spec: st
              ) -> tuple[int | None, str | None]:
     """With --min-nodes: how many nodes the run goes on with now that the wait ran out, or (None, why not) to give
     up: the record and the log say why in one line."""
-    policy = req.recovery
+    policy = req.spec.recovery
     if policy.min_nodes is None or policy.min_nodes >= full:
         return None, None
     ready = ready_prefix(spec, full, endpoint)
@@ -293,7 +294,7 @@ def ready_prefix(spec: str, full: int, endpoint: str) -> int:
 def _grow_back(req: TrainRequest, step: int, full: int, attempt: int, max_restarts: int, say) -> TrainRequest:
     """The segment the watcher ended at checkpoint `step`: recorded stopped to grow back, resumed on full nodes."""
     run_dir = RunPaths(req.run_id, runs_dir=req.runs_dir).home
-    nxt = next_request(req.run_id, dataclasses.replace(req, nodes=full), say)
+    nxt = next_request(req.run_id, req.but(nodes=full), say)
     step = nxt.resume.step if nxt.resume else step  # one more may complete while the ranks are being ended
     records.grown_back(run_dir, attempt, max_restarts, step, f"ended at checkpoint {step} to go on at {full} node(s)")
     return _carry(nxt, req, restart_of=req.run_id)

@@ -32,10 +32,11 @@ from launch.chain import adopt, restarts
 from launch.life import head, records
 from launch.life.cleanup import runs_alive
 from launch.life.records import Status, result_line
-from launch.plan.request import Recovery, new_run_id
+from launch.plan.request import new_run_id
 from launch.ship import run_secrets
 from training.runtime import spot
 from training.runtime.paths import RunPaths
+from training.runtime.spec import RunSpec
 
 log = logging.getLogger(__name__)
 
@@ -66,8 +67,8 @@ def start_on_head(cluster, req, out: TextIO) -> str:
     here, and ends. It runs from the head's own copy of the project's code (shipping.HEAD_SHIPPED under
     <head home>/code/<hash>, shipped once per revision), not from this checkout. Nothing of the run is left on this
     machine."""
-    label = "script" if req.script or req.module else req.job
-    req = dataclasses.replace(req, run_id=req.run_id or new_run_id(label), detach=False)
+    label = "script" if req.spec.what.own else req.spec.what.job
+    req = req.but(run_id=req.run_id or new_run_id(label), detach=False)
     secret_env = run_secrets.of_request(req)
     # on an AWS head: kept in SSM for a head that takes the chain over (run_secrets); a local head has none
     secrets_at = cluster.head.labels.get("aws_head") if secret_env else None
@@ -172,7 +173,8 @@ def start(spec: str, req, out: TextIO, env: dict | None = None, secrets_at: str 
                 run_id = m.group(1) if m else None
         out.flush()
         if run_id and _ranks_running(RunPaths(run_id, runs_dir=req.runs_dir).home):
-            out.write(detached_line(run_id, proc.pid, req.recovery.max_restarts, os.environ.get(head.HEAD_ENV)) + "\n")
+            restarts_allowed = req.spec.recovery.max_restarts
+            out.write(detached_line(run_id, proc.pid, restarts_allowed, os.environ.get(head.HEAD_ENV)) + "\n")
             return run_id
         if proc.poll() is not None:
             last = [ln for ln in text.splitlines() if ln.strip()]
@@ -201,7 +203,7 @@ def payload(spec: str, req, secrets_at: str | None = None) -> bytes:
     """What the supervisor is handed on its stdin. What validate() found stays here (a scanned --workdir holds
     a lock): the supervisor, a process of its own, checks the request once itself. `secrets_at`: the cluster under
     whose SSM path fab put the chain's secrets (launch.ship.run_secrets)."""
-    return pickle.dumps({"spec": spec, "req": dataclasses.replace(req, checked=None), "secrets_at": secrets_at})
+    return pickle.dumps({"spec": spec, "req": req.but(checked=None), "secrets_at": secrets_at})
 
 
 def _ranks_running(run_dir: Path) -> bool:
@@ -232,7 +234,7 @@ def main() -> int:
     if kept:
         adopt.save_job(req.store, chain, job["spec"], req, os.environ["XC_CODE_DIGEST"], job.get("secrets_at"))
     try:
-        result = restarts.train_with_restarts(resolve.open_cluster(job["spec"]), dataclasses.replace(req, wrapped=True))
+        result = restarts.train_with_restarts(resolve.open_cluster(job["spec"]), req.but(wrapped=True))
     except ClusterError as exc:
         sys.stdout.write(format_error(exc) + "\n")
         return exc.exit_code
@@ -264,7 +266,7 @@ def adopted(chain: str) -> int:
 
         rec, ids = adopt.pending_outcome(url, chain, runs_dir, sys.stdout, members)
         ended = adopt.as_exception(rec)
-        policy = Recovery.from_record((rec.request or {}).get("recovery"))  # the chain's, as its record keeps it
+        policy = RunSpec.from_json(rec.spec).recovery  # the chain's, as its record keeps it
         left = policy.max_restarts - (len(ids) - 1)
         if ended is None or left <= 0:
             sys.stdout.write(f"run {rec.run_id} {rec.status}: the chain is over\n")

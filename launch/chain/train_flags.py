@@ -12,7 +12,7 @@ from pathlib import Path
 from core.cli import as_int, env_pairs, job_args, valueless_keys
 from core.errors import ClusterError
 from launch.life import resume as resume_lib
-from launch.plan.request import Recovery, TrainRequest, absolute_files
+from launch.plan.request import TrainRequest, absolute_files
 from launch.ship.snapshot import CODE_CHOICES
 
 
@@ -97,7 +97,7 @@ class Resolved:
 
     @property
     def max_restarts(self) -> int:
-        return self.req.recovery.max_restarts
+        return self.req.spec.recovery.max_restarts
 
 
 def resolve(f: TrainFlags, runs_dir: Path, store: str | None = None) -> Resolved:
@@ -129,12 +129,12 @@ def resolve(f: TrainFlags, runs_dir: Path, store: str | None = None) -> Resolved
                                "drop --job/--script/--workdir/--module/--launcher/--requirements and the flags after --")
         req = resume_lib.resume_request(f.resume, runs_dir, nodes=n, fetch_model=not f.no_fetch_model, store=store,
                                         code=f.code or "snapshot")
-        env, valueless = {**req.env, **env_pairs(f.env)}, req.valueless | valueless_keys(f.env)
-        pin = req.pin and not f.no_pin
+        env, valueless = {**req.spec.what.env, **env_pairs(f.env)}, req.valueless | valueless_keys(f.env)
+        pin = req.spec.where.pin and not f.no_pin
     else:
         # paths as fab's current directory names them, absolute: the supervisor resolves them from its own
         here = (lambda p: str(Path(p).expanduser().resolve()))
-        req = TrainRequest(nodes=n, job=f.job or "glue", workdir=f.workdir and here(f.workdir), module=f.module,
+        req = TrainRequest.of(nodes=n, job=f.job or "glue", workdir=f.workdir and here(f.workdir), module=f.module,
                            script=f.script and (f.script if f.workdir else here(f.script)),
                            launcher=f.launcher or "python", args=absolute_files(list(f.job_args)),
                            requirements=f.requirements and here(f.requirements),
@@ -143,17 +143,13 @@ def resolve(f: TrainFlags, runs_dir: Path, store: str | None = None) -> Resolved
     restarts = as_int(f.max_restarts if f.max_restarts is not None else 0, "--max-restarts", 0)
     wait = as_int(f.restart_wait if f.restart_wait is not None else 600, "--restart-wait", 0)
     least = as_int(f.min_nodes, "--min-nodes", 1) if f.min_nodes is not None else None
-    if least is not None and n is not None and least > n:
-        raise ClusterError(f"--min-nodes {least} is above --nodes {n}", fix=f"pass --min-nodes from 1 to {n}")
-    if least is not None and not restarts:
-        raise ClusterError(f"--min-nodes {least} applies when a run restarts by itself", fix="pass --max-restarts K too")
-    if f.no_grow_back and least is None:
-        raise ClusterError("--no-grow-back goes with --min-nodes", fix="pass --min-nodes M too, or drop --no-grow-back")
     supervised = bool(f.detach and restarts)
-    recovery = Recovery(max_restarts=restarts, restart_wait=wait, min_nodes=least, grow_back=not f.no_grow_back)
-    req = dataclasses.replace(req, env=env, valueless=valueless, pin=pin, concurrent=bool(f.concurrent),
-                              recovery=recovery,
-                              detach=bool(f.detach) and not supervised, **given)
+    req = req.but(env=env, valueless=valueless, pin=pin, concurrent=bool(f.concurrent), max_restarts=restarts,
+                  restart_wait=wait, min_nodes=least, grow_back=not f.no_grow_back,
+                  detach=bool(f.detach) and not supervised, **given)
+    broken = req.spec.problem()  # the spec's own rules, here before anything runs (validate checks them again)
+    if broken:
+        raise ClusterError(*broken)
     if f.no_head and not f.detach:
         raise ClusterError("--no-head goes with --detach: an attached run is driven from here anyway",
                            fix="pass --detach too, or drop --no-head")

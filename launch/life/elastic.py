@@ -21,14 +21,15 @@ from launch.plan.batch import micro_batches, smaller_sizes
 from launch.plan.request import TrainRequest
 from training.runtime import events
 from training.runtime.paths import Checkpoints, RunPaths
+from training.runtime.spec import RunSpec
 
 log = logging.getLogger(__name__)
 
 
 def _divisor(rec: records.RunRecord) -> tuple[int, int]:
     """The run's per-device batches per optimizer step (accumulation x ranks) and its ranks per node."""
-    request = rec.request or {}
-    like = TrainRequest(script=rec.script, module=rec.module, env=dict(request.get("env") or {}))
+    kept = RunSpec.from_json(rec.spec)
+    like = TrainRequest.of(kept, script=rec.script, module=rec.module)
     return micro_batches(like, list(rec.args), int(rec.world_size or 1)), int(rec.ppn or 1)
 
 

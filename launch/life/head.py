@@ -83,10 +83,11 @@ def files_here(node: Node, req) -> str | None:
     """What of the request an AWS head cannot read: --workdir, --script and data files are on this machine, and only
     a local head shares its disk; once `fab train` put them in the store as the run's snapshot (launch.ship.snapshot),
     nothing: the head, and every node, takes them from there."""
-    if not node.labels.get("aws_head") or req.snapshot:
+    what = req.spec.what
+    if not node.labels.get("aws_head") or what.snapshot:
         return None
-    named = [f"--workdir {req.workdir}"] if req.workdir else [f"--script {req.script}"] if req.script else []
-    named += [f"{flag} {path}" for flag, path in request.local_files(req.args)]
+    named = [f"--workdir {what.workdir}"] if what.workdir else [f"--script {what.script}"] if what.script else []
+    named += [f"{flag} {path}" for flag, path in request.local_files(what.args)]
     return ", ".join(named) or None
 
 

@@ -85,7 +85,7 @@ class BadTransition(RuntimeError):
 # Fields every summary.json carries (None included); the optional ones appear only when set.
 ALWAYS = ("run_id", "status", "exit_code", "wall_s", "cluster", "nodes", "job", "script", "args", "module",
           "launcher", "workdir", "world_size", "ppn", "backend", "precision", "env", "node_env", "pinning",
-          "topology", "request")
+          "topology", "spec")
 
 
 @dataclass
@@ -110,7 +110,7 @@ class RunRecord:
     node_env: dict = field(default_factory=dict)
     pinning: dict = field(default_factory=dict)
     topology: dict = field(default_factory=dict)
-    request: dict | None = None  # what --resume needs to run the same job again
+    spec: dict | None = None  # the run's RunSpec (to_json): what --resume, a restart or a head runs again
     # optional: written only when set
     command: list[str] | None = None
     code: str | None = None
@@ -175,6 +175,8 @@ class RunRecord:
 
     @classmethod
     def from_json(cls, data: dict) -> RunRecord:
+        if "request" in data and "spec" not in data:  # the RunSpec's key in records written before it had one
+            data = {**{k: v for k, v in data.items() if k != "request"}, "spec": data["request"]}
         known = {k: v for k, v in data.items() if k in _FIELDS and k != "extra"}
         extra = {k: v for k, v in data.items() if k not in _FIELDS}
         status = known.pop("status", None)
@@ -268,7 +270,8 @@ def new_record(cluster, req, plan, facts, args: list[str]) -> RunRecord:
     """The record of a run about to start (status None until it is first written)."""
     return RunRecord(
         run_id=plan.run_id, cluster=cluster.spec, nodes=[f.node.to_dict() for f in facts],
-        job=req.job if not req.script else None, script=req.script, args=secrets.mask_args(args), module=req.module,
+        job=req.spec.what.job if not req.spec.what.script else None, script=req.spec.what.script,
+        args=secrets.mask_args(args), module=req.spec.what.module,
         launcher=plan.launcher, workdir=plan.workdir.record() if plan.workdir is not None else None,
         world_size=plan.world_size, ppn=plan.ppn, backend=plan.backend, precision=plan.precision,
         env={**launcher.global_env(plan), **{k: secrets.MASK for k in plan.secret_env
@@ -276,7 +279,7 @@ def new_record(cluster, req, plan, facts, args: list[str]) -> RunRecord:
         node_env={p.name: launcher.node_env(plan, p) for p in plan.nodes},
         pinning={p.name: dict(launcher.rank_cpus(p)) for p in plan.nodes},
         topology={f.node.name: f.topo.to_dict() for f in facts},
-        request=req.to_record(), segment=_segment(req, plan, args),
+        spec=req.to_record(), segment=_segment(req, plan, args),
         started_at=time.time())
 
 

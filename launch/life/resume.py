@@ -18,6 +18,7 @@ from launch.plan.request import Resume, TrainRequest, file_digest
 from launch.ship import secrets
 from launch.ship import workdir as workdir_lib
 from training.runtime.paths import Checkpoints, RunPaths
+from training.runtime.spec import RunSpec
 
 
 def _summary(run_id: str, run_dir: Path, runs_dir: Path, store: str | None) -> dict:
@@ -53,14 +54,14 @@ def resume_request(run_id: str, runs_dir: Path, nodes: int | None = None, fetch_
     summary = _summary(run_id, run_dir, Path(runs_dir), store)
     if summary.get("status") == "ok":
         raise ClusterError(f"--resume {run_id}: that run finished", fix=f"its results are in {run_dir} (nothing to resume)")
-    request = summary.get("request")
-    if not request:
+    kept = RunSpec.of_summary(summary)
+    if kept is None:
         raise ClusterError(f"--resume {run_id}: it was recorded before runs could be resumed",
                            fix="start it anew with 'fab train'")
-    held = request.get("snapshot") if code == "snapshot" else None
-    own = request.get("script") or request.get("module") or request.get("workdir")
-    if own and not held:
-        same_code(run_id, request, summary.get("workdir"), changed_ok=code == "current")
+    what = kept.what
+    held = what.snapshot if code == "snapshot" else None
+    if (what.own or what.workdir) and not held:
+        same_code(run_id, what, summary.get("workdir"), changed_ok=code == "current")
     in_store = store_checkpoint(run_id, summary, store)
     if in_store:
         step, url = in_store
@@ -76,31 +77,31 @@ def resume_request(run_id: str, runs_dir: Path, nodes: int | None = None, fetch_
         if not fetch_model_ok(checkpoint):
             raise ClusterError(f"--resume {run_id}: checkpoint {checkpoint.name} has no model weights (the run used "
                                "--no-fetch-model)", fix="start the run anew")
-    for path, digest in ({} if held else request.get("data", {})).items():  # a snapshot holds the run's data
+    for path, digest in ({} if held else what.data).items():  # a snapshot holds the run's data
         if not Path(path).is_file():
             raise ClusterError(f"--resume {run_id}: its data file {path} is gone", fix="restore it or start anew")
         if file_digest(path) != digest:
             raise ClusterError(f"--resume {run_id}: its data file {path} changed since the run", fix="a resumed run must "
                                "train on the same data (restore it or start anew)")
-    # masked job arguments (--hub_token ***): the operator's own value under the flag's name (HUB_TOKEN)
-    request = {**request, "args": secrets.fill_masked(request["args"], os.environ)}
-    env = dict(request["env"])
+    env = dict(what.env)
     # the record keeps secrets as ***: the operator's own values stand in (--env KEY=VALUE overrides)
     hidden = {k for k, v in env.items() if v == secrets.MASK}
     env.update({k: os.environ[k] for k in hidden if k in os.environ})
     resume = Resume(run_id=run_id, step=step, world_size=int(summary["world_size"]),
-                    checkpoint=str(checkpoint) if checkpoint else None, url=url, snapshot=request.get("snapshot"),
+                    checkpoint=str(checkpoint) if checkpoint else None, url=url, snapshot=what.snapshot,
                     current=code == "current")
-    request = {**request, "snapshot": held}  # --code current: a new snapshot of the folder as it is now
-    return TrainRequest.from_record(request, env, hidden, nodes=nodes or len(summary["nodes"]), runs_dir=runs_dir,
-                                    fetch_model=fetch_model, resume=resume)
+    # masked job arguments (--hub_token ***): the operator's own value under the flag's name (HUB_TOKEN); --code
+    # current: no snapshot, a new one of the folder as it is now
+    return TrainRequest.of(kept, args=secrets.fill_masked(list(what.args), os.environ), env=env, valueless=hidden,
+                           snapshot=held, nodes=nodes or len(summary["nodes"]), runs_dir=runs_dir,
+                           fetch_model=fetch_model, resume=resume)
 
 
-def same_code(run_id: str, request: dict, shipped: dict | None, changed_ok: bool = False) -> None:
+def same_code(run_id: str, what, shipped: dict | None, changed_ok: bool = False) -> None:
     """A resumed --script/--workdir run without a snapshot of its code runs the folder here: it must be there, and
     its content hash (or the lone script's) what the record keeps, unless `changed_ok` (--code current)."""
-    if request.get("workdir"):
-        path = request["workdir"]
+    if what.workdir:
+        path = what.workdir
         if not Path(path).is_dir():
             fix = "restore the folder" if changed_ok else "restore the folder as it was, or start the run anew"
             raise ClusterError(f"--resume {run_id}: its --workdir {path} is gone", fix=fix)
@@ -112,7 +113,7 @@ def same_code(run_id: str, request: dict, shipped: dict | None, changed_ok: bool
                                fix="restore it as it was (git stash / checkout), resume with --code current (the "
                                    "folder as it is now), or start the run anew")
         return
-    script, digest = request["script"], request.get("script_digest")
+    script, digest = what.script, what.script_digest
     if not Path(script).is_file():
         raise ClusterError(f"--resume {run_id}: its script {script} is gone", fix="restore it, or start the run anew")
     if digest and not changed_ok and file_digest(script) != digest:

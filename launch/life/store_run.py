@@ -2,7 +2,6 @@
 rests on the checkpoint the nodes wrote there (cluster.store, training.runtime.store)."""
 from __future__ import annotations
 
-import dataclasses
 import logging
 
 from cluster import store as store_lib
@@ -17,14 +16,14 @@ log = logging.getLogger(__name__)
 def apply(req: TrainRequest, choice: store_lib.Choice, spec: str | None = None) -> TrainRequest:
     """The request with the store's variables in the ranks' environment: the URL and endpoint as chosen now;
     credentials where the request has none of its own (--env wins; a resumed record's *** is filled in)."""
-    env, wanted = dict(req.env), store_lib.rank_env(choice, spec)
+    env, wanted = dict(req.spec.what.env), store_lib.rank_env(choice, spec)
     for key, value in wanted.items():
         if key == training_store.STORE_ENV or key not in env or env[key] == secrets.MASK:
             env[key] = value
     for key in ("XC_S3_ENDPOINT_URL",):  # a resumed record's endpoint that no longer applies
         if key in env and key not in wanted:
             env.pop(key)
-    return dataclasses.replace(req, env=env)
+    return req.but(env=env)
 
 
 def has_checkpoint(req: TrainRequest, run_id: str) -> bool:

@@ -3,8 +3,6 @@ ranks keeps per-device batch x ranks x accumulation, so its optimizer steps and 
 `req` is a launch.plan.request.TrainRequest (not imported: the request module imports this one)."""
 from __future__ import annotations
 
-import dataclasses
-
 from core.errors import ClusterError
 from launch.ship import jobflags
 
@@ -14,8 +12,8 @@ GRAD_ACCUM_ENV = "XC_GRAD_ACCUM"  # a --script run on fewer nodes: its accumulat
 def micro_batches(req, args: list[str], world: int) -> int:
     """One optimizer step of the run in per-device batches: accumulation x ranks. For a bundled job its
     --gradient_accumulation_steps; for a script XC_GRAD_ACCUM (its own accumulation multiplies both sides)."""
-    if req.script or req.module:
-        return int(req.env.get(GRAD_ACCUM_ENV) or 1) * world
+    if req.spec.what.own:
+        return int(req.spec.what.env.get(GRAD_ACCUM_ENV) or 1) * world
     return int(jobflags.get(args, "--gradient_accumulation_steps") or 1) * world
 
 
@@ -25,16 +23,17 @@ def same_global_batch(req, args: list[str], old_world: int, new_world: int) -> t
     if old_world == new_world:
         return req, args, None
     units = micro_batches(req, args, old_world)
-    if req.script or req.module:
-        factor = int(req.env.get(GRAD_ACCUM_ENV) or 1)
+    if req.spec.what.own:
+        env = req.spec.what.env
+        factor = int(env.get(GRAD_ACCUM_ENV) or 1)
         if units % new_world:
             raise ClusterError(f"--resume on {new_world} rank(s): the run's {old_world} rank(s) x {GRAD_ACCUM_ENV} "
                                f"{factor} is not a multiple of {new_world}", fix="resume on a node count that divides it")
         new = units // new_world
-        env = {k: v for k, v in req.env.items() if k != GRAD_ACCUM_ENV} | ({GRAD_ACCUM_ENV: str(new)} if new > 1 else {})
+        env = {k: v for k, v in env.items() if k != GRAD_ACCUM_ENV} | ({GRAD_ACCUM_ENV: str(new)} if new > 1 else {})
         note = (f"resuming on {new_world} rank(s) instead of {old_world}: {GRAD_ACCUM_ENV} {factor} -> {new} keeps the "
                 f"global batch (your per-device batch x {units} x your own accumulation)")
-        return dataclasses.replace(req, env=env), args, note
+        return req.but(env=env), args, note
     per_device = int(jobflags.get(args, "--per_device_train_batch_size") or 8)
     accum = int(jobflags.get(args, "--gradient_accumulation_steps") or 1)
     global_batch = per_device * units
@@ -49,7 +48,7 @@ def same_global_batch(req, args: list[str], old_world: int, new_world: int) -> t
         return jobflags.without(words, "--gradient_accumulation_steps") + ["--gradient_accumulation_steps", str(new_accum)]
 
     # the request too: its record is what the next resume of this run starts from
-    return dataclasses.replace(req, args=scaled(req.args)), scaled(args), note
+    return req.but(args=scaled(req.spec.what.args)), scaled(args), note
 
 
 def smaller_sizes(units: int, ppn: int, least: int, most: int) -> list[int]:

@@ -17,7 +17,6 @@
 """
 from __future__ import annotations
 
-import dataclasses
 import email.parser
 import hashlib
 import json
@@ -356,15 +355,15 @@ def _refusal(res: subprocess.CompletedProcess, reqs: list[Requirement], sw: Node
 # ---- the store ---------------------------------------------------------------------------------------------
 
 def prepare(req, cluster, say):
-    """The request with its requirements' wheels in the store (req.pylayer: their key); the request unchanged
+    """The request with its requirements' wheels in the store (spec.what.pylayer: their key); the request unchanged
     without a requirements file, or for a resume (it keeps its record's). Raises ClusterError before anything
     starts."""
-    if req.resume is not None or req.pylayer:
+    if req.resume is not None or req.spec.what.pylayer:
         return req
-    path = find(req.requirements, req.workdir)
+    path = find(req.spec.what.requirements, req.spec.what.workdir)
     if path is None:
         return req
-    label = path.name if not req.requirements else str(req.requirements)
+    label = path.name if not req.spec.what.requirements else str(req.spec.what.requirements)
     lines = parse(path, label)
     if not lines:
         return req
@@ -385,7 +384,7 @@ def prepare(req, cluster, say):
         return req
     if there is not None:
         say(f"requirements {label}: wheels {key} already in the store ({len(there['wheels'])} package(s); nothing sent)")
-        return dataclasses.replace(req, pylayer=key)
+        return req.but(pylayer=key)
     with tempfile.TemporaryDirectory(prefix="xc-wheels-") as tmp:
         wheels = resolve(lines, sw, Path(tmp), label)
         body = {"wheels": sorted(w.name for w in wheels), "platform": sw.describe(),
@@ -405,7 +404,7 @@ def prepare(req, cluster, say):
     names = ", ".join(parse_wheel_filename(w.name)[0] + " " + str(parse_wheel_filename(w.name)[1]) for w in wheels)
     say(f"requirements {label}: {len(wheels)} wheel(s) for the nodes ({sw.describe()}) put in the store as wheels "
         f"{key}, {size / 1024:.0f} KiB: {names}")
-    return dataclasses.replace(req, pylayer=key)
+    return req.but(pylayer=key)
 
 
 def _store_error(exc: BaseException, url: str) -> ClusterError:

@@ -23,7 +23,7 @@ log = logging.getLogger(__name__)
 def of_request(req) -> dict[str, str]:
     """What a chain keeps in SSM: its secret --env values by key, and its secret job arguments' values under their
     flags' names in capitals (--hub_token -> HUB_TOKEN, as --resume reads them); records keep both masked."""
-    return {**secrets.split(req.env, req.valueless)[1], **secrets.arg_values_by_flag(req.args)}
+    return {**secrets.split(req.spec.what.env, req.valueless)[1], **secrets.arg_values_by_flag(req.spec.what.args)}
 
 
 def folder(cluster: str, chain: str) -> str:

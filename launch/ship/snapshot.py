@@ -16,7 +16,6 @@
 """
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import json
 import tarfile
@@ -41,7 +40,7 @@ def _store_error(exc: BaseException, url: str) -> ClusterError:
 
 def has_own_files(req) -> bool:
     """Whether the request ships anything of this machine's: --workdir, a --script, data files."""
-    return bool(req.workdir or req.script or local_files(req.args))
+    return bool(req.spec.what.workdir or req.spec.what.script or local_files(req.spec.what.args))
 
 
 def contents(req, wd) -> tuple[dict, list[tuple[Path, str]]]:
@@ -51,11 +50,11 @@ def contents(req, wd) -> tuple[dict, list[tuple[Path, str]]]:
     if wd is not None:
         manifest["workdir"] = {"digest": wd.digest, "bytes": wd.size, "files": dict(sorted(wd.file_digests.items()))}
         members += [(wd.root / rel, f"work/{rel}") for rel in wd.files]
-    elif req.script:
-        local = Path(req.script).expanduser()
+    elif req.spec.what.script:
+        local = Path(req.spec.what.script).expanduser()
         manifest["script"] = {"name": local.name, "digest": file_digest(str(local))[:16]}
         members.append((local, f"script/{local.name}"))
-    _, ship = rewrite_files(req.args)
+    _, ship = rewrite_files(req.spec.what.args)
     for name, local in ship.items():
         manifest["data"][name] = {"digest": file_digest(str(local))[:16], "bytes": local.stat().st_size}
         members.append((local, f"data/{name}"))
@@ -106,7 +105,7 @@ def put(url: str, manifest: dict, members: list[tuple[Path, str]]) -> tuple[str,
 
 def load(req) -> dict:
     """The manifest of the request's snapshot, from its store; one line with the fix when it is not there."""
-    url, key = req.store, req.snapshot
+    url, key = req.store, req.spec.what.snapshot
     if not url:
         raise ClusterError(f"the run's code is the snapshot {key} in a store, and this run has none",
                            fix="pass --store with the store the run used")
@@ -132,10 +131,10 @@ def workdir_of(manifest: dict, path: str, key: str) -> workdir_lib.Workdir:
 
 def check_holds(manifest: dict, req, key: str) -> None:
     """The snapshot holds what the request runs: its lone --script and every data file its flags name."""
-    if req.script and not req.workdir and not manifest.get("script"):
-        raise ClusterError(f"the run's code snapshot {key} holds no --script {req.script}",
+    if req.spec.what.script and not req.spec.what.workdir and not manifest.get("script"):
+        raise ClusterError(f"the run's code snapshot {key} holds no --script {req.spec.what.script}",
                            fix="resume with --code current (the file as it is now), or start the run anew")
-    missing = sorted(set(rewrite_files(req.args)[1]) - set(manifest.get("data") or {}))
+    missing = sorted(set(rewrite_files(req.spec.what.args)[1]) - set(manifest.get("data") or {}))
     if missing:
         raise ClusterError(f"the run's code snapshot {key} holds no data file {missing[0]}",
                            fix="resume with --code current (the files as they are now), or start the run anew")
@@ -173,7 +172,7 @@ def changes_line(before: dict | None, after: dict, run_id: str, what: str) -> st
 
 def _same_data(before: dict, after: dict, req) -> None:
     """--code current takes the code as it is now, never other data: a data file that changed is refused."""
-    where = rewrite_files(req.args)[1]
+    where = rewrite_files(req.spec.what.args)[1]
     for name, d in (after.get("data") or {}).items():
         old = (before.get("data") or {}).get(name)
         if old is not None and old["digest"] != d["digest"]:
@@ -183,21 +182,22 @@ def _same_data(before: dict, after: dict, req) -> None:
 
 
 def prepare(req, say):
-    """The request with its own files in the store as a snapshot (req.snapshot: its key); unchanged when it ships
+    """The request with its own files in the store as a snapshot (spec.what.snapshot: its key); unchanged when it ships
     none, has no store, or already runs a snapshot (a resume of the run's own). Raises ClusterError before anything
     starts."""
-    if req.snapshot or not req.store or not has_own_files(req):
+    code = req.spec.what
+    if code.snapshot or not req.store or not has_own_files(req):
         return req
-    wd = req.checked[0] if req.checked else workdir_lib.check(req.workdir, req.script, req.module, req.launcher,
-                                                                req.script is None and req.module is None)
+    wd = req.checked[0] if req.checked else workdir_lib.check(code.workdir, code.script, code.module, code.launcher,
+                                                              not code.own)
     manifest, members = contents(req, wd)
     current = req.resume is not None and req.resume.current
     before = None
     if current and req.resume.snapshot:
-        before = load(dataclasses.replace(req, snapshot=req.resume.snapshot))
+        before = load(req.but(snapshot=req.resume.snapshot))
         _same_data(before, manifest, req)
     key, sent = put(req.store, manifest, members)
-    what = (f"--workdir {req.workdir}" if wd is not None else f"--script {req.script}" if req.script else
+    what = (f"--workdir {code.workdir}" if wd is not None else f"--script {code.script}" if code.script else
             "the data files")
     files = len(members)
     if sent is None:
@@ -207,7 +207,7 @@ def prepare(req, say):
             "restart take it from there")
     if current:
         say(changes_line(before, manifest, req.resume.run_id, what))
-    return dataclasses.replace(req, snapshot=key)
+    return req.but(snapshot=key)
 
 
 def _size(n: int) -> str:

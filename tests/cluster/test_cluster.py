@@ -110,7 +110,7 @@ def test_two_node_glue_run_learns_and_records_everything(uninterrupted_demo):
     assert summary["status"] == "ok" and summary["wall_s"] > 0
     assert summary["env"]["OMP_NUM_THREADS"] == "1"  # each local node owns one core of this machine
     # auto gives fp32 gradients on loopback; DDP's own timings and the run's MFU are measured, not assumed
-    assert results["comm_hook"] == "none" and summary["request"]["comm_hook"] == "auto"
+    assert results["comm_hook"] == "none" and summary["spec"]["speed"]["comm_hook"] == "auto"
     ddp = results["ddp"]
     assert ddp["comm_ms"] > 0 and ddp["backward_compute_ms"] > 0 and 0 <= ddp["comm_exposed_ms"] <= ddp["comm_ms"]
     assert ddp["gradient_as_bucket_view"] is True and ddp["comm_hook"] is None  # DDP's own account of its settings

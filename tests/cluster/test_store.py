@@ -280,7 +280,7 @@ def test_resume_takes_the_record_and_checkpoint_from_the_store(tmp_path, monkeyp
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "from-the-operator")
     req = resume.resume_request("r8", tmp_path / "runs", store=url)
     assert req.resume == Resume("r8", 20, 2, None, f"{url}/runs/r8/checkpoints/checkpoint-20")
-    assert req.env["AWS_SECRET_ACCESS_KEY"] == "from-the-operator"  # the record's *** filled in, never stored
+    assert req.spec.what.env["AWS_SECRET_ACCESS_KEY"] == "from-the-operator"  # the record's *** filled in, never stored
     env = run_env(req, ["127.0.0.2", "127.0.0.3"])
     assert env["XC_RESUME_URL"] == f"{url}/runs/r8/checkpoints/checkpoint-20" and env["XC_RESUME_FROM"] == "resume/checkpoint-20"
     with pytest.raises(ClusterError, match="--resume r9: no readable .* nor in the store"):

@@ -271,7 +271,7 @@ def test_the_boot_script_lists_run_folders_only_never_the_objects_under_them(aws
     assert {name for name, _ in calls} == {"ListObjectsV2", "HeadObject", "GetObject"}
 
 
-def _orphan(tmp_path, monkeypatch, *fakes, request: dict | None = None) -> str:
+def _orphan(tmp_path, monkeypatch, *fakes, spec: dict | None = None) -> str:
     """A chain `c1` whose run goes on under node 0's wrapper with no head (its record in a file store, running),
     on fake nodes at the SSH boundary (tests/fake_node.py); returns the store's URL."""
     from fake_node import FakeCluster
@@ -285,7 +285,7 @@ def _orphan(tmp_path, monkeypatch, *fakes, request: dict | None = None) -> str:
     url = (tmp_path / "store").as_uri()
     _run(url, "c1", Status.RUNNING, nodes=[n.to_dict() for n in fc.nodes], job="glue", ppn=1, world_size=len(fakes),
          detached=True, remote_run="/h/runs/c1", remote_output="/h/runs/c1/output", started_at=time.time() - 60,
-         env={"XC_STORE": url}, request=request)
+         env={"XC_STORE": url}, spec=spec)
     return url
 
 
@@ -334,7 +334,6 @@ def test_node_0_no_longer_in_the_clusters_discovery_is_lost_at_the_first_look(tm
     is raised as before (a node that is there and refuses is no lost node)."""
     from fake_node import FakeNode
 
-    from core.errors import ClusterError
 
     def conclude(run_dir, master, out, follower=False):
         raise ClusterError(f"{master.name} (10.0.0.5:22): host key not yet known", fix="retry in a minute")
@@ -364,7 +363,7 @@ def test_an_adopted_chain_whose_node_0_is_gone_restarts_or_is_concluded(tmp_path
     from launch.ship import run_secrets
 
     url = _orphan(tmp_path, monkeypatch, FakeNode("node0", reachable=False), FakeNode("node1", procs={"c1": 1}),
-                  request={"recovery": {"max_restarts": max_restarts, "restart_wait": 60}})  # the record's policy
+                  spec={"recovery": {"max_restarts": max_restarts, "restart_wait": 60}})  # the record's policy
     job = {"chain": "c1", "spec": "aws:dev", "secrets": ["HF_TOKEN"], "secrets_at": "dev", "code": "0123456789abcdef"}
     store_lib.put_record(url, "c1", adopt.JOB, json.dumps(job).encode())
 
@@ -410,19 +409,21 @@ def test_an_adopted_chain_whose_node_0_is_gone_restarts_or_is_concluded(tmp_path
 
 
 def test_the_recovery_policy_lives_in_the_record_and_a_taken_over_chain_keeps_it(tmp_path):
-    """--max-restarts, --restart-wait, --min-nodes and --no-grow-back are the request's (TrainRequest.recovery): the
-    record keeps them, and the request a replacement head goes on with has them back, with no job field beside it."""
-    from launch.plan.request import Recovery, TrainRequest
+    """--max-restarts, --restart-wait, --min-nodes and --no-grow-back are the run's spec (RunSpec.recovery): the
+    record keeps the spec, and the request a replacement head goes on with has it back, with no job field beside it."""
+    from launch.plan.request import TrainRequest
+    from training.runtime.spec import Recovery, RunSpec
 
     policy = Recovery(max_restarts=3, restart_wait=45, min_nodes=1, grow_back=False)
-    req = TrainRequest(nodes=2, job="glue", args=["--seed", "1"], recovery=policy)
+    req = TrainRequest.of(nodes=2, job="glue", args=["--seed", "1"], recovery=policy)
     kept = req.to_record()
     assert kept["recovery"] == {"max_restarts": 3, "restart_wait": 45, "min_nodes": 1, "grow_back": False}
     url = (tmp_path / "store").as_uri()
-    _run(url, "c1", Status.PREEMPTED, request=kept, nodes=[{}, {}])
+    _run(url, "c1", Status.PREEMPTED, spec=kept, nodes=[{}, {}])
     rec = RunRecord.from_json(store_lib.read_summary(url, "c1"))
     again = adopt.adopted_request(url, {"secrets": []}, rec, tmp_path / "runs", {})
-    assert again.recovery == policy and again.wrapped and again.nodes == 2
-    assert TrainRequest.from_record({**kept, "recovery": None}, {}, set()).recovery == Recovery()  # older records
-    with pytest.raises(ClusterError, match="--min-nodes 0 must be 1 or more"):
-        Recovery(max_restarts=1, min_nodes=0)
+    assert again.spec == req.spec and again.wrapped and again.spec.where.nodes == 2
+    assert TrainRequest.from_record({**kept, "recovery": None}, {}, set()).spec.recovery == Recovery()
+    old = {"job": "glue", "args": ["--seed", "1"], "recovery": kept["recovery"]}  # a record before RunSpec: flat
+    assert RunSpec.from_json(old).recovery == policy and RunSpec.from_json(old).what.args == ("--seed", "1")
+    assert RunSpec(recovery=Recovery(max_restarts=1, min_nodes=0)).problem()[0] == "--min-nodes 0 must be 1 or more"

@@ -4,7 +4,6 @@ xeon-cluster:image tag, read into each node's labels by the aws inventory) and -
 one line, attached or detached, before anything starts."""
 from __future__ import annotations
 
-import dataclasses
 import io
 from pathlib import Path
 from types import SimpleNamespace
@@ -16,7 +15,8 @@ from cluster.resolve import Cluster
 from core.constants import TAG_CLUSTER, TAG_IMAGE
 from core.errors import ClusterError
 from launch.chain import restarts, supervisor
-from launch.plan.request import Recovery, TrainRequest
+from launch.plan.request import TrainRequest
+from training.runtime.spec import Recovery
 
 
 def _cluster(image: str) -> Cluster:
@@ -33,13 +33,13 @@ def test_the_aws_inventory_reads_how_a_node_was_made():
 
 
 def _restarting(req: TrainRequest, times: int) -> TrainRequest:
-    return dataclasses.replace(req, recovery=Recovery(max_restarts=times))
+    return req.but(recovery=Recovery(max_restarts=times))
 
 
 def test_max_restarts_on_base_image_nodes_is_refused_before_anything_runs(monkeypatch):
     ran = []
     monkeypatch.setattr(restarts, "train", lambda cluster, req, out: ran.append(req) or "result")
-    req = TrainRequest(job="glue")
+    req = TrainRequest.of(job="glue")
     with pytest.raises(ClusterError) as err:
         restarts.train_with_restarts(_cluster("base"), _restarting(req, 2))
     assert not ran
@@ -56,7 +56,7 @@ def test_a_detached_supervised_run_is_refused_here_before_its_supervisor_starts(
     started = []
     monkeypatch.setattr(supervisor, "start_on_head", lambda *a, **k: started.append(a))
     monkeypatch.setattr(supervisor, "start", lambda *a, **k: started.append(a))
-    r = SimpleNamespace(req=TrainRequest(job="glue", recovery=Recovery(max_restarts=1)), max_restarts=1, supervised=True,
+    r = SimpleNamespace(req=TrainRequest.of(job="glue", recovery=Recovery(max_restarts=1)), max_restarts=1, supervised=True,
                         no_head=False)
     with pytest.raises(ClusterError, match="whose nodes boot image=base"):
         supervisor.detached(_cluster("base"), r, io.StringIO())

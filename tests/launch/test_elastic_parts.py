@@ -3,7 +3,6 @@ flag, a script's XC_GRAD_ACCUM, a Trainer's scaled by the rank hook), the size a
 examples at any world size, and the chain line of 'fab runs'."""
 from __future__ import annotations
 
-import dataclasses
 from types import SimpleNamespace
 
 import pytest
@@ -15,9 +14,10 @@ from launch.chain.train_flags import TrainFlags, resolve
 from launch.life import elastic, runs
 from launch.life.records import RunRecord, Status
 from launch.plan import batch
-from launch.plan.request import Recovery, TrainRequest
+from launch.plan.request import TrainRequest
 from training.jobs import order
 from training.runtime import preempt
+from training.runtime.spec import Recovery
 
 
 def _resolve(tmp_path, **flags):
@@ -34,22 +34,22 @@ def test_bad_min_nodes_is_one_line_naming_the_fix(tmp_path):
             _resolve(tmp_path, **flags)
         assert err.value.what.startswith(said) and err.value.fix, (flags, err.value.what)
     r = _resolve(tmp_path, min_nodes="1", nodes="2", max_restarts="2", no_grow_back=True)
-    assert r.req.recovery == Recovery(max_restarts=2, restart_wait=600, min_nodes=1, grow_back=False)
-    assert _resolve(tmp_path).req.recovery.min_nodes is None
+    assert r.req.spec.recovery == Recovery(max_restarts=2, restart_wait=600, min_nodes=1, grow_back=False)
+    assert _resolve(tmp_path).req.spec.recovery.min_nodes is None
 
 
 def test_min_nodes_above_the_clusters_size_is_refused_before_anything_starts():
     cluster = SimpleNamespace(spec="local", nodes=("n0", "n1"))
     with pytest.raises(ClusterError, match=r"--min-nodes 3 is above the run's 2 node\(s\)"):
-        restarts.check_min_nodes(cluster, TrainRequest(recovery=Recovery(max_restarts=1, min_nodes=3)))
-    assert restarts.check_min_nodes(cluster, TrainRequest(recovery=Recovery(max_restarts=1, min_nodes=1))) == 2
+        restarts.check_min_nodes(cluster, TrainRequest.of(recovery=Recovery(max_restarts=1, min_nodes=3)))
+    assert restarts.check_min_nodes(cluster, TrainRequest.of(recovery=Recovery(max_restarts=1, min_nodes=1))) == 2
 
 
 def test_a_bundled_job_accumulates_more_on_fewer_ranks_and_less_when_it_grows_back():
-    req = TrainRequest(job="glue")
+    req = TrainRequest.of(job="glue")
     args = ["--per_device_train_batch_size", "8"]
-    recorded, smaller, note = batch.same_global_batch(dataclasses.replace(req, args=args), args, 2, 1)
-    assert smaller[-2:] == ["--gradient_accumulation_steps", "2"] and recorded.args == smaller  # the next resume's
+    recorded, smaller, note = batch.same_global_batch(req.but(args=args), args, 2, 1)
+    assert smaller[-2:] == ["--gradient_accumulation_steps", "2"] and recorded.spec.what.args == tuple(smaller)  # the next resume's
     assert note == "resuming on 1 rank(s) instead of 2: gradient accumulation 1 -> 2 keeps the global batch at 16"
     _, back, note = batch.same_global_batch(req, smaller, 1, 2)
     assert back.count("--gradient_accumulation_steps") == 1 and back[-1] == "1" and "2 -> 1" in note
@@ -58,12 +58,12 @@ def test_a_bundled_job_accumulates_more_on_fewer_ranks_and_less_when_it_grows_ba
 
 
 def test_a_script_gets_the_factor_in_its_environment_not_a_flag_it_may_not_have():
-    req = TrainRequest(job=None, script="train.py", env={"A": "1"})
+    req = TrainRequest.of(job=None, script="train.py", env={"A": "1"})
     smaller, args, note = batch.same_global_batch(req, ["--lr", "1"], 4, 2)
-    assert args == ["--lr", "1"] and smaller.env == {"A": "1", "XC_GRAD_ACCUM": "2"}
+    assert args == ["--lr", "1"] and smaller.spec.what.env == {"A": "1", "XC_GRAD_ACCUM": "2"}
     assert "XC_GRAD_ACCUM 1 -> 2" in note
     back, _, _ = batch.same_global_batch(smaller, args, 2, 4)
-    assert back.env == {"A": "1"}  # factor 1: no variable at all
+    assert back.spec.what.env == {"A": "1"}  # factor 1: no variable at all
     with pytest.raises(ClusterError, match="XC_GRAD_ACCUM 1 is not a multiple of 3"):
         batch.same_global_batch(req, args, 4, 3)
 
@@ -76,7 +76,7 @@ def test_the_sizes_a_run_may_go_on_with_divide_its_batch():
 
 def _rec(world=2, args=("--per_device_train_batch_size", "8"), ppn=1):
     return RunRecord("r1", Status.PREEMPTED, world_size=world, ppn=ppn, args=list(args), job="glue",
-                     request={"env": {}}, nodes=[{}] * (world // ppn))
+                     spec={"env": {}}, nodes=[{}] * (world // ppn))
 
 
 def test_the_run_goes_on_with_the_most_ready_nodes_that_divide_it():
@@ -91,7 +91,7 @@ def test_the_run_goes_on_with_the_most_ready_nodes_that_divide_it():
 def test_ready_nodes_the_batch_leaves_out_are_named_idle_in_the_same_line(monkeypatch):
     said = []
     monkeypatch.setattr(restarts, "ready_prefix", lambda spec, full, endpoint: 3)
-    req = TrainRequest(recovery=Recovery(max_restarts=1, min_nodes=1, grow_back=True))
+    req = TrainRequest.of(recovery=Recovery(max_restarts=1, min_nodes=1, grow_back=True))
     size, gave_up = restarts._smaller(_rec(world=4), ClusterError("node3 is gone"), req, 4, "aws:c", "", said.append)
     assert (size, gave_up) == (2, None) and len(said) == 1 and "\n" not in said[0]
     assert said[0] == (

@@ -326,7 +326,7 @@ def test_an_aws_head_without_the_projects_venv_leaves_the_supervisor_here_and_sa
                          "the nodes' baked AMI)"), line
     # a head with its venv, but a request whose files are only on this machine (--workdir, data files; no store
     # to put them in): here too
-    mine = dataclasses.replace(r, req=dataclasses.replace(r.req, workdir="/home/me/proj", script="train.py",
+    mine = dataclasses.replace(r, req=r.req.but(workdir="/home/me/proj", script="train.py",
                                                           args=["--train_file", "/home/me/train.csv"]))
     where, line = detached(head, mine)
     assert where == ["here"] and line.startswith(
@@ -334,6 +334,6 @@ def test_an_aws_head_without_the_projects_venv_leaves_the_supervisor_here_and_sa
         "/home/me/train.csv from this machine, so this machine supervises"), line
     assert line.endswith("(with a store, fab train puts them there as the run's snapshot, which the head reads)"), line
     # fab train put them in the store as the run's snapshot: the head supervises, the user's own run too
-    held = dataclasses.replace(mine, req=dataclasses.replace(mine.req, snapshot="0123456789abcdef"))
+    held = dataclasses.replace(mine, req=mine.req.but(snapshot="0123456789abcdef"))
     assert detached(head, held) == (["head"], "")
     assert detached(head, r) == (["head"], "")  # the bundled job: on the head

@@ -242,8 +242,8 @@ def test_gradients_go_on_the_wire_in_bf16_between_hosts_and_fp32_within_one():
     assert run_env(TrainRequest(), ["198.18.0.2", "198.18.0.3"])["XC_COMM_HOOK"] == "bf16"  # the netns twin
     assert run_env(TrainRequest(), ["127.0.0.2", "127.0.0.3"])["XC_COMM_HOOK"] == "none"  # local cluster
     assert run_env(TrainRequest(), ["10.0.1.5"])["XC_COMM_HOOK"] == "none"  # one node: no wire between hosts
-    assert run_env(TrainRequest(comm_hook="none"), hosts)["XC_COMM_HOOK"] == "none"
-    assert run_env(TrainRequest(comm_hook="bf16"), ["127.0.0.2", "127.0.0.3"])["XC_COMM_HOOK"] == "bf16"
-    assert run_env(TrainRequest(env={"XC_COMM_HOOK": "fp16"}), hosts)["XC_COMM_HOOK"] == "fp16"  # --env has the last word
-    env = launcher.global_env(plan(overrides=run_env(TrainRequest(comm_hook="fp16"), hosts)))
+    assert run_env(TrainRequest.of(comm_hook="none"), hosts)["XC_COMM_HOOK"] == "none"
+    assert run_env(TrainRequest.of(comm_hook="bf16"), ["127.0.0.2", "127.0.0.3"])["XC_COMM_HOOK"] == "bf16"
+    assert run_env(TrainRequest.of(env={"XC_COMM_HOOK": "fp16"}), hosts)["XC_COMM_HOOK"] == "fp16"  # --env has the last word
+    env = launcher.global_env(plan(overrides=run_env(TrainRequest.of(comm_hook="fp16"), hosts)))
     assert env["XC_COMM_HOOK"] == "fp16"

@@ -380,7 +380,7 @@ def _resumable(runs: Path) -> None:
     d = _mk(runs / "old")
     request = {"job": "glue", "script": None, "args": ["--seed", "1"], "ppn": "1", "threads": "2", "backend": "gloo",
                "precision": "fp32", "env": {}, "save_every": "20", "pin": True, "timeout_s": 900, "data": {}}
-    RunRecord("old", Status.PREEMPTED, request=request, world_size=2, nodes=[{}, {}])._save(d)
+    RunRecord("old", Status.PREEMPTED, spec=request, world_size=2, nodes=[{}, {}])._save(d)
     ck = _mk(d / "checkpoints" / "checkpoint-20")
     (ck / "model.safetensors").write_bytes(b"w")
     (ck / Checkpoints.MARKER).write_text("{}")
@@ -391,13 +391,13 @@ def test_resume_keeps_recorded_values_only_for_flags_not_given(tmp_path):
 
     _resumable(tmp_path)
     kept = resolve(TrainFlags(resume="old"), tmp_path).req
-    assert (kept.ppn, kept.threads, kept.timeout_s, kept.backend, kept.save_every) == ("1", "2", 900, "gloo", "20")
+    assert (kept.spec.where.ppn, kept.spec.where.threads, kept.spec.where.timeout_s, kept.spec.speed.backend, kept.spec.saving.save_every) == ("1", "2", 900, "gloo", "20")
     # a flag given at its default value still says what the user wants: it resets the recorded one
     reset = resolve(TrainFlags(resume="old", ppn="auto", timeout="300", backend="auto"), tmp_path).req
-    assert (reset.ppn, reset.timeout_s, reset.backend, reset.threads) == ("auto", 300, "auto", "2")
-    assert reset.resume.step == 20 and reset.args == ["--seed", "1"]
+    assert (reset.spec.where.ppn, reset.spec.where.timeout_s, reset.spec.speed.backend, reset.spec.where.threads) == ("auto", 300, "auto", "2")
+    assert reset.resume.step == 20 and reset.spec.what.args == ("--seed", "1")
     new = resolve(TrainFlags(job_args=["--seed", "2"]), tmp_path)
-    assert (new.req.ppn, new.req.timeout_s, new.req.launcher, new.max_restarts, new.supervised) == \
+    assert (new.req.spec.where.ppn, new.req.spec.where.timeout_s, new.req.spec.what.launcher, new.max_restarts, new.supervised) == \
         ("auto", 300, "python", 0, False)
     both = resolve(TrainFlags(detach=True, max_restarts="2"), tmp_path)
     assert both.supervised and not both.req.detach and both.max_restarts == 2  # the supervisor runs it attached
@@ -423,15 +423,15 @@ def test_a_script_run_resumes_with_its_own_code_and_refuses_changed_code(tmp_pat
                    "args": ["--output_dir", "out"], "ppn": "1", "threads": "2", "backend": "gloo", "precision": "fp32",
                    "env": {}, "save_every": "20", "pin": True, "timeout_s": 900, "data": {},
                    "script_digest": None if wd else file_digest(script)}
-        RunRecord(run_id, Status.PREEMPTED, request=request, world_size=2, nodes=[{}, {}],
+        RunRecord(run_id, Status.PREEMPTED, spec=request, world_size=2, nodes=[{}, {}],
                   workdir=workdir_lib.scan(wd).record() if wd else None)._save(d)
         ck = _mk(d / "checkpoints" / "checkpoint-20")
         (ck / "model.safetensors").write_bytes(b"w")
         (ck / Checkpoints.MARKER).write_text("{}")
     req = resolve(TrainFlags(resume="wd"), tmp_path / "runs").req
-    assert (req.script, req.workdir, req.launcher, req.args) == ("train.py", str(proj), "python", ["--output_dir", "out"])
+    assert (req.spec.what.script, req.spec.what.workdir, req.spec.what.launcher, req.spec.what.args) == ("train.py", str(proj), "python", ("--output_dir", "out"))
     assert req.resume.step == 20
-    assert resolve(TrainFlags(resume="lone"), tmp_path / "runs").req.script == str(lone)
+    assert resolve(TrainFlags(resume="lone"), tmp_path / "runs").req.spec.what.script == str(lone)
     (proj / "train.py").write_text("print('changed')\n")
     with pytest.raises(ClusterError) as exc:
         resolve(TrainFlags(resume="wd"), tmp_path / "runs")
@@ -447,14 +447,14 @@ def test_a_request_round_trips_through_its_record_with_secrets_masked(tmp_path):
 
     data = tmp_path / "train.csv"
     data.write_text("a,b\n1,2\n")
-    req = TrainRequest(job="glue", args=["--train_file", str(data), "--seed", "3"], ppn="1", threads="2",
+    req = TrainRequest.of(job="glue", args=["--train_file", str(data), "--seed", "3"], ppn="1", threads="2",
                        env={"HF_TOKEN": "s3cret", "A": "1"}, valueless={"HF_TOKEN"}, timeout_s=120, save_every="20")
     kept = req.to_record()
-    assert kept["env"] == {"HF_TOKEN": "***", "A": "1"} and "s3cret" not in json.dumps(kept)
-    assert kept["data"] == {str(data.resolve()): request_digest(data)}
+    assert kept["what"]["env"] == {"HF_TOKEN": "***", "A": "1"} and "s3cret" not in json.dumps(kept)
+    assert kept["what"]["data"] == {str(data.resolve()): request_digest(data)}
     back = TrainRequest.from_record(json.loads(json.dumps(kept)), {"HF_TOKEN": "s3cret", "A": "1"}, {"HF_TOKEN"},
                                     runs_dir=tmp_path)
-    assert back == dataclasses.replace(req, runs_dir=tmp_path)
+    assert back == req.but(runs_dir=tmp_path, data=kept["what"]["data"])  # the digests a resume checks ride along
 
 
 def request_digest(path) -> str:
@@ -489,16 +489,17 @@ def test_the_supervisors_job_crosses_a_pipe_even_with_a_scanned_workdir(tmp_path
     import pickle
 
     from launch.chain import supervisor
-    from launch.plan.request import Recovery, TrainRequest, validate
+    from launch.plan.request import TrainRequest, validate
+    from training.runtime.spec import Recovery
 
     (tmp_path / "train.py").write_text("print(1)\n")
-    req = TrainRequest(job=None, script="train.py", workdir=str(tmp_path), runs_dir=tmp_path / "runs",
+    req = TrainRequest.of(job=None, script="train.py", workdir=str(tmp_path), runs_dir=tmp_path / "runs",
                        env={"HF_TOKEN": "s3cret"}, valueless={"HF_TOKEN"})
     req = validate(req)
     assert req.checked and req.checked[0] is not None  # plan_run will not scan --workdir again
     with pytest.raises(dataclasses.FrozenInstanceError):
         req.env = {}  # resolved once: a step that needs another request makes one
-    req = dataclasses.replace(req, recovery=Recovery(max_restarts=2, restart_wait=60))
+    req = req.but(recovery=Recovery(max_restarts=2, restart_wait=60))
     job = pickle.loads(supervisor.payload("local", req))
-    assert job["req"].checked is None and job["req"].workdir == str(tmp_path) and job["req"].recovery.max_restarts == 2
-    assert job["req"].env == {"HF_TOKEN": "s3cret"}  # on the pipe only: fab writes no file with it
+    assert job["req"].checked is None and job["req"].spec.what.workdir == str(tmp_path) and job["req"].spec.recovery.max_restarts == 2
+    assert job["req"].spec.what.env == {"HF_TOKEN": "s3cret"}  # on the pipe only: fab writes no file with it

@@ -158,7 +158,7 @@ def test_prepare_refuses_before_anything_reaches_the_store(tmp_path, monkeypatch
     store = tmp_path / "store"
     write(tmp_path / "proj" / "requirements.txt", "torch==2.5.0\n")
     monkeypatch.setattr(rq, "node_software", lambda cluster: here_software())
-    req = TrainRequest(workdir=str(tmp_path / "proj"), script="train.py", env={STORE_ENV: store.as_uri()})
+    req = TrainRequest.of(workdir=str(tmp_path / "proj"), script="train.py", env={STORE_ENV: store.as_uri()})
     said = []
     with pytest.raises(ClusterError, match=r"^requirements.txt pins torch==2.5.0, but "):
         rq.prepare(req, SimpleNamespace(is_local=True), said.append)
@@ -172,10 +172,10 @@ def test_the_wheels_the_nodes_lack_go_to_the_store_once(tmp_path, links, monkeyp
     store = tmp_path / "store"
     write(tmp_path / "proj" / "requirements.txt", f"xchello{tag}>=1\ntorch\nnumpy\n")
     monkeypatch.setattr(rq, "node_software", lambda cluster: here_software())
-    req = TrainRequest(workdir=str(tmp_path / "proj"), script="train.py", env={STORE_ENV: store.as_uri()})
+    req = TrainRequest.of(workdir=str(tmp_path / "proj"), script="train.py", env={STORE_ENV: store.as_uri()})
     said = []
     got = rq.prepare(req, SimpleNamespace(is_local=True), said.append)
-    key = got.pylayer
+    key = got.spec.what.pylayer
     folder = store / pylayer.prefix(key)
     assert sorted(p.name for p in folder.iterdir()) == sorted([
         f"xchello{tag}-1.2-py3-none-any.whl", f"xchellodep{tag}-0.3-py3-none-any.whl", pylayer.MANIFEST,
@@ -185,7 +185,7 @@ def test_the_wheels_the_nodes_lack_go_to_the_store_once(tmp_path, links, monkeyp
                     f"xchello{tag} 1.2, xchellodep{tag} 0.3")]
     stamp = {p.name: p.stat().st_mtime_ns for p in folder.iterdir()}
     said.clear()
-    assert rq.prepare(req, SimpleNamespace(is_local=True), said.append).pylayer == key
+    assert rq.prepare(req, SimpleNamespace(is_local=True), said.append).spec.what.pylayer == key
     assert said == [f"requirements requirements.txt: wheels {key} already in the store (2 package(s); nothing sent)"]
     assert {p.name: p.stat().st_mtime_ns for p in folder.iterdir()} == stamp
 
@@ -206,8 +206,8 @@ def test_from_an_s3_store_each_node_downloads_the_wheels_once(tmp_path, links, m
     url = "s3://xc-wheels/cl1"
     write(tmp_path / "proj" / "requirements.txt", f"xchello{links.tag}\n")
     monkeypatch.setattr(rq, "node_software", lambda cluster: here_software())
-    req = TrainRequest(workdir=str(tmp_path / "proj"), script="train.py", env={STORE_ENV: url})
-    key = rq.prepare(req, SimpleNamespace(is_local=False), lambda line: None).pylayer
+    req = TrainRequest.of(workdir=str(tmp_path / "proj"), script="train.py", env={STORE_ENV: url})
+    key = rq.prepare(req, SimpleNamespace(is_local=False), lambda line: None).spec.what.pylayer
     assert pylayer.install(url, key, tmp_path / "run1" / "pylayer", tmp_path / "cache") == 2
     assert (tmp_path / "cache" / key / pylayer.MANIFEST).is_file()
     open_store(url).delete_prefix(pylayer.prefix(key))  # gone from the store: the node's cache serves
@@ -252,11 +252,11 @@ def test_the_flag_is_absolute_refused_with_resume_and_kept_in_the_record(tmp_pat
     monkeypatch.chdir(tmp_path)
     flags = train_flags.TrainFlags(script="train.py", workdir=".", requirements="deps.txt")
     req = train_flags.resolve(flags, tmp_path / "runs").req
-    assert req.requirements == str(tmp_path / "deps.txt")
+    assert req.spec.what.requirements == str(tmp_path / "deps.txt")
     with pytest.raises(ClusterError, match=r"drop --job/--script/--workdir/--module/--launcher/--requirements"):
         train_flags.resolve(train_flags.TrainFlags(resume="r1", requirements="deps.txt"), tmp_path / "runs")
-    kept = TrainRequest.from_record({**req.to_record(), "pylayer": "abc123"}, {}, set())
-    assert (kept.requirements, kept.pylayer) == (str(tmp_path / "deps.txt"), "abc123")
+    kept = TrainRequest.from_record(req.but(pylayer="abc123").to_record(), {}, set())
+    assert (kept.spec.what.requirements, kept.spec.what.pylayer) == (str(tmp_path / "deps.txt"), "abc123")
 
 
 def test_the_layer_comes_after_the_code_and_before_the_venv(tmp_path):
@@ -297,7 +297,7 @@ def test_a_workdirs_requirements_import_on_every_rank_and_another_torch_starts_n
         assert f"[{rank} {node}] rank {rank} imported xcrank{tag} 2.0 from pylayer" in res.stdout, res.stdout[-3000:]
     (run_id,) = cluster2.run_dirs() - before
     summary = records.load(cluster2.runs / run_id).to_json()
-    assert summary["status"] == "ok" and summary["request"]["pylayer"]
+    assert summary["status"] == "ok" and summary["spec"]["what"]["pylayer"]
 
     write(proj / "requirements.txt", f"xcrank{tag}==2.0\ntorch==2.5.0\n")
     before = cluster2.run_dirs()

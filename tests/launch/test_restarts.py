@@ -3,7 +3,6 @@ again and resumes by itself. Unit tests of the decisions, and one run on a real 
 preempted through a fake IMDS and then loses a node outright (sshd and processes killed)."""
 from __future__ import annotations
 
-import dataclasses
 import io
 import json
 import re
@@ -19,9 +18,10 @@ from core.errors import ClusterError, NodeFailure, Preempted
 from launch.chain import restarts
 from launch.life import records
 from launch.life.records import RunRecord, RunResult, Status, load
-from launch.plan.request import Recovery, TrainRequest
+from launch.plan.request import TrainRequest
 from launch.run import DEMO_ARGS
 from training.runtime.paths import Checkpoints
+from training.runtime.spec import Recovery, RunSpec
 
 
 def test_only_lost_nodes_and_preemptions_are_worth_a_restart():
@@ -83,7 +83,7 @@ def _fake_run(runs: Path, run_id: str, status: str, step: int | None, resumed_fr
     request = {"job": "glue", "script": None, "args": ["--seed", "1"], "ppn": "auto", "threads": "auto",
                "backend": "gloo", "precision": "fp32", "env": {}, "save_every": "20", "pin": True,
                "timeout_s": 300, "data": {}}
-    RunRecord(run_id, Status(status), request=request, world_size=2, nodes=[{}, {}],
+    RunRecord(run_id, Status(status), spec=request, world_size=2, nodes=[{}, {}],
               resumed_from={"run_id": resumed_from, "step": 1} if resumed_from else None)._save(d)
     if step is not None:
         ck = d / "checkpoints" / f"checkpoint-{step}"
@@ -115,14 +115,14 @@ def test_restarts_resume_from_the_newest_checkpoint_along_the_resume_chain(tmp_p
         def flush(self):
             pass
 
-    first = TrainRequest(nodes=2, job="glue", runs_dir=tmp_path, master_port=29611,
+    first = TrainRequest.of(nodes=2, job="glue", runs_dir=tmp_path, master_port=29611,
                          recovery=Recovery(max_restarts=1, restart_wait=5))
     assert restarts.train_with_restarts(LOCAL, first, out=Out()).run_id == "c"
     again = calls[1]
     # the run that was lost waits as 'restarting' and is resumed under a name of its own: the record says so
     assert again.restart_of == "b" and load(tmp_path / "b").restart["ended"] == "failed"
     assert again.resume.run_id == "a" and again.resume.step == 20
-    assert again.args == ["--seed", "1"] and again.master_port == 29611
+    assert again.spec.what.args == ("--seed", "1") and again.master_port == 29611
     assert "restart 1 of 1: run b lost node1" in "".join(lines)
 
 
@@ -135,7 +135,7 @@ def test_a_head_that_took_a_chain_over_counts_the_restarts_the_chain_already_had
     monkeypatch.setattr(restarts, "open_cluster", lambda spec, **_: LOCAL)
     monkeypatch.setattr(restarts, "wait_for_nodes", lambda *a, **k: None)
     lost = NodeFailure("run b failed", ["node1"], run_id="b", lost=["node1"])
-    out, req = io.StringIO(), TrainRequest(nodes=2, job="glue", runs_dir=tmp_path, recovery=Recovery(max_restarts=2))
+    out, req = io.StringIO(), TrainRequest.of(nodes=2, job="glue", runs_dir=tmp_path, recovery=Recovery(max_restarts=2))
     assert restarts.train_with_restarts(LOCAL, req, out=out, ended=lost, restarts_done=1).run_id == "c"
     assert "restart 2 of 2: run b lost node1" in out.getvalue()
     assert load(tmp_path / "b").restart["attempt"] == 2
@@ -153,20 +153,20 @@ def test_no_restart_left_ends_with_the_failure_and_the_wait_problem(tmp_path, mo
     monkeypatch.setattr(restarts, "train", preempted)
     monkeypatch.setattr(restarts, "open_cluster", lambda spec, **_: LOCAL)
     monkeypatch.setattr(restarts, "missing", lambda *a: "node1 has a spot interruption notice")
-    req = TrainRequest(nodes=2, runs_dir=tmp_path)
+    req = TrainRequest.of(nodes=2, runs_dir=tmp_path)
     with pytest.raises(Preempted) as exc:
         restarts.train_with_restarts(LOCAL, req, out=io.StringIO())
     assert str(exc.value).endswith("resume with 'fab train --resume a'")
     with pytest.raises(Preempted) as exc:
-        restarts.train_with_restarts(LOCAL, dataclasses.replace(req, recovery=Recovery(max_restarts=2, restart_wait=0)),
+        restarts.train_with_restarts(LOCAL, req.but(recovery=Recovery(max_restarts=2, restart_wait=0)),
                                      out=io.StringIO(), poll_s=0)
     assert str(exc.value).startswith("the cluster did not have 2 node(s) within --restart-wait 0s (node1 has a "
                                      "spot interruption notice); run a preempted")
     assert exc.value.run_id == "a" and exc.value.exit_code == 75
     rec = load(tmp_path / "a")  # waited as 'restarting', and ends as it ended when the wait gave up
     assert rec.status == Status.PREEMPTED and rec.restart is None
-    with pytest.raises(ClusterError, match="--max-restarts -1 must be 0 or more"):
-        Recovery(max_restarts=-1)
+    assert RunSpec(recovery=Recovery(max_restarts=-1)).problem() == ("--max-restarts -1 must be 0 or more",
+                                                                     "pass 0 or more")
 
 
 def _home_steps(run_dir: Path) -> list[int]:
@@ -246,14 +246,14 @@ def test_a_run_that_fails_while_staging_still_gets_its_record(cluster2, monkeypa
         raise ClusterError("the code tarball could not be built")
 
     monkeypatch.setattr(train_lib.shipping, "code_tarball", broken_tarball)
-    req = TrainRequest(nodes=2, job="glue", args=list(DEMO_ARGS), runs_dir=tmp_path / "runs")
+    req = TrainRequest.of(nodes=2, job="glue", args=list(DEMO_ARGS), runs_dir=tmp_path / "runs")
     with pytest.raises(ClusterError, match="could not be built"):
         train_lib.train(open_cluster("local"), req, out=io.StringIO())
     (run_dir,) = (tmp_path / "runs").iterdir()
     summary = records.load(run_dir).to_json()
     assert summary["status"] == "failed" and summary["exit_code"] == 1
     assert summary["reason"] == "before launch: the code tarball could not be built"
-    assert summary["request"]["args"] == list(DEMO_ARGS)  # a record good enough to run it again
+    assert summary["spec"]["what"]["args"] == list(DEMO_ARGS)  # a record good enough to run it again
 
 
 @pytest.mark.cluster

@@ -49,7 +49,7 @@ def test_fab_stop_deletes_a_chains_secrets_by_their_path_without_reading_them(aw
 
 def test_the_store_keeps_the_names_and_a_replacement_head_gets_the_values_back(aws_env, tmp_path):
     store = (tmp_path / "store").as_uri()
-    req = TrainRequest(nodes=2, env={"MYSECRET": "hush-1", "HF_TOKEN": "hush-2", "PLAIN": "p"}, valueless={"MYSECRET"},
+    req = TrainRequest.of(nodes=2, env={"MYSECRET": "hush-1", "HF_TOKEN": "hush-2", "PLAIN": "p"}, valueless={"MYSECRET"},
                        args=["--hub_token", "hush-3", "--seed", "1", "--api-key=hush-4"])
     kept = run_secrets.of_request(req)
     # a bare --env KEY, a name that reads as a secret, and secret job arguments under their flags' names (as
@@ -84,15 +84,15 @@ def test_secrets_of_a_cluster_without_its_key_are_not_put_and_the_fix_is_named(a
 def test_the_adopted_request_has_the_values_the_record_masks(aws_env, tmp_path):
     store = (tmp_path / "store").as_uri()
     args = ["--hub_token", "hush-3", "--seed", "1", "--api-key=hush-4"]
-    req = TrainRequest(nodes=2, env={"MYSECRET": "hush-1", "PLAIN": "p"}, valueless={"MYSECRET"}, args=args)
+    req = TrainRequest.of(nodes=2, env={"MYSECRET": "hush-1", "PLAIN": "p"}, valueless={"MYSECRET"}, args=args)
     record = req.to_record()
     # what the store and the replacement head see
-    assert record["env"]["MYSECRET"] != "hush-1" and "hush-3" not in record["args"] and "--api-key=hush-4" not in \
-        record["args"]
-    rec = types.SimpleNamespace(run_id="c1-r2", nodes=[{}, {}], to_json=lambda: {"request": record})
+    what = record["what"]
+    assert what["env"]["MYSECRET"] != "hush-1" and "hush-3" not in what["args"] and "--api-key=hush-4" not in what["args"]
+    rec = types.SimpleNamespace(run_id="c1-r2", nodes=[{}, {}], to_json=lambda: {"spec": record})
     job = {"chain": "c1", "secrets": sorted(run_secrets.of_request(req)), "secrets_at": "bert", "min_nodes": None,
            "grow_back": True}
     again = adopt.adopted_request(store, job, rec, tmp_path / "runs", run_secrets.of_request(req))
-    assert again.env == {"MYSECRET": "hush-1", "PLAIN": "p"}  # the arguments' values go back in the arguments only
-    assert again.args == args
-    assert again.to_record()["env"] == record["env"] and again.to_record()["args"] == record["args"]  # masked again
+    assert again.spec.what.env == {"MYSECRET": "hush-1", "PLAIN": "p"}  # the arguments' values go back in the arguments only
+    assert again.spec.what.args == tuple(args)
+    assert again.to_record()["what"]["env"] == what["env"] and again.to_record()["what"]["args"] == what["args"]

@@ -248,7 +248,7 @@ def test_the_head_restarts_a_workdir_run_from_its_snapshot_after_the_folder_chan
         key = re.search(rf"code snapshot (\w+) \(--workdir {re.escape(str(project))}, 4 file\(s\)\) put in the store",
                         ended.stdout).group(1)
         assert (tmp_path / "store" / "snapshots" / f"{key}.tar.gz").is_file()
-        assert store_lib.read_summary(store, first)["request"]["snapshot"] == key  # the record keeps the key
+        assert store_lib.read_summary(store, first)["spec"]["what"]["snapshot"] == key  # the record keeps the key
         wait_until("the first run's first logged loss", lambda: "'loss'" in (store_lib.read_log(store, first) or ""),
                    400, poll=0.5)
         # the user goes on working in the folder: the script edited, a file it imports deleted, the data gone too
@@ -267,7 +267,7 @@ def test_the_head_restarts_a_workdir_run_from_its_snapshot_after_the_folder_chan
     one = store_lib.read_summary(store, first)
     step = one["preempted"]["step"]
     assert one["status"] == "preempted" and 0 < step < FULL_STEPS, one.get("preempted")
-    assert done["resumed_from"] == {"run_id": first, "step": step} and done["request"]["snapshot"] == key
+    assert done["resumed_from"] == {"run_id": first, "step": step} and done["spec"]["what"]["snapshot"] == key
     assert "helpers from the snapshot" in log and "the edited folder ran" not in log, log[-3000:]
     assert f"global step {step}" in log, log[-3000:]  # the Trainer continued from the notice's checkpoint
     state = json.loads((tmp_path / "store" / "runs" / second / "output" / "trainer_state.json").read_text())

@@ -34,7 +34,7 @@ def test_values_of_flags_named_like_secrets_are_masked_and_nothing_else():
 
 
 def test_the_record_keeps_them_masked_and_the_log_redacts_them(tmp_path):
-    req = TrainRequest(job="glue", args=list(ARGS), ppn="1", threads="2", timeout_s=120, save_every="20")
+    req = TrainRequest.of(job="glue", args=list(ARGS), ppn="1", threads="2", timeout_s=120, save_every="20")
     kept = json.dumps(req.to_record())
     assert HF not in kept and "sk-live-42xyz" not in kept and '"--hub_token", "***"' in kept
     # the plan's secrets (what secrets.env holds and the log filters redact) carry the argument values: attached,
@@ -59,7 +59,7 @@ def _resumable(runs: Path, args: list[str]) -> None:
     request = {"job": "glue", "script": None, "args": secrets.mask_args(args), "ppn": "1", "threads": "2",
                "backend": "gloo", "precision": "fp32", "env": {}, "save_every": "20", "pin": True, "timeout_s": 900,
                "data": {}}
-    RunRecord("old", Status.PREEMPTED, request=request, world_size=2, nodes=[{}, {}])._save(d)
+    RunRecord("old", Status.PREEMPTED, spec=request, world_size=2, nodes=[{}, {}])._save(d)
     ck = d / "checkpoints" / "checkpoint-20"
     ck.mkdir(parents=True)
     (ck / "model.safetensors").write_bytes(b"w")
@@ -79,13 +79,13 @@ def test_a_resume_takes_the_value_from_the_operators_environment_or_refuses_in_o
                                    "environment has no value for it")
     assert err.value.fix == "export HUB_TOKEN=VALUE (the flag's name in capitals)" and "\n" not in str(err.value)
     monkeypatch.setenv("HUB_TOKEN", HF)
-    assert resolve(TrainFlags(resume="old"), tmp_path).req.args == args
+    assert resolve(TrainFlags(resume="old"), tmp_path).req.spec.what.args == tuple(args)
 
 
 def test_a_restart_by_the_supervisor_goes_on_with_the_runs_own_value(tmp_path, monkeypatch):
     args = ["--hub_token", HF, "--seed", "3"]
     _resumable(tmp_path, args)
     monkeypatch.delenv("HUB_TOKEN", raising=False)
-    req = TrainRequest(job="glue", args=list(args), runs_dir=tmp_path)
+    req = TrainRequest.of(job="glue", args=list(args), runs_dir=tmp_path)
     nxt = restarts.next_request("old", req, print)
-    assert nxt.args == args and nxt.resume.step == 20
+    assert nxt.spec.what.args == tuple(args) and nxt.resume.step == 20

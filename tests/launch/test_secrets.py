@@ -59,7 +59,7 @@ def test_a_secret_reaches_the_ranks_and_no_record(cluster2, tmp_path):
     assert summary["env"]["HF_TOKEN"] == secrets.MASK and summary["env"]["XC_TEST_OWN"] == secrets.MASK
     assert summary["env"]["PLAIN"] == "visible"  # an ordinary value is recorded as it was
     store = (cluster2.runs.parent / "store").as_uri()  # the run's store, named in its record (docs/store.md)
-    assert summary["request"]["env"] == {"HF_TOKEN": "***", "XC_TEST_OWN": "***", "PLAIN": "visible", "XC_STORE": store}
+    assert summary["spec"]["what"]["env"] == {"HF_TOKEN": "***", "XC_TEST_OWN": "***", "PLAIN": "visible", "XC_STORE": store}
     assert "HF_TOKEN" not in (run_dir / "command.sh").read_text()
     assert list(Path(cluster2.state_root).rglob(secrets.FILE)) == []  # every node's secrets.env went with the run
 

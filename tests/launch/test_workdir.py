@@ -200,10 +200,10 @@ def test_a_two_file_project_runs_unchanged_and_ships_once(cluster2, tmp_path):
         assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
         runs.append((res.stdout + res.stderr, _summary(cluster2, before)))
     (first, summary), (second, again) = runs
-    digest, key = summary["workdir"]["digest"], summary["request"]["snapshot"]
+    digest, key = summary["workdir"]["digest"], summary["spec"]["what"]["snapshot"]
     assert again["workdir"]["digest"] == digest and summary["workdir"]["files"] == 5  # big.bin left out
     # once into the store (the cluster's, here the local folder), once onto each node, whatever the runs
-    assert again["request"]["snapshot"] == key and f"code snapshot {key} (--workdir {proj}, 5 file(s)) put in" in first
+    assert again["spec"]["what"]["snapshot"] == key and f"code snapshot {key} (--workdir {proj}, 5 file(s)) put in" in first
     assert f"code snapshot {key} fetched from the store by node0, node1" in first
     assert f"code snapshot {key} (--workdir {proj}, 5 file(s)) already in the store: nothing sent" in second
     assert f"code snapshot {key} already on every node" in second
@@ -214,7 +214,7 @@ def test_a_two_file_project_runs_unchanged_and_ships_once(cluster2, tmp_path):
         shipped = node_home(cluster2, name) / "snapshots" / key / "work"
         assert (shipped / "model.py").is_file() and (shipped / "data" / "numbers.txt").is_file()
         assert not (shipped / "big.bin").exists() and not (shipped / "written.txt").exists()
-    assert summary["request"]["workdir"] == str(proj) and summary["launcher"] == "python"
+    assert summary["spec"]["what"]["workdir"] == str(proj) and summary["launcher"] == "python"
 
 
 @pytest.mark.cluster
@@ -275,8 +275,8 @@ def test_relative_paths_reach_the_supervisor_absolute(tmp_path, monkeypatch):
     flags = train_flags.TrainFlags(workdir=".", script="train.py", detach=True, max_restarts="1",
                                    job_args=("--train_file", "train.csv", "--validation_file=train.csv", "--lr", "3"))
     req = train_flags.resolve(flags, runs).req
-    assert req.workdir == str(proj) and req.script == "train.py"  # the script stays relative to the folder
-    assert req.args == ["--train_file", str(proj / "train.csv"), f"--validation_file={proj / 'train.csv'}",
-                        "--lr", "3"]
-    lone = train_flags.resolve(train_flags.TrainFlags(script="train.py"), runs).req
+    what = req.spec.what
+    assert what.workdir == str(proj) and what.script == "train.py"  # the script stays relative to the folder
+    assert what.args == ("--train_file", str(proj / "train.csv"), f"--validation_file={proj / 'train.csv'}", "--lr", "3")
+    lone = train_flags.resolve(train_flags.TrainFlags(script="train.py"), runs).req.spec.what
     assert lone.script == str(proj / "train.py") and lone.workdir is None

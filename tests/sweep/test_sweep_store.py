@@ -196,8 +196,8 @@ def test_yes_removes_what_no_run_needs_from_the_kept_store_and_keeps_the_runs(aw
         s3.put_object(Bucket=store, Key=f"bert/{key}", Body=body)
 
     for run, status, code in (("r1", "ok", "s1"), ("r2", "failed", "s2")):
-        put(f"runs/{run}/summary.json", json.dumps({"status": status, "request": {"snapshot": code,
-                                                                                   "pylayer": f"w{code[1]}"}}).encode())
+        spec = {"what": {"snapshot": code, "pylayer": f"w{code[1]}"}}  # RunSpec.to_json's sections
+        put(f"runs/{run}/summary.json", json.dumps({"status": status, "spec": spec}).encode())
         put(f"snapshots/{code}.tar.gz"), put(f"snapshots/{code}.json"), put(f"wheels/w{code[1]}/a-1-py3-none-any.whl")
     put("code/0123456789abcdef.tar.gz"), put("code/0123456789abcdef.tar.gz", b"again")  # two versions
     put(".xc-probe/probe-1")

@@ -5,4 +5,4 @@ the rank hook's parts. The only part of training/ that the operator side imports
 # training: these names and no other (tests/project/test_layout.py holds it to them). A module named here is reached
 # through its name (store.open_store, spot.cluster_env), never imported from piecemeal.
 CONTRACT = ("paths.RunPaths", "paths.Checkpoints", "notice.Notice", "events", "store", "spot", "timeline", "snapshot",
-            "pylayer", "wire.COMM_HOOKS")
+            "pylayer", "spec.RunSpec")
