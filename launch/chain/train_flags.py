@@ -113,7 +113,7 @@ def resolve(f: TrainFlags, runs_dir: Path, store: str | None = None) -> Resolved
                                     ("precision", f.precision), ("comm_hook", f.comm_hook),
                                     ("save_every", f.save_every)) if v is not None}
     if f.timeout is not None:
-        given["timeout_s"] = as_int(f.timeout, "--timeout", 1)
+        given["timeout_s"] = as_int(f.timeout, "--timeout")
     if f.master_port is not None:
         given["master_port"] = as_int(f.master_port, "--master-port", 1024, 65535)
     if f.code is not None and not f.resume:
@@ -140,9 +140,10 @@ def resolve(f: TrainFlags, runs_dir: Path, store: str | None = None) -> Resolved
                            requirements=f.requirements and here(f.requirements),
                            fetch_model=not f.no_fetch_model, runs_dir=runs_dir)
         env, valueless, pin = env_pairs(f.env), valueless_keys(f.env), not f.no_pin
-    restarts = as_int(f.max_restarts if f.max_restarts is not None else 0, "--max-restarts", 0)
-    wait = as_int(f.restart_wait if f.restart_wait is not None else 600, "--restart-wait", 0)
-    least = as_int(f.min_nodes, "--min-nodes", 1) if f.min_nodes is not None else None
+    # text to numbers only: their ranges are the spec's rules (RunSpec.problem, below)
+    restarts = as_int(f.max_restarts if f.max_restarts is not None else 0, "--max-restarts")
+    wait = as_int(f.restart_wait if f.restart_wait is not None else 600, "--restart-wait")
+    least = as_int(f.min_nodes, "--min-nodes") if f.min_nodes is not None else None
     supervised = bool(f.detach and restarts)
     req = req.but(env=env, valueless=valueless, pin=pin, concurrent=bool(f.concurrent), max_restarts=restarts,
                   restart_wait=wait, min_nodes=least, grow_back=not f.no_grow_back,

@@ -426,4 +426,4 @@ def test_the_recovery_policy_lives_in_the_record_and_a_taken_over_chain_keeps_it
     assert TrainRequest.from_record({**kept, "recovery": None}, {}, set()).spec.recovery == Recovery()
     old = {"job": "glue", "args": ["--seed", "1"], "recovery": kept["recovery"]}  # a record before RunSpec: flat
     assert RunSpec.from_json(old).recovery == policy and RunSpec.from_json(old).what.args == ("--seed", "1")
-    assert RunSpec(recovery=Recovery(max_restarts=1, min_nodes=0)).problem()[0] == "--min-nodes 0 must be 1 or more"
+    assert RunSpec(recovery=Recovery(max_restarts=1, min_nodes=0)).problem()[0] == "--min-nodes 0 is below 1"

@@ -165,8 +165,7 @@ def test_no_restart_left_ends_with_the_failure_and_the_wait_problem(tmp_path, mo
     assert exc.value.run_id == "a" and exc.value.exit_code == 75
     rec = load(tmp_path / "a")  # waited as 'restarting', and ends as it ended when the wait gave up
     assert rec.status == Status.PREEMPTED and rec.restart is None
-    assert RunSpec(recovery=Recovery(max_restarts=-1)).problem() == ("--max-restarts -1 must be 0 or more",
-                                                                     "pass 0 or more")
+    assert RunSpec(recovery=Recovery(max_restarts=-1)).problem() == ("--max-restarts -1 is below 0", "pass 0 or more")
 
 
 def _home_steps(run_dir: Path) -> list[int]:

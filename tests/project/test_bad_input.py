@@ -39,7 +39,7 @@ def C(id, command, message, **kw):
 
 CASES = [
     # ---- fab train: its flags ------------------------------------------------------------------------
-    T("train-timeout-word", "train --timeout abc", "--timeout 'abc' is not a whole number; pass 1 or more"),
+    T("train-timeout-word", "train --timeout abc", "--timeout 'abc' is not a whole number; pass a whole number"),
     T("train-timeout-zero", "train --timeout 0", "--timeout 0 is below 1"),
     T("train-timeout-negative", "train --timeout -5", "--timeout -5 is below 1"),
     T("train-nodes-word", "train --nodes abc", "--nodes 'abc' is not a whole number"),

@@ -163,10 +163,8 @@ class RunSpec:
 
     def _counts(self):
         w = self.where
-        if w.nodes is not None and w.nodes < 1:
-            return f"--nodes {w.nodes} must be at least 1", "pass a positive integer"
         if w.timeout_s < 1:
-            return f"--timeout {w.timeout_s} must be at least 1 second", "pass --timeout 1 or more (default 300)"
+            return f"--timeout {w.timeout_s} is below 1", "pass 1 or more seconds (default 300)"
         for flag, value in (("--ppn", w.ppn), ("--threads", w.threads)):
             if value in (None, "", "auto"):
                 continue
@@ -179,12 +177,12 @@ class RunSpec:
     def _recovery(self):
         r, nodes = self.recovery, self.where.nodes
         if r.max_restarts < 0:
-            return f"--max-restarts {r.max_restarts} must be 0 or more", "pass 0 or more"
+            return f"--max-restarts {r.max_restarts} is below 0", "pass 0 or more"
         if r.restart_wait < 0:
-            return f"--restart-wait {r.restart_wait:g} must be 0 or more seconds", "pass 0 or more"
+            return f"--restart-wait {r.restart_wait:g} is below 0", "pass 0 or more seconds"
         if r.min_nodes is not None:
             if r.min_nodes < 1:
-                return f"--min-nodes {r.min_nodes} must be 1 or more", "pass 1 or more"
+                return f"--min-nodes {r.min_nodes} is below 1", "pass 1 or more"
             if nodes is not None and r.min_nodes > nodes:
                 return f"--min-nodes {r.min_nodes} is above --nodes {nodes}", f"pass --min-nodes from 1 to {nodes}"
             if not r.max_restarts:
