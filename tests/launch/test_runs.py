@@ -110,3 +110,16 @@ def test_logs_of_an_unknown_run_is_one_line(cluster2):
     res = cluster2.fab("logs", "20990101-000000-none-0000", timeout=60)
     assert res.returncode == 1
     assert res.stderr.strip().splitlines()[-1].startswith("error: no run 20990101-000000-none-0000 in ")
+
+
+def test_a_record_that_kept_its_flags_under_request_reads_as_its_spec_and_is_written_back_as_spec(tmp_path):
+    """Records written before RunSpec kept the run's flags flat under "request": they load with them as the spec,
+    and --resume reads the same policy from either."""
+    from training.runtime.spec import RunSpec
+
+    flat = {"job": "glue", "args": ["--seed", "1"], "ppn": "1", "recovery": {"max_restarts": 2, "min_nodes": 1}}
+    rec = records.RunRecord.from_json({"run_id": "old", "status": "preempted", "request": flat})
+    assert rec.spec == flat and "request" not in rec.extra
+    assert "spec" in rec.to_json() and "request" not in rec.to_json()
+    spec = RunSpec.from_json(rec.spec)
+    assert (spec.recovery.max_restarts, spec.recovery.min_nodes, spec.where.ppn) == (2, 1, "1")
