@@ -25,16 +25,16 @@ from core.errors import ClusterError
 from doctor import run as doctor_lib
 from doctor import status as status_lib
 from launch import run as train_lib
-from launch.chain import restarts as restarts_lib
-from launch.chain import supervisor as supervisor_lib
-from launch.chain import train_flags as flags_lib
 from launch.life import board as board_lib
 from launch.life import records, store_run
 from launch.life import runs as runs_lib
 from launch.life import stop as stop_lib
 from launch.plan import request as request_lib
-from launch.ship import requirements as requirements_lib
-from launch.ship import snapshot as snapshot_lib
+from launch.staging import requirements as requirements_lib
+from launch.staging import snapshot as snapshot_lib
+from launch.supervision import restarts as restarts_lib
+from launch.supervision import supervisor as supervisor_lib
+from launch.supervision import train_flags as flags_lib
 from node_setup import profiles as profiles_lib
 from node_setup import setup as setup_lib
 from reports import bench as bench_lib
@@ -172,7 +172,7 @@ def keys(c, cluster=None):
           f"node 0 reaches every node with verified host keys ({res.ssh_dir}/config)")
 
 
-@task(**flags_lib.task_options())  # every flag and its help line: launch/chain/train_flags.py's TrainFlags
+@task(**flags_lib.task_options())  # every flag and its help line: launch/supervision/train_flags.py's TrainFlags
 @cli
 @flags_lib.takes_flags
 def train(c, flags: flags_lib.TrainFlags):

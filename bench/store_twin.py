@@ -7,7 +7,7 @@ region as the nodes). The store is a real moto S3 server in its own namespace; t
 size: BertForSequenceClassification from its config (random weights) after one AdamW step, saved as the
 Trainer saves it (model.safetensors + optimizer.pt + a few small files).
   before, save:   notice -> the node saves -> its files cross the operator's link (a TCP stream standing in for
-                  the SFTP copy launch/ship/outputs.py made: the same bytes, without SSH's few % of framing)
+                  the SFTP copy launch/staging/outputs.py made: the same bytes, without SSH's few % of framing)
   before, resume: the operator's copy crosses the link back to the new node (launch/run.py's _stage did so)
   after, save:    notice -> the node saves -> training.runtime.store.publish_checkpoint uploads it to S3 (boto3's
                   transfer manager, multipart, marker last); the operator sends the notice and hears "durable"

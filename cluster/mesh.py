@@ -6,7 +6,7 @@ run user code, may not.
 
 It is encrypted with the cluster's own KMS key (infra/head.py), not the account's aws/ssm key, which anyone allowed
 ssm:GetParameter may decrypt with: the key's policy lets only the head's role decrypt. fab finds the key by its
-alias (secrets_key), so an aws:NAME cluster needs no Pulumi CLI; the run secrets use it too (launch.ship.run_secrets).
+alias (secrets_key), so an aws:NAME cluster needs no Pulumi CLI; the run secrets use it too (launch.staging.run_secrets).
 """
 from __future__ import annotations
 

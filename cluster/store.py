@@ -137,7 +137,7 @@ def check_reachable_from_nodes(choice: Choice, spec: str | None = None) -> None:
 
 def rank_env(choice: Choice, spec: str | None = None) -> dict[str, str]:
     """What the ranks need: XC_STORE, the endpoint and region, and (off AWS, for an s3 store) the operator's
-    credentials, which launch.ship.secrets keeps off command lines and records by their names."""
+    credentials, which launch.staging.secrets keeps off command lines and records by their names."""
     spec = spec or choice.spec
     env = {shared.STORE_ENV: choice.url}
     env.update({k: os.environ[k] for k in PUBLIC_ENV if os.environ.get(k)})

@@ -31,7 +31,7 @@ from launch.plan import launcher
 from launch.plan.preflight import preflight
 from launch.plan.probe import NodeFacts
 from launch.plan.request import TrainRequest, describe, plan_run, validate
-from launch.ship import outputs, requirements, secrets, snapshot, userscript, workdir
+from launch.staging import outputs, requirements, secrets, snapshot, userscript, workdir
 from training.runtime.paths import RunPaths
 
 log = logging.getLogger(__name__)

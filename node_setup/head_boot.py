@@ -7,10 +7,10 @@ echo "xc-head-boot: no venv at $venv (image=base): $why"
 exit 0
 ":"
 At the head's boot (its unit xc-head.service; on the AWS twin, its watcher): take over the chains the head before
-it supervised (launch.chain.adopt). Written by cloud-init from the head's user data, so it is here before any of the
+it supervised (launch.supervision.adopt). Written by cloud-init from the head's user data, so it is here before any of the
 project's code: it fetches that code from the store (`code/<digest>.tar.gz`, put there by fab) for the chains that
 have a `supervisor.json`, checks it against its digest, unpacks it under ~/.xeon-cluster/code/<digest> as fab would,
-and runs `python -m launch.chain.adopt` from the newest. Environment (the twin): XC_CLUSTER_ENV, XC_S3_ENDPOINT_URL.
+and runs `python -m launch.supervision.adopt` from the newest. Environment (the twin): XC_CLUSTER_ENV, XC_S3_ENDPOINT_URL.
 
 The lines above are sh (this file's #! line): a head without the project's venv (image=base, or an AMI of one's own:
 stock Ubuntu) says so in one line and ends 0, where a #! naming the venv's python failed the unit with 203/EXEC.
@@ -164,7 +164,7 @@ def main() -> int:
         print("xc-head-boot: no chain's code could be fetched: nothing taken over", flush=True)
         return 1
     env = {**os.environ, "XC_STORE": url, "AWS_REGION": conf.get("XC_REGION", "")}
-    return subprocess.run([sys.executable, "-m", "launch.chain.adopt"], cwd=newest, env=env, check=False).returncode
+    return subprocess.run([sys.executable, "-m", "launch.supervision.adopt"], cwd=newest, env=env, check=False).returncode
 
 
 if __name__ == "__main__":

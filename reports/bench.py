@@ -21,7 +21,7 @@ from core.errors import ClusterError
 from launch.life import records
 from launch.plan.request import TrainRequest, new_run_id, validate
 from launch.run import train
-from launch.ship import jobflags, secrets
+from launch.staging import jobflags, secrets
 from reports import predict
 from training.runtime.paths import RunPaths
 

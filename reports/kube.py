@@ -19,7 +19,7 @@ from core.constants import REMOTE_VENV
 from core.errors import ClusterError
 from core.render import render
 from launch.plan import launcher, request
-from launch.ship import jobdata
+from launch.staging import jobdata
 from node_setup import profiles
 
 log = logging.getLogger(__name__)

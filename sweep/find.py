@@ -30,7 +30,7 @@ BILLED_STATES = ("pending", "running")
 KMS_KEY_USD_MONTH, GONE_KEY_STATES = 1.0, ("PendingDeletion", "PendingReplicaDeletion")  # none once scheduled
 # infra.policies' (tests/sweep/test_sweep.py keeps them equal): the roles' boundary is xc-boundary-<cluster>-<region>
 ROLE_PATH, BOUNDARY_PREFIX = "/xeon-cluster/", "xc-boundary-"
-# What of a kept store under <cluster>/ no run needs: launch.chain.adopt.CODE, training/runtime/store.py PROBE_PREFIX...
+# What of a kept store under <cluster>/ no run needs: launch.supervision.adopt.CODE, training/runtime/store.py PROBE_PREFIX...
 LEFTOVERS = {"code": "the head's code tarballs (fab puts them again)", ".xc-probe": "the store probe's object",
              snapshot.FOLDER: "code snapshots no resumable run names",
              pylayer.WHEELS: "requirement wheels no resumable run names",
@@ -424,7 +424,7 @@ def _buckets(c) -> list[Orphan]:
 
 def _parameters(c) -> list[Orphan]:
     """The SSM parameters fab put under /xeon-cluster/<cluster>/ outside the stack (the mesh key and its public half,
-    cluster.mesh; the run secrets under runs/<chain>/, launch.ship.run_secrets), which 'pulumi destroy' leaves. Found
+    cluster.mesh; the run secrets under runs/<chain>/, launch.staging.run_secrets), which 'pulumi destroy' leaves. Found
     by their path (a put that overwrites cannot tag), from their metadata: their values are never read."""
     found = _pages(c["ssm"], "describe_parameters", "Parameters",
                    ParameterFilters=[{"Key": "Path", "Option": "Recursive", "Values": [ROOT]}])

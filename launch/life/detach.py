@@ -27,7 +27,7 @@ from launch.life.cleanup import runs_alive, sweep
 from launch.life.lifecycle import Outcome, Run, end
 from launch.life.records import RunRecord, RunResult, Status
 from launch.life.stream import OutputRouter
-from launch.ship import outputs, secrets
+from launch.staging import outputs, secrets
 from training.runtime.paths import RunPaths
 
 log = logging.getLogger(__name__)
@@ -173,7 +173,7 @@ def conclude(run_dir: Path, master: Node, out: TextIO | None, follower: bool = F
 
 
 class LogMirror:
-    """runs/<id>/log.txt of a run taken over while it goes on (launch.chain.adopt), appended from node 0's mpirun.log
+    """runs/<id>/log.txt of a run taken over while it goes on (launch.supervision.adopt), appended from node 0's mpirun.log
     as it grows: whole lines, routed as the first supervisor routed them, so the head's Beat publishes them to the
     store for `fab logs -f` before the run ends. conclude() writes the whole log at the end."""
 

@@ -81,7 +81,7 @@ def lacks_venv(node: Node) -> bool:
 
 def files_here(node: Node, req) -> str | None:
     """What of the request an AWS head cannot read: --workdir, --script and data files are on this machine, and only
-    a local head shares its disk; once `fab train` put them in the store as the run's snapshot (launch.ship.snapshot),
+    a local head shares its disk; once `fab train` put them in the store as the run's snapshot (launch.staging.snapshot),
     nothing: the head, and every node, takes them from there."""
     what = req.spec.what
     if not node.labels.get("aws_head") or what.snapshot:
@@ -189,7 +189,7 @@ def supervisors_on(head: Node, chain: str) -> list[int] | None:
 
 
 def boot_state(head: Node) -> tuple[float, bool] | None:
-    """(seconds the head has been up, whether its boot-time take-over, launch.chain.adopt, runs now); None when the
+    """(seconds the head has been up, whether its boot-time take-over, launch.supervision.adopt, runs now); None when the
     head does not answer. The pattern's brackets keep the shell that greps from matching itself."""
     try:
         with connect(head) as conn:
@@ -273,7 +273,7 @@ def systemd_argv(run_id: str, python: str, project: str, env: dict[str, str]) ->
     return ["systemd-run", "--unit", unit(run_id), "--collect", "--property=Restart=on-failure",
             "--property=KillMode=mixed", f"--working-directory={project}",
             *(f"--setenv={k}={v}" for k, v in sorted({**env, ENV: run_id}.items())),
-            python, "-m", "launch.chain.supervisor"]
+            python, "-m", "launch.supervision.supervisor"]
 
 
 def unit(run_id: str) -> str:

@@ -20,7 +20,7 @@ from launch.life import records, store_run
 from launch.life.cleanup import Sweep, runs_alive, sweep
 from launch.life.records import Cause, RunRecord, RunResult, Status, supervisor_alive
 from launch.life.stream import failed_rank
-from launch.ship import outputs, userscript
+from launch.staging import outputs, userscript
 from training.runtime import events
 from training.runtime.notice import Notice
 from training.runtime.paths import RunPaths

@@ -19,7 +19,7 @@ from cluster import store as store_lib
 from core import procs
 from core.errors import ClusterError, NoRecord
 from launch.plan import batch, launcher
-from launch.ship import secrets
+from launch.staging import secrets
 from training.runtime import events
 from training.runtime import store as shared_store
 from training.runtime.notice import Notice

@@ -2,7 +2,7 @@
 cluster's store (each new node takes it from there: nothing crosses the operator's link), in a new run
 folder. Runs recorded before the store resume from their checkpoint at home, shipped as before.
 
-The code: the run's snapshot in the store (launch.ship.snapshot), whatever the folder holds now; `--code current`
+The code: the run's snapshot in the store (launch.staging.snapshot), whatever the folder holds now; `--code current`
 takes the folder (or the lone script) as it is now instead, and fab names the files that changed. A run recorded
 without a snapshot (no store) resumes only with its folder, script and data files unchanged."""
 from __future__ import annotations
@@ -15,8 +15,8 @@ from cluster import store as store_lib
 from core.errors import ClusterError, NoCheckpoint, NoRecord
 from launch.life import records
 from launch.plan.request import Resume, TrainRequest, file_digest
-from launch.ship import secrets
-from launch.ship import workdir as workdir_lib
+from launch.staging import secrets
+from launch.staging import workdir as workdir_lib
 from training.runtime.paths import Checkpoints, RunPaths
 from training.runtime.spec import RunSpec
 

@@ -14,7 +14,7 @@ from core.errors import ClusterError, NodeFailure
 from launch.life import head, lock, records
 from launch.life.cleanup import runs_alive, sweep
 from launch.life.records import Status
-from launch.ship import run_secrets
+from launch.staging import run_secrets
 from training.runtime.paths import RunPaths
 
 RUN_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
@@ -73,7 +73,7 @@ def _end_on_head(cluster: Cluster, rec: records.RunRecord | None) -> bool:
         return False
     chain = sup.get("chain") or rec.run_id
     ended = bool(head.end_on(cluster.head, chain))
-    if cluster.head.labels.get("aws_head"):  # the chain is over: its secrets leave SSM (launch.ship.run_secrets)
+    if cluster.head.labels.get("aws_head"):  # the chain is over: its secrets leave SSM (launch.staging.run_secrets)
         run_secrets.delete_chain(cluster.head.labels["aws_head"], chain)
     return ended
 

@@ -7,7 +7,7 @@ import logging
 from cluster import store as store_lib
 from core.errors import ClusterError
 from launch.plan.request import TrainRequest
-from launch.ship import secrets
+from launch.staging import secrets
 from training.runtime import store as training_store
 
 log = logging.getLogger(__name__)

@@ -9,7 +9,7 @@ import time
 from typing import TextIO
 
 from launch.plan import launcher
-from launch.ship import secrets
+from launch.staging import secrets
 from training.runtime import events
 
 log = logging.getLogger(__name__)

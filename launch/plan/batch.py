@@ -4,7 +4,7 @@ ranks keeps per-device batch x ranks x accumulation, so its optimizer steps and 
 from __future__ import annotations
 
 from core.errors import ClusterError
-from launch.ship import jobflags
+from launch.staging import jobflags
 
 GRAD_ACCUM_ENV = "XC_GRAD_ACCUM"  # a --script run on fewer nodes: its accumulation factor (docs/scripts.md)
 

@@ -3,7 +3,7 @@
 Layout per node comes from launch.plan.topology.derive_layout; what reaches the ranks is
 - global variables through `-genv` (mpirun runs with -genvnone so nothing else leaks in),
 - per-node variables (CPU lists, CCL worker affinity, malloc preload) in node_env.sh,
-- secret --env values in secrets.env (mode 0600, removed after the run; see launch.ship.secrets),
+- secret --env values in secrets.env (mode 0600, removed after the run; see launch.staging.secrets),
 - pinning by rank.sh with taskset, because nodes may differ in their CPU sets.
 """
 from __future__ import annotations
@@ -44,7 +44,7 @@ class LaunchPlan:
     pin: bool = True
     timeout_s: int = 300
     launcher: str = "python"  # or "accelerate": `accelerate launch` per rank (launch_words)
-    workdir: object = field(default=None, compare=False)  # launch.ship.workdir.Workdir: --workdir, scanned and hashed
+    workdir: object = field(default=None, compare=False)  # launch.staging.workdir.Workdir: --workdir, scanned and hashed
 
     @property
     def ppn(self) -> int:

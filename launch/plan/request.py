@@ -19,8 +19,8 @@ from core.errors import ClusterError
 from launch.plan import launcher, topology
 from launch.plan.batch import micro_batches, same_global_batch, smaller_sizes
 from launch.plan.probe import NodeFacts, master_port, probe, resolve_backend, resolve_precision
-from launch.ship import jobdata, jobflags, secrets, snapshot, workdir
-from launch.ship.datafiles import FILE_FLAGS, file_digest, local_files, rewrite_files
+from launch.staging import jobdata, jobflags, secrets, snapshot, workdir
+from launch.staging.datafiles import FILE_FLAGS, file_digest, local_files, rewrite_files
 from training.runtime import store as shared_store
 from training.runtime.paths import Checkpoints
 from training.runtime.spec import RunSpec
@@ -62,14 +62,14 @@ class Resume:
     world_size: int
     checkpoint: str | None = None
     url: str | None = None
-    snapshot: str | None = None  # the code snapshot the resumed run ran (launch.ship.snapshot)
+    snapshot: str | None = None  # the code snapshot the resumed run ran (launch.staging.snapshot)
     current: bool = False  # --code current: the folder as it is now, not that snapshot
 
 
 @dataclass(frozen=True)
 class TrainRequest:
     """One launch of a run: its RunSpec (what the record keeps) and what is this launch's own (where the runs folder
-    is, which run it resumes, whether it detaches). Resolved once from the flags (launch.chain.train_flags) or a
+    is, which run it resumes, whether it detaches). Resolved once from the flags (launch.supervision.train_flags) or a
     record; never changed after: a step that needs another request makes one (`but`)."""
 
     spec: RunSpec = field(default_factory=RunSpec)

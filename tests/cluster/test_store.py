@@ -162,7 +162,7 @@ def test_the_store_is_chosen_by_flag_env_config_then_the_local_folder(tmp_path, 
 
 
 def test_credentials_reach_the_ranks_only_as_secrets_off_aws(monkeypatch):
-    from launch.ship import secrets
+    from launch.staging import secrets
 
     monkeypatch.setenv("AWS_ACCESS_KEY_ID", "AKIAEXAMPLEKEY")
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "verysecretvalue")

@@ -134,7 +134,7 @@ def test_the_heads_role_does_only_what_the_supervisor_needs(program):
                                    f"arn:aws:ssm:us-east-1:{ACCOUNT}:parameter/xeon-cluster/dev/*"]
     # the mesh key (cluster.mesh) is under the secrets' path: only the head reads it
     from cluster import mesh
-    from launch.ship import run_secrets
+    from launch.staging import run_secrets
 
     assert mesh.parameter("dev").startswith("/xeon-cluster/dev/")
     # a chain's secrets leave SSM with the chain: the head deletes those, and never the mesh key

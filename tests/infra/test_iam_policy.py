@@ -19,7 +19,7 @@ FAB_CODE = ("cluster", "sweep", "core", "launch", "doctor", "infra/cost.py", "fa
 # The AWS twin (twin/) is left out: it plays AWS itself against moto with moto's credentials, never the operator's,
 # and its calls (create_vpc, create_auto_scaling_group, ...) are the deployer's and the cloud's, not fab's.
 # Actions the scan finds that fab's credentials must not have: the mesh key and the run secrets are read only on the
-# head, with its role (cluster.mesh.fetch, launch.ship.run_secrets.fetch; infra.policies.head_policy), which alone
+# head, with its role (cluster.mesh.fetch, launch.staging.run_secrets.fetch; infra.policies.head_policy), which alone
 # may decrypt them with the cluster's key, and list_tags_for_resource is the name of logs' call as well.
 NOT_FABS = {"ssm:GetParameter", "ssm:GetParameters", "ssm:ListTagsForResource", "kms:Decrypt"}
 # The scan goes by method name: fab's delete_policy is IAM's (the sweep's permissions boundary), not Auto Scaling's
@@ -50,7 +50,7 @@ def fab_actions() -> set[str]:
         methods.setdefault(method, set()).update(actions)
     # fab sweep deletes a store bucket's every version, which needs the versions' own action
     methods["list_object_versions"].add("s3:DeleteObjectVersion")
-    # a SecureString put with the cluster's own KMS key (cluster.mesh, launch.ship.run_secrets): SSM encrypts it with
+    # a SecureString put with the cluster's own KMS key (cluster.mesh, launch.staging.run_secrets): SSM encrypts it with
     # the caller's rights, which need kms:Encrypt on that key
     methods["put_parameter"].add("kms:Encrypt")
     files = [p for entry in FAB_CODE for p in ((ROOT / entry).rglob("*.py") if (ROOT / entry).is_dir()

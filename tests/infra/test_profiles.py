@@ -396,7 +396,7 @@ def test_the_baked_venv_holds_what_the_heads_supervisor_imports(name):
 
 
 def test_supervisor_imports_names_what_a_supervisor_loads():
-    code = ("import sys; b = set(sys.modules); import launch.chain.supervisor, launch.life.head, node_setup.head_boot; "
+    code = ("import sys; b = set(sys.modules); import launch.supervision.supervisor, launch.life.head, node_setup.head_boot; "
             "print(' '.join(sorted({m.split('.')[0] for m in set(sys.modules) - b})))")
     loaded = set(subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
                                 check=True).stdout.split())

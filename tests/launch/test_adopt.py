@@ -1,4 +1,4 @@
-"""launch.chain.adopt, on a file store: which chains a head taking over at boot would adopt, and when. The takeover
+"""launch.supervision.adopt, on a file store: which chains a head taking over at boot would adopt, and when. The takeover
 itself (a head killed mid-run, its replacement following the run and restarting it after a spot notice) runs on the
 AWS twin: tests/twin/test_twin.py."""
 from __future__ import annotations
@@ -15,9 +15,9 @@ import pytest
 
 from cluster import store as store_lib
 from core.errors import ClusterError, NodeFailure, Preempted
-from launch.chain import adopt
 from launch.life import detach, head
 from launch.life.records import RunRecord, Status
+from launch.supervision import adopt
 
 
 def _run(url: str, run_id: str, status: Status, **fields) -> None:
@@ -166,7 +166,7 @@ def test_the_boot_script_takes_over_only_chains_and_only_code_that_hashes_to_its
     """On S3 (moto): beside a real chain, a `supervisor.json` a node may write (under runs/<id>/output/) with a bogus
     digest, never read; a chain whose digest is not one, and a chain whose tarball is not what its digest says: each
     skipped with one line, and the real chain's code (verified as cluster.shipping hashes it) runs
-    launch.chain.adopt. The planted file is no chain to launch.chain.adopt either."""
+    launch.supervision.adopt. The planted file is no chain to launch.supervision.adopt either."""
     from pathlib import Path
 
     import boto3
@@ -175,7 +175,7 @@ def test_the_boot_script_takes_over_only_chains_and_only_code_that_hashes_to_its
 
     def tree(name: str, text: str) -> tuple[str, bytes]:
         root = tmp_path / name
-        for rel, body in {"launch/__init__.py": "", "launch/chain/__init__.py": "", "launch/chain/adopt.py": text}.items():
+        for rel, body in {"launch/__init__.py": "", "launch/supervision/__init__.py": "", "launch/supervision/adopt.py": text}.items():
             (root / rel).parent.mkdir(parents=True, exist_ok=True)
             (root / rel).write_text(body)
         return shipping.code_hash(root, ("launch",)), shipping.code_tarball(root, ("launch",))
@@ -215,14 +215,14 @@ def test_the_boot_script_takes_over_only_chains_and_only_code_that_hashes_to_its
     assert skipped == [bad, tampered_line], res.stdout
     assert "/output/" not in res.stdout  # the planted file is never even looked at (the boot lists run folders only)
     assert sorted(p.name for p in code.iterdir()) == [real]  # the refused tarball was never unpacked
-    assert (code / real / "launch" / "chain" / "adopt.py").read_text() == adopt_py
+    assert (code / real / "launch" / "supervision" / "adopt.py").read_text() == adopt_py
     # the real code's own tarball, as fab puts it into the store, passes the check the boot script makes
     import runpy
 
     boot = runpy.run_path(str(script), run_name="boot")
     assert boot["tarball_digest"](shipping.code_tarball(tops=shipping.HEAD_SHIPPED)) == \
         shipping.code_hash(tops=shipping.HEAD_SHIPPED)
-    # launch.chain.adopt lists the real chain only, the planted file beside it
+    # launch.supervision.adopt lists the real chain only, the planted file beside it
     monkeypatch.setenv("XC_S3_ENDPOINT_URL", aws_env)
     url = "s3://xc-boot/dev"
     _run(url, chain, Status.RUNNING)
@@ -277,7 +277,7 @@ def _orphan(tmp_path, monkeypatch, *fakes, spec: dict | None = None) -> str:
     from fake_node import FakeCluster
 
     from launch.life import cleanup, lifecycle
-    from launch.ship import outputs, userscript
+    from launch.staging import outputs, userscript
 
     fc = FakeCluster(*fakes)
     fc.install(monkeypatch, detach, cleanup, lifecycle, outputs, userscript)
@@ -358,9 +358,9 @@ def test_an_adopted_chain_whose_node_0_is_gone_restarts_or_is_concluded(tmp_path
     from fake_node import FakeNode
 
     from cluster import resolve
-    from launch.chain import restarts, supervisor
     from launch.life.records import RunResult
-    from launch.ship import run_secrets
+    from launch.staging import run_secrets
+    from launch.supervision import restarts, supervisor
 
     url = _orphan(tmp_path, monkeypatch, FakeNode("node0", reachable=False), FakeNode("node1", procs={"c1": 1}),
                   spec={"recovery": {"max_restarts": max_restarts, "restart_wait": 60}})  # the record's policy

@@ -14,8 +14,8 @@ from cluster import aws
 from cluster.resolve import Cluster
 from core.constants import TAG_CLUSTER, TAG_IMAGE
 from core.errors import ClusterError
-from launch.chain import restarts, supervisor
 from launch.plan.request import TrainRequest
+from launch.supervision import restarts, supervisor
 from training.runtime.spec import Recovery
 
 

@@ -9,12 +9,12 @@ import pytest
 import torch
 
 from core.errors import ClusterError
-from launch.chain import restarts
-from launch.chain.train_flags import TrainFlags, resolve
 from launch.life import elastic, runs
 from launch.life.records import RunRecord, Status
 from launch.plan import batch
 from launch.plan.request import TrainRequest
+from launch.supervision import restarts
+from launch.supervision.train_flags import TrainFlags, resolve
 from training.jobs import order
 from training.runtime import preempt
 from training.runtime.spec import Recovery

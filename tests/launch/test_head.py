@@ -62,8 +62,8 @@ def test_the_head_supervises_a_detached_run_and_recovers_it_with_the_operators_r
         # from the head's own copy of the code, shipped under its home by content hash, not from this checkout
         cwd = Path(os.readlink(f"/proc/{pid}/cwd"))
         assert cwd.parent == head_home / "code" and (cwd / ".complete").is_file(), cwd
-        assert (cwd / "launch" / "chain" / "supervisor.py").read_bytes() == \
-            (Path(__file__).resolve().parents[2] / "launch" / "chain" / "supervisor.py").read_bytes()
+        assert (cwd / "launch" / "supervision" / "supervisor.py").read_bytes() == \
+            (Path(__file__).resolve().parents[2] / "launch" / "supervision" / "supervisor.py").read_bytes()
         # fab doctor's head rows: it answers, has this revision's code, runs this chain's supervisor with a fresh beat
         doc = lc.fab("doctor", "--quick", env=env, timeout=300).stdout
         assert re.search(r"^head:\n  reachable +ok +", doc, re.MULTILINE), doc
@@ -131,7 +131,7 @@ def test_an_aws_heads_systemd_unit_is_built_with_the_chains_id(tmp_path):
     assert argv[:4] == ["systemd-run", "--unit", "xc-run-20260101-000000-glue-abcd", "--collect"]
     assert "--property=Restart=on-failure" in argv and "--working-directory=/opt/xc" in argv
     assert "--setenv=XC_SUPERVISOR=20260101-000000-glue-abcd" in argv and "--setenv=XC_HEAD=head" in argv
-    assert argv[-3:] == ["/opt/xeon-cluster/venv/bin/python", "-m", "launch.chain.supervisor"]
+    assert argv[-3:] == ["/opt/xeon-cluster/venv/bin/python", "-m", "launch.supervision.supervisor"]
     assert "XC_SUPERVISOR=20260101-000000-glue-abcd" in head_lib.pids_command("20260101-000000-glue-abcd")
 
 
@@ -163,7 +163,7 @@ def test_a_silent_supervisor_is_abandoned_only_when_the_head_confirms_it_gone(tm
 
 def test_a_chain_an_aws_head_supervised_is_not_abandoned_while_a_new_head_may_take_it_over(tmp_path, monkeypatch):
     """supervisor.json in the store: the head that supervised it went without ending it, and the group's new head
-    takes it over at boot (launch.chain.adopt). Between the stale heartbeat and that take-over 'fab runs' leaves
+    takes it over at boot (launch.supervision.adopt). Between the stale heartbeat and that take-over 'fab runs' leaves
     the record alone; a head long up that runs neither the chain nor its take-over has abandoned it."""
     store = f"file://{tmp_path / 'store'}"
     head = Node(name="head", host="127.0.0.9", private_host="127.0.0.9", user="me", labels={"aws_head": "dev"})
@@ -233,8 +233,8 @@ def test_doctor_checks_an_aws_heads_instance_role_by_its_name():
 def test_no_head_keeps_the_supervisor_here_even_where_the_cluster_has_a_head(monkeypatch):
     """fab train --detach --no-head: the fix the head-not-answering error names; it goes with --detach only."""
     from core.errors import ClusterError
-    from launch.chain import supervisor, train_flags
     from launch.plan.request import RUNS
+    from launch.supervision import supervisor, train_flags
 
     with pytest.raises(ClusterError, match="--no-head goes with --detach"):
         train_flags.resolve(train_flags.TrainFlags(no_head=True), RUNS)
@@ -292,8 +292,8 @@ def test_an_aws_head_without_the_projects_venv_leaves_the_supervisor_here_and_sa
     """An AWS head boots stock Ubuntu: fab looks for the venv there (over SSH) before it starts a supervisor on it,
     and without one this machine supervises, with the line saying so. A local node stands in for the head."""
     from cluster import local
-    from launch.chain import supervisor, train_flags
     from launch.plan.request import RUNS
+    from launch.supervision import supervisor, train_flags
 
     for key, value in cluster2.env.items():
         monkeypatch.setenv(key, value)

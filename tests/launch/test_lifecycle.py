@@ -19,7 +19,7 @@ from core.errors import ClusterError, Interrupted, NodeFailure, NodeLost, Preemp
 from launch.life import cleanup, detach, lifecycle, records, stop
 from launch.life.lifecycle import Outcome, Run
 from launch.life.records import FAILURES, TERMINAL, BadTransition, RunRecord, Status
-from launch.ship import outputs, userscript
+from launch.staging import outputs, userscript
 from training.runtime import events
 from training.runtime import notice as notice_lib
 from training.runtime.notice import GROUP, SPOT, Notice
@@ -387,7 +387,7 @@ def _resumable(runs: Path) -> None:
 
 
 def test_resume_keeps_recorded_values_only_for_flags_not_given(tmp_path):
-    from launch.chain.train_flags import TrainFlags, resolve
+    from launch.supervision.train_flags import TrainFlags, resolve
 
     _resumable(tmp_path)
     kept = resolve(TrainFlags(resume="old"), tmp_path).req
@@ -409,9 +409,9 @@ def test_resume_keeps_recorded_values_only_for_flags_not_given(tmp_path):
 def test_a_script_run_resumes_with_its_own_code_and_refuses_changed_code(tmp_path):
     """--resume (and so --max-restarts) takes --script/--workdir runs: the same script, folder and flags; a folder
     or script that changed since the run shipped it is refused with the fix."""
-    from launch.chain.train_flags import TrainFlags, resolve
     from launch.plan.request import file_digest
-    from launch.ship import workdir as workdir_lib
+    from launch.staging import workdir as workdir_lib
+    from launch.supervision.train_flags import TrainFlags, resolve
 
     proj = _mk(tmp_path / "proj")
     (proj / "train.py").write_text("print('hi')\n")
@@ -465,7 +465,7 @@ def request_digest(path) -> str:
 
 def test_the_last_output_dir_wins_and_a_file_flag_without_a_value_is_one_line():
     from launch.plan import request
-    from launch.ship import userscript
+    from launch.staging import userscript
 
     assert userscript.output_flag(["--output_dir", "a", "--seed", "1", "--output_dir=b"]) == "b"  # argparse's rule
     assert userscript.output_flag(["--seed", "1"]) is None
@@ -475,7 +475,7 @@ def test_the_last_output_dir_wins_and_a_file_flag_without_a_value_is_one_line():
 
 
 def test_one_parser_reads_job_flags():
-    from launch.ship import jobflags
+    from launch.staging import jobflags
 
     argv = ["--a", "1", "--b", "--c=x=y", "pos", "--a", "2", "--d"]
     assert jobflags.values(argv) == {"--a": "2", "--b": "", "--c": "x=y", "--d": ""}
@@ -488,8 +488,8 @@ def test_one_parser_reads_job_flags():
 def test_the_supervisors_job_crosses_a_pipe_even_with_a_scanned_workdir(tmp_path):
     import pickle
 
-    from launch.chain import supervisor
     from launch.plan.request import TrainRequest, validate
+    from launch.supervision import supervisor
     from training.runtime.spec import Recovery
 
     (tmp_path / "train.py").write_text("print(1)\n")

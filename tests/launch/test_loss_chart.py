@@ -5,8 +5,8 @@ import json
 
 from PIL import Image
 
-from launch.ship.chart import BOTTOM, LEFT, RIGHT, TOP, S, ticks
-from launch.ship.outputs import draw_loss
+from launch.staging.chart import BOTTOM, LEFT, RIGHT, TOP, S, ticks
+from launch.staging.outputs import draw_loss
 
 TRAIN, EVAL = (31, 119, 180), (255, 127, 14)
 

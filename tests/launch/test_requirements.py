@@ -24,10 +24,10 @@ import pytest
 
 from core.errors import ClusterError
 from core.render import render
-from launch.chain import train_flags
 from launch.life import records
 from launch.plan.request import TrainRequest
-from launch.ship import requirements as rq
+from launch.staging import requirements as rq
+from launch.supervision import train_flags
 from node_setup import profiles
 from training.runtime import pylayer
 from training.runtime.store import STORE_ENV, open_store

@@ -15,11 +15,11 @@ from conftest import fab, processes_with_env, start_cluster
 from fake_imds import FakeIMDS
 
 from core.errors import ClusterError, NodeFailure, Preempted
-from launch.chain import restarts
 from launch.life import records
 from launch.life.records import RunRecord, RunResult, Status, load
 from launch.plan.request import TrainRequest
 from launch.run import DEMO_ARGS
+from launch.supervision import restarts
 from training.runtime.paths import Checkpoints
 from training.runtime.spec import Recovery, RunSpec
 
@@ -127,7 +127,7 @@ def test_restarts_resume_from_the_newest_checkpoint_along_the_resume_chain(tmp_p
 
 
 def test_a_head_that_took_a_chain_over_counts_the_restarts_the_chain_already_had(tmp_path, monkeypatch):
-    """launch.chain.adopt: the second restart of a --max-restarts 2 chain reads '2 of 2' on the new head, and a
+    """launch.supervision.adopt: the second restart of a --max-restarts 2 chain reads '2 of 2' on the new head, and a
     chain that had both has none left."""
     _fake_run(tmp_path, "a", "preempted", 20)
     _fake_run(tmp_path, "b", "failed", None, resumed_from="a")

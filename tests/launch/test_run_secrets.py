@@ -1,4 +1,4 @@
-"""The secrets of a chain an AWS head supervises (launch.ship.run_secrets), against a moto server over HTTP: fab
+"""The secrets of a chain an AWS head supervises (launch.staging.run_secrets), against a moto server over HTTP: fab
 puts each secret --env value as a SecureString under /xeon-cluster/<cluster>/runs/<chain>/, a head that takes the
 chain over reads them back, its supervisor deletes them at the chain's end; the store's job keeps only their names.
 The whole flow (head killed, the replacement restarting the run with its secret) runs on the AWS twin
@@ -10,9 +10,9 @@ import types
 import moto_fixture
 from test_mesh import cluster_key, key_of
 
-from launch.chain import adopt
 from launch.plan.request import TrainRequest
-from launch.ship import run_secrets
+from launch.staging import run_secrets
+from launch.supervision import adopt
 
 
 def test_put_then_a_head_reads_them_back_and_the_chains_end_deletes_them(aws_env):

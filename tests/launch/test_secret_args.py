@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 
 from core.errors import ClusterError
-from launch.chain import restarts
 from launch.life.records import RunRecord, Status
 from launch.plan.request import TrainRequest, validate
-from launch.ship import secrets
+from launch.staging import secrets
+from launch.supervision import restarts
 from training.runtime.paths import Checkpoints
 
 HF = "hf_AbCdEf0123456789"
@@ -67,7 +67,7 @@ def _resumable(runs: Path, args: list[str]) -> None:
 
 
 def test_a_resume_takes_the_value_from_the_operators_environment_or_refuses_in_one_line(tmp_path, monkeypatch):
-    from launch.chain.train_flags import TrainFlags, resolve
+    from launch.supervision.train_flags import TrainFlags, resolve
 
     args = ["--hub_token", HF, "--seed", "3"]
     _resumable(tmp_path, args)

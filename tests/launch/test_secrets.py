@@ -11,7 +11,7 @@ import pytest
 from conftest import processes_with_cmdline
 
 from launch.life import records
-from launch.ship import secrets
+from launch.staging import secrets
 
 pytestmark = pytest.mark.cluster
 

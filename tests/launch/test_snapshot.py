@@ -1,4 +1,4 @@
-"""A run's own files as a snapshot in the store (launch/ship/snapshot.py, training/runtime/snapshot.py), without a
+"""A run's own files as a snapshot in the store (launch/staging/snapshot.py, training/runtime/snapshot.py), without a
 cluster: put there once per content, unpacked once per node and copied into each run, and what a restart or a
 resume runs whatever the folder holds by then. The local cluster's restart from it: tests/launch/test_script_restarts.py."""
 from __future__ import annotations
@@ -14,7 +14,7 @@ from core.errors import ClusterError
 from launch.life import records
 from launch.life.records import RunRecord, Status
 from launch.plan.request import TrainRequest, validate
-from launch.ship import snapshot
+from launch.staging import snapshot
 from training.runtime import snapshot as node_side
 from training.runtime import store as store_lib
 from training.runtime.paths import Checkpoints
@@ -142,7 +142,7 @@ def _recorded(tmp_path: Path, req: TrainRequest, run_id: str = "20260101-000000-
 
 
 def test_resume_takes_the_snapshot_and_code_current_names_what_changed(tmp_path):
-    from launch.chain.train_flags import TrainFlags, resolve
+    from launch.supervision.train_flags import TrainFlags, resolve
 
     proj = _project(tmp_path / "proj")
     req = snapshot.prepare(_request(tmp_path, proj), print)
@@ -170,7 +170,7 @@ def test_resume_takes_the_snapshot_and_code_current_names_what_changed(tmp_path)
 
 
 def test_the_code_flag_goes_with_resume_and_names_its_choices(tmp_path):
-    from launch.chain.train_flags import TrainFlags, resolve
+    from launch.supervision.train_flags import TrainFlags, resolve
 
     with pytest.raises(ClusterError) as exc:
         resolve(TrainFlags(code="current"), tmp_path)

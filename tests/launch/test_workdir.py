@@ -20,7 +20,7 @@ from core.errors import ClusterError
 from core.render import render
 from launch.life import records
 from launch.plan import launcher
-from launch.ship import workdir
+from launch.staging import workdir
 from training.runtime.paths import RunPaths
 
 MiB = 1 << 20
@@ -264,7 +264,7 @@ def test_relative_paths_reach_the_supervisor_absolute(tmp_path, monkeypatch):
     """`fab train --workdir . --script train.py --detach --max-restarts 1` from the user's folder: the supervisor (on
     the head, or a restart later) runs in another directory, so the request names the folder, a lone script and the
     data files as absolute paths (it said `--script train.py does not exist in --workdir .`)."""
-    from launch.chain import train_flags
+    from launch.supervision import train_flags
 
     proj = tmp_path / "proj"
     proj.mkdir()

@@ -422,7 +422,7 @@ def test_the_table_covers_every_task_with_sixty_cases_or_more():
 ])
 def test_the_bundled_data_passes_the_checks(job, files):
     """The checks refuse what the jobs cannot use, not what they can: the bundled sets pass."""
-    from launch.ship import jobdata
+    from launch.staging import jobdata
 
     paths = [str(ROOT / "training" / "jobs" / "data" / f) for f in files]
     args = ["--train_file", paths[0], "--validation_file", paths[1], "--max_seq_length", "128",
@@ -431,7 +431,7 @@ def test_the_bundled_data_passes_the_checks(job, files):
 
 
 def test_a_glue_test_file_needs_no_labels(data, tmp_path):
-    from launch.ship import jobdata
+    from launch.staging import jobdata
 
     test = tmp_path / "test.csv"
     test.write_text("sentence1,sentence2\nA dog.,A dog ran.\n")

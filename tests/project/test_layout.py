@@ -161,9 +161,9 @@ def test_the_rooms_of_training_depend_one_way():
 
 
 def test_the_rooms_of_launch_depend_one_way():
-    """ship (out and back) <- plan (flags to mpirun) <- life (a run's record and ending) <- run (one run) <- chain
-    (flags resolved, restarts, the supervisor): no two-way imports, function-level ones included."""
-    order = {"ship": 0, "plan": 1, "life": 2, "run": 3, "chain": 4}
+    """staging (out and back) <- plan (flags to mpirun) <- life (a run's record and ending) <- run (one run) <-
+    supervision (flags resolved, restarts, the supervisor): no two-way imports, function-level ones included."""
+    order = {"staging": 0, "plan": 1, "life": 2, "run": 3, "supervision": 4}
     rooms = {}
     for name in graph():
         parts = name.split(".")

@@ -111,7 +111,7 @@ def plant(cluster: str) -> dict[str, str]:
     ids["mesh-key"], ids["mesh-key-pub"] = f"/xeon-cluster/{cluster}/mesh-key", f"/xeon-cluster/{cluster}/mesh-key.pub"
     ssm.put_parameter(Name=ids["mesh-key"], Value="private", Type="SecureString")
     ssm.put_parameter(Name=ids["mesh-key-pub"], Value="ssh-ed25519 AAAA", Type="String")
-    ids["secret"] = f"/xeon-cluster/{cluster}/runs/20260101-000000-glue-abcd/HF_TOKEN"  # launch.ship.run_secrets
+    ids["secret"] = f"/xeon-cluster/{cluster}/runs/20260101-000000-glue-abcd/HF_TOKEN"  # launch.staging.run_secrets
     ssm.put_parameter(Name=ids["secret"], Value="hf_x", Type="SecureString")
     kms = client("kms")  # the secrets key (infra/head.py), with its alias: pulumi destroy removes the alias first
     ids["kms-key"] = kms.create_key(Tags=[{"TagKey": TAG_CLUSTER, "TagValue": cluster}])["KeyMetadata"]["KeyId"]

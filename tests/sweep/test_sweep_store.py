@@ -254,7 +254,7 @@ def test_yes_removes_what_no_run_needs_from_the_kept_store_and_keeps_the_runs(aw
 def test_the_sweeps_names_are_the_programs():
     """What fab sweep finds by name or waits on is what the program makes (infra/ and launch/ are above cluster/)."""
     from infra import head, policies
-    from launch.chain import adopt
+    from launch.supervision import adopt
     from sweep import delete as sweep_delete
     from sweep import find as sweep_list
 

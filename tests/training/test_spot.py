@@ -150,7 +150,7 @@ def test_save_every(value, expect):
 
 
 def test_home_checkpoints_skip_partial_transfers(tmp_path):
-    from launch.ship import outputs
+    from launch.staging import outputs
 
     for name, marker in (("checkpoint-5", True), ("checkpoint-9", False), ("checkpoint-7.partial", True)):
         (tmp_path / "checkpoints" / name).mkdir(parents=True)

@@ -9,7 +9,7 @@ import sys
 
 from cluster import shipping
 from doctor import store_probe as doctor_store
-from launch.chain import restarts
+from launch.supervision import restarts
 
 
 def _run_bare(program: str, cwd, *args: str) -> subprocess.CompletedProcess:

@@ -164,14 +164,14 @@ def probe(target):
 with concurrent.futures.ThreadPoolExecutor(len(sys.argv)) as pool:
     print(json.dumps(dict(zip(sys.argv[1:], pool.map(probe, sys.argv[1:])))))
 """
-# On the head: the environment its supervisor sets itself (launch.chain.supervisor._aws_head_env), the nodes as it
+# On the head: the environment its supervisor sets itself (launch.supervision.supervisor._aws_head_env), the nodes as it
 # finds them (cluster.aws) and each one's host name over fab's SSH, host keys verified. The head's key from SSM is not
 # what this checks: the operator's key (argv[1]), which the launch template's key pair authorizes, stands in for it.
 HEAD_DIALS = """
 import json, sys
 from unittest import mock
 from cluster import aws, remote
-from launch.chain import supervisor
+from launch.supervision import supervisor
 with mock.patch("cluster.mesh.fetch", return_value=sys.argv[1]):
     supervisor._aws_head_env("aws:twin")
 dialed = {}

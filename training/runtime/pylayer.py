@@ -4,7 +4,7 @@ venv's site-packages).
 
 The store keeps them as ``wheels/<key>/``: the wheels, the requirements they were resolved from, and
 ``wheels.json`` (the wheels' names and the nodes' platform), written last: a folder without it is incomplete.
-The key is a hash of the requirements and the nodes' platform (launch/ship/requirements.py makes it), so the
+The key is a hash of the requirements and the nodes' platform (launch/staging/requirements.py makes it), so the
 same requirements go to the store once however many runs use them.
 
 On a node, at staging (fab runs it over SSH with the ranks' environment: XC_STORE, XC_S3_ENDPOINT_URL and

@@ -9,7 +9,7 @@ from __future__ import annotations
 import shlex
 import sys
 
-MIN_REDACT = 4  # as launch.ship.secrets: shorter values would blank out ordinary text
+MIN_REDACT = 4  # as launch.staging.secrets: shorter values would blank out ordinary text
 
 
 def secret_values(path: str) -> list[str]:

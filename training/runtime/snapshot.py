@@ -1,4 +1,4 @@
-"""A run's code on a node, from the store: the snapshot fab put there when the run started (launch/ship/snapshot.py
+"""A run's code on a node, from the store: the snapshot fab put there when the run started (launch/staging/snapshot.py
 makes it), never the operator's machine, so a restart or a replacement node needs neither it nor the folder as it
 was.
 

@@ -5,7 +5,7 @@ request on a pipe (secret --env values never touch a disk), waits until the firs
 the run id and returns. The supervisor writes its pid into every run record it runs (`supervisor`), so
 `fab runs`, `fab logs -f` and `fab stop` find it again; its own output goes to runs/.supervisors/<id>.log.
 
-Run as `python -m launch.chain.supervisor` (stdin: the pickled job)."""
+Run as `python -m launch.supervision.supervisor` (stdin: the pickled job)."""
 from __future__ import annotations
 
 import base64
@@ -28,12 +28,12 @@ from cluster.node import Node
 from cluster.resolve import Cluster
 from core.constants import PROJECT_ROOT
 from core.errors import ClusterError, format_error
-from launch.chain import adopt, restarts
 from launch.life import head, records
 from launch.life.cleanup import runs_alive
 from launch.life.records import Status, result_line
 from launch.plan.request import new_run_id
-from launch.ship import run_secrets
+from launch.staging import run_secrets
+from launch.supervision import adopt, restarts
 from training.runtime import spot
 from training.runtime.paths import RunPaths
 from training.runtime.spec import RunSpec
@@ -93,7 +93,7 @@ def start_on_head(cluster, req, out: TextIO) -> str:
     with conn:
         code = shipping.ensure_code(conn, remote.remote_home(conn), digest, tarball)
         command = (f"cd {shlex.quote(code)} && exec env " + " ".join(shlex.quote(f"{k}={v}") for k, v in env.items())
-                   + f" {shlex.quote(cluster.head.python)} -m launch.chain.supervisor --on-head")
+                   + f" {shlex.quote(cluster.head.python)} -m launch.supervision.supervisor --on-head")
         if secrets_at:
             run_secrets.put(secrets_at, req.run_id, secret_env)
         res = None
@@ -154,7 +154,7 @@ def start(spec: str, req, out: TextIO, env: dict | None = None, secrets_at: str 
     log_path = folder / f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}.log"
     job = payload(spec, req, secrets_at)
     with log_path.open("wb") as sink:
-        proc = subprocess.Popen([sys.executable, "-m", "launch.chain.supervisor"], cwd=PROJECT_ROOT, stdin=subprocess.PIPE,
+        proc = subprocess.Popen([sys.executable, "-m", "launch.supervision.supervisor"], cwd=PROJECT_ROOT, stdin=subprocess.PIPE,
                                 stdout=sink, stderr=subprocess.STDOUT, start_new_session=True,
                                 env={**os.environ, **(env or {})})
     proc.stdin.write(job)
@@ -202,7 +202,7 @@ def detached_line(run_id: str, pid: int, max_restarts: int, on_head: str | None)
 def payload(spec: str, req, secrets_at: str | None = None) -> bytes:
     """What the supervisor is handed on its stdin. What validate() found stays here (a scanned --workdir holds
     a lock): the supervisor, a process of its own, checks the request once itself. `secrets_at`: the cluster under
-    whose SSM path fab put the chain's secrets (launch.ship.run_secrets)."""
+    whose SSM path fab put the chain's secrets (launch.staging.run_secrets)."""
     return pickle.dumps({"spec": spec, "req": req.but(checked=None), "secrets_at": secrets_at})
 
 
@@ -247,7 +247,7 @@ def main() -> int:
 
 
 def adopted(chain: str) -> int:
-    """`--adopt CHAIN`, started by launch.chain.adopt on a head that replaced the chain's: follow its newest run to
+    """`--adopt CHAIN`, started by launch.supervision.adopt on a head that replaced the chain's: follow its newest run to
     its end, then go on with the chain's restart loop (the restarts it has left)."""
     url = adopt.head_store()
     job = adopt.load_job(url, chain) if url else None

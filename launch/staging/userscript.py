@@ -18,7 +18,7 @@ from pathlib import Path
 
 from cluster.node import Node
 from cluster.remote import connect, fan_out, run
-from launch.ship import jobflags
+from launch.staging import jobflags
 from training.runtime.paths import RunPaths
 
 log = logging.getLogger(__name__)

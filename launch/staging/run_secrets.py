@@ -1,7 +1,7 @@
 """The secrets of a run an AWS head supervises, kept where a replacement head finds them (issue 52).
 
 fab puts each secret `--env` value of the chain (a bare `--env KEY`, or a name that reads as a secret:
-launch.ship.secrets.is_secret) and each secret job argument's (of_request) as an SSM SecureString at
+launch.staging.secrets.is_secret) and each secret job argument's (of_request) as an SSM SecureString at
 /xeon-cluster/<cluster>/runs/<chain>/<KEY>, encrypted with the cluster's own KMS key (cluster.mesh.secrets_key: only
 the head's role may decrypt with it), before the supervisor starts on the head. A head that takes the chain over reads them back (only the head's role may: infra.policies.head_policy).
 The supervisor deletes them when the chain ends, and `fab stop` when it ends the chain's supervisor (delete_chain: a
@@ -15,7 +15,7 @@ import posixpath
 
 from cluster.mesh import ROOT, secrets_key
 from core.ec2 import aws_client, aws_errors
-from launch.ship import secrets
+from launch.staging import secrets
 
 log = logging.getLogger(__name__)
 

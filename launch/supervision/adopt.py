@@ -3,14 +3,14 @@
 While a supervisor runs on a head it keeps `runs/<chain>/supervisor.json` in the store: what another head needs to
 go on with the chain (the cluster, the restart budget, the elastic policy, the code's digest; never a secret's
 value). fab puts the supervisor's code into the store too (`code/<digest>.tar.gz`). A head at boot
-(`node_setup/head_boot.py`, from its user data) fetches that code and runs `python -m launch.chain.adopt`, which
+(`node_setup/head_boot.py`, from its user data) fetches that code and runs `python -m launch.supervision.adopt`, which
 starts a supervisor `--adopt CHAIN` for every chain whose newest run is not over and whose heartbeat is stale, and
 never a second one for a chain a live process here already supervises. The adopted supervisor follows the run the
 ranks still run (under node 0's wrapper), concludes it, and restarts it as the first supervisor would have; node 0
 gone by then (reclaimed between two heads) is a lost node, as it would have been to the first supervisor.
 A run given secrets (`--env KEY`) is restarted by another head with their values from SSM, where fab kept them
-(launch.ship.run_secrets); where they are gone, it is not, and the record says so. A run of the user's own code
-(--workdir, --script, data files) is restarted from the snapshot its record names in the store (launch.ship.snapshot,
+(launch.staging.run_secrets); where they are gone, it is not, and the record says so. A run of the user's own code
+(--workdir, --script, data files) is restarted from the snapshot its record names in the store (launch.staging.snapshot,
 a separate object from the supervisor's code): the adopted supervisor reads its list of files there, and every node
 fetches it from there at staging, so nothing of the operator's machine, nor the folder as it was, is needed.
 """
@@ -33,7 +33,7 @@ from launch.life import detach, head, records
 from launch.life.lifecycle import Outcome, Run, end
 from launch.life.records import RunRecord, Status
 from launch.plan.request import TrainRequest
-from launch.ship import run_secrets, secrets
+from launch.staging import run_secrets, secrets
 from training.runtime import spot, store
 from training.runtime.paths import RunPaths
 from training.runtime.spec import RunSpec
@@ -57,7 +57,7 @@ def put_code(url: str, digest: str, tarball: bytes) -> None:
 
 def save_job(url: str, chain: str, spec: str, req, digest: str, secrets_at: str | None = None) -> None:
     """`secrets`: the names of the chain's secret --env values and arguments (a record keeps them masked);
-    `secrets_at`: the cluster under whose SSM path fab keeps their values (launch.ship.run_secrets), if it did."""
+    `secrets_at`: the cluster under whose SSM path fab keeps their values (launch.staging.run_secrets), if it did."""
     job = {"chain": chain, "spec": spec, "secrets": sorted(run_secrets.of_request(req)), "secrets_at": secrets_at,
            "code": digest}  # the recovery policy is in the runs' records (their RunSpec), not here
     store_lib.put_record(url, chain, JOB, json.dumps(job, indent=2).encode())
@@ -268,7 +268,7 @@ def main() -> int:
 def _start(chain: str, name: str, runs_dir: Path, folder: Path) -> None:
     log_path = folder / f"{time.strftime('%Y%m%d-%H%M%S')}-adopt-{chain}.log"
     with log_path.open("wb") as sink:
-        proc = subprocess.Popen([sys.executable, "-m", "launch.chain.supervisor", "--adopt", chain],
+        proc = subprocess.Popen([sys.executable, "-m", "launch.supervision.supervisor", "--adopt", chain],
                                 stdin=subprocess.DEVNULL, stdout=sink, stderr=subprocess.STDOUT, start_new_session=True,
                                 env={**os.environ, head.ENV: chain, head.HEAD_ENV: name, "XC_RUNS_DIR": str(runs_dir)})
     print(f"xc-head-adopt: chain {chain}: supervisor pid {proc.pid}, log {log_path}", flush=True)

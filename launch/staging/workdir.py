@@ -6,7 +6,7 @@
   (patterns, `!`, trailing `/`, `**`). Never .git/ or __pycache__/.
 - How much: at most XC_WORKDIR_LIMIT_MB (default 200) MiB in all, refused before anything starts.
 - Shipped once per content: with a store (every `fab train` has one) as the run's snapshot there
-  (launch.ship.snapshot), which every node, and a restart, takes from the store; without one from this machine to
+  (launch.staging.snapshot), which every node, and a restart, takes from the store; without one from this machine to
   `<home>/workdirs/<digest>/` on every node (an unchanged project is not sent again). Each run works in its own
   copy, `runs/<id>/work/`: its current directory, first on sys.path, so what a run writes never reaches the next
   run's project.
@@ -41,7 +41,7 @@ class Workdir:
     """DIR's shipped files (relative POSIX paths), their size and content digest; the tarball on demand."""
 
     def __init__(self, root: Path, label: str, files: list[str], size: int | None = None, digest: str | None = None):
-        """`size` and `digest` given: the folder as a snapshot's manifest describes it (launch.ship.snapshot), not
+        """`size` and `digest` given: the folder as a snapshot's manifest describes it (launch.staging.snapshot), not
         read from disk (a head, or a restart after the folder changed, may not have it as it was)."""
         self.root, self.label, self.files = root, label, files
         self.size = size if size is not None else sum((root / f).stat().st_size for f in files)

@@ -23,7 +23,7 @@ from launch.life import resume as resume_lib
 from launch.life.records import RunResult
 from launch.plan.request import TrainRequest, new_run_id
 from launch.run import train
-from launch.ship import secrets
+from launch.staging import secrets
 from training.runtime import timeline
 from training.runtime.paths import RunPaths
 
@@ -160,7 +160,7 @@ def train_with_restarts(cluster: Cluster, req: TrainRequest, out: TextIO = sys.s
     says (req.spec.recovery, which every run of the chain keeps in its record). The run that ended is recorded
     `restarting` while this waits, and names the run it was resumed as. With min_nodes, a wait that ends short of
     every node goes on with fewer (launch.life.elastic). `ended`: a run of the chain already ended so (a head that
-    took the chain over, launch.chain.adopt): handled first, with the chain's `restarts_done` already counted."""
+    took the chain over, launch.supervision.adopt): handled first, with the chain's `restarts_done` already counted."""
     def say(msg: str) -> None:
         out.write(msg + "\n")
         out.flush()

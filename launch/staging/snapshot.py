@@ -1,8 +1,8 @@
 """A run's code as a snapshot in the cluster's store: what every node, every restart and any head runs it from.
 
-- What: `--workdir DIR` (the files launch.ship.workdir ships: what git would commit), or a lone `--script FILE`, and
+- What: `--workdir DIR` (the files launch.staging.workdir ships: what git would commit), or a lone `--script FILE`, and
   the data files the run's flags name (`--train_file` ...), packed once at `fab train` time into one tarball:
-  `work/...`, `script/<name>`, `data/<name>` (the names the ranks see, launch.ship.datafiles).
+  `work/...`, `script/<name>`, `data/<name>` (the names the ranks see, launch.staging.datafiles).
 - Where: the store's `snapshots/<key>.tar.gz`, with `snapshots/<key>.json` (each file's digest) written last; the
   key a hash of the content, so an unchanged folder is put there once however many runs use it (the upload is
   skipped when the key is there).
@@ -25,8 +25,8 @@ from pathlib import Path
 from cluster import remote
 from cluster.store import PUBLIC_ENV
 from core.errors import ClusterError
-from launch.ship import workdir as workdir_lib
-from launch.ship.datafiles import file_digest, local_files, rewrite_files
+from launch.staging import workdir as workdir_lib
+from launch.staging.datafiles import file_digest, local_files, rewrite_files
 from training.runtime import snapshot as shared
 from training.runtime import store as store_lib
 

@@ -19,7 +19,7 @@ from pathlib import Path
 from cluster.node import Node
 from cluster.remote import connect, fan_out, run
 from core.errors import ClusterError
-from launch.ship import jobflags
+from launch.staging import jobflags
 
 # Numeric job flags: flag -> (type, lowest, highest, lowest excluded). Others are left to the job's parser.
 NUMBERS = {

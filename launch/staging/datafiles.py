@@ -1,12 +1,12 @@
 """The data files a run's flags name (`--train_file` ...): files on the operator's machine that go to the nodes,
-in the run folder's data/ (from the run's snapshot in the store, launch.ship.snapshot, or from this machine)."""
+in the run folder's data/ (from the run's snapshot in the store, launch.staging.snapshot, or from this machine)."""
 from __future__ import annotations
 
 import hashlib
 from pathlib import Path
 
 from core.errors import ClusterError
-from launch.ship import jobflags
+from launch.staging import jobflags
 
 # Flags of the bundled jobs whose values are files on the operator's machine: shipped to the nodes.
 FILE_FLAGS = ("--train_file", "--validation_file", "--test_file")

@@ -13,7 +13,7 @@ from core.cli import as_int, env_pairs, job_args, valueless_keys
 from core.errors import ClusterError
 from launch.life import resume as resume_lib
 from launch.plan.request import TrainRequest, absolute_files
-from launch.ship.snapshot import CODE_CHOICES
+from launch.staging.snapshot import CODE_CHOICES
 
 
 def _flag(help_text: str, default=None):

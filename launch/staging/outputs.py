@@ -16,7 +16,7 @@ from pathlib import Path
 from cluster.node import Node
 from cluster.remote import connect, fan_out, run
 from core.errors import ClusterError
-from launch.ship import chart
+from launch.staging import chart
 from training.runtime import events
 from training.runtime.paths import (
     Checkpoints,
