@@ -7,7 +7,7 @@ for a node.
 
 The cluster's secrets key is the head's too: a customer-managed KMS key (rotated yearly, alias
 alias/xeon-cluster/<cluster>) that the mesh key and the run secrets in SSM are encrypted with (cluster.mesh,
-launch.ship.run_secrets) and that only the head's role may decrypt with (infra/policies.py key_policy): the nodes and
+launch.staging.run_secrets) and that only the head's role may decrypt with (infra/policies.py key_policy): the nodes and
 the image build, whatever SSM parameters they may read, cannot read those values.
 
 Its image: with image=bake, the nodes' baked AMI (Ubuntu with the project's venv at /opt/xeon-cluster/venv, so the

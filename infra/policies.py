@@ -247,7 +247,7 @@ def head_statements(ctx: AwsContext, cluster: str, group: str, bucket_arn: str, 
         {"Sid": "ReadRunSecrets", "Effect": "Allow", "Resource": ctx.ssm_path_arns(secrets_path(cluster)),
          "Action": ["ssm:GetParameter", "ssm:GetParameters", "ssm:GetParametersByPath"]},
         decrypt_statement(ctx, cluster, key),
-        # a chain's secrets (launch.ship.run_secrets) leave SSM when its supervisor ends it; never the mesh key
+        # a chain's secrets (launch.staging.run_secrets) leave SSM when its supervisor ends it; never the mesh key
         {"Sid": "DeleteEndedRunSecrets", "Effect": "Allow", "Action": ["ssm:DeleteParameters"],
          "Resource": [ctx.ssm_path_arns(f"{secrets_path(cluster)}/runs")[1]]},
         # node order (cluster.aws.order_nodes): the master role tag moves to a survivor when node 0 is gone
