@@ -28,8 +28,7 @@ log = logging.getLogger(__name__)
 
 def _divisor(rec: records.RunRecord) -> tuple[int, int]:
     """The run's per-device batches per optimizer step (accumulation x ranks) and its ranks per node."""
-    kept = RunSpec.from_json(rec.spec)
-    like = TrainRequest.of(kept, script=rec.script, module=rec.module)
+    like = TrainRequest.of(RunSpec.from_json(rec.spec))
     return micro_batches(like, list(rec.args), int(rec.world_size or 1)), int(rec.ppn or 1)
 
 

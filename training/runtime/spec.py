@@ -84,6 +84,8 @@ class Recovery:
 
 _SECTIONS = {"what": What, "where": Where, "speed": Speed, "saving": Saving, "recovery": Recovery}
 _HOME = {f.name: section for section, cls in _SECTIONS.items() for f in dataclasses.fields(cls)}
+# fields that may be null (their annotation says so): a record's null there is kept, elsewhere it means the default
+_NULLABLE = {f.name for cls in _SECTIONS.values() for f in dataclasses.fields(cls) if "None" in str(f.type)}
 
 
 @dataclass(frozen=True)
@@ -206,6 +208,3 @@ class RunSpec:
         value = {"--ppn": self.where.ppn, "--threads": self.where.threads}[flag]
         return None if value in (None, "", "auto") else int(value)
 
-
-_NULLABLE = {"job", "script", "workdir", "module", "requirements", "pylayer", "snapshot", "script_digest", "nodes",
-             "min_nodes"}
