@@ -1,5 +1,5 @@
 """The head: a small on-demand instance next to the nodes that runs what must outlive the operator's laptop (the
-supervisors of detached runs, issue 40). An Auto Scaling group of one replaces it when it dies; it is never spot
+supervisors of detached runs). An Auto Scaling group of one replaces it when it dies; it is never spot
 (it recovers the nodes from their reclaims), requires IMDSv2, has an encrypted gp3 root, sits in the cluster's
 subnet in a security group of its own (SSH from adminCidr only: nodes run user code and reach it on no port) and has
 its own role (infra/policies.py head_policy). It carries the cluster tag but no role tag: discovery never takes it

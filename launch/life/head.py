@@ -1,4 +1,4 @@
-"""The head: the machine next to the nodes that runs detached runs' supervisors (issue 40), so that recovery
+"""The head: the machine next to the nodes that runs detached runs' supervisors, so that recovery
 never needs the operator's machine. A supervisor there carries XC_SUPERVISOR=<its chain's first run id> in its
 environment (how `fab stop` and the liveness check find it over SSH), publishes what changed of the records and
 log of the runs it runs to the store every few seconds (the log in appended parts), and a heartbeat (runs/<id>/heartbeat.json) every 30 s; `fab runs`,

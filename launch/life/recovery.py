@@ -1,4 +1,4 @@
-"""What a restart cost (issue 40 item 5): seconds from the notice (or the loss of a node) to the resumed run's
+"""What a restart cost: seconds from the notice (or the loss of a node) to the resumed run's
 first optimizer step, split into the ending (the notice's checkpoint and teardown), waiting for nodes, staging and
 start-up, and the steps done twice. Recorded on the resumed run (`recovery`) the moment its rank 0 marks its
 first optimizer step (training.runtime.timeline's `first_step`, which a restart turns on with XC_TIMELINE=1; a script

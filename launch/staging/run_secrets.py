@@ -1,4 +1,4 @@
-"""The secrets of a run an AWS head supervises, kept where a replacement head finds them (issue 52).
+"""The secrets of a run an AWS head supervises, kept where a replacement head finds them.
 
 fab puts each secret `--env` value of the chain (a bare `--env KEY`, or a name that reads as a secret:
 launch.staging.secrets.is_secret) and each secret job argument's (of_request) as an SSM SecureString at

@@ -1,4 +1,4 @@
-"""A head is cattle: a replacement head takes over the chains the one before it supervised (issue 52).
+"""A head is cattle: a replacement head takes over the chains the one before it supervised.
 
 While a supervisor runs on a head it keeps `runs/<chain>/supervisor.json` in the store: what another head needs to
 go on with the chain (the cluster, the restart budget, the elastic policy, the code's digest; never a secret's

@@ -1,4 +1,4 @@
-"""The GPT-2 bench fits the machine (issue 54): at its defaults it picks the largest batch whose estimated peak fits
+"""The GPT-2 bench fits the machine: at its defaults it picks the largest batch whose estimated peak fits
 the memory available, and a --batch (or a machine) that cannot fit is refused in one line naming the flag before
 anything runs. The OOM killer is never the answer: --batch 16 was killed at 23 GB resident on a 24 GB machine."""
 from __future__ import annotations

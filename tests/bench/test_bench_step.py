@@ -1,4 +1,4 @@
-"""The step bench (bench/bert_step.py, issue 73): it ranks variants by samples per second, not by MFU over different
+"""The step bench (bench/bert_step.py): it ranks variants by samples per second, not by MFU over different
 precisions' peaks; its token ids are the glue job's without a tokenizer (bench/paraphrase_ids.py); and it runs on a
 host that has torch and transformers and nothing else of ours (no venv, no hub), from a copy of bench/ and training/.
 """
@@ -19,7 +19,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 import bert_step  # bench/ is not a package: on sys.path above
 import paraphrase_ids
 
-# what the AMX host printed (issue 73): fp32's MFU is over fp32's peak, a quarter of bf16's
+# what the AMX host printed: fp32's MFU is over fp32's peak, a quarter of bf16's
 AMX_ROWS = {"bf16w": {"samples_per_s": 51.5, "mfu": 0.370}, "bf16w-torch": {"samples_per_s": 43.8, "mfu": 0.315},
             "autocast": {"samples_per_s": 45.8, "mfu": 0.329}, "fp32": {"samples_per_s": 21.5, "mfu": 0.573},
             "fp32-torch": {"samples_per_s": 20.0, "mfu": 0.533}}

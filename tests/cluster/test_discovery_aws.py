@@ -143,7 +143,7 @@ def test_an_auto_scaling_group_node_lost_is_replaced_and_the_order_holds(aws_env
 
 
 def test_an_instance_with_the_cluster_tags_outside_its_group_is_not_a_node(aws_env, caplog):
-    """Issue 41: an instance launched by hand with xeon-cluster:cluster=barh and role=master, next to the cluster's
+    """An instance launched by hand with xeon-cluster:cluster=barh and role=master, next to the cluster's
     Auto Scaling group, became barh-0 (the node that gets every run's secrets). The group below is the one
     infra/nodes.py declares, run by moto, which tags its instances with aws:autoscaling:groupName as AWS does."""
     from infra.nodes import group_name, node_tags

@@ -1,4 +1,4 @@
-"""`fab` from the user's own repository (issue 54): the venv's `fab` is the project's (core/fabmain.py), which loads
+"""`fab` from the user's own repository: the venv's `fab` is the project's (core/fabmain.py), which loads
 this checkout's fabfile and fabric.yaml where Fabric finds no fabfile at or above the current folder. The tasks,
 the job flags after `--` and the cluster the checkout started are then found from any folder.
 

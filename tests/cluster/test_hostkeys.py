@@ -406,7 +406,7 @@ def test_a_malformed_host_key_tag_is_ignored_and_the_console_still_counts(tmp_pa
 
 
 def test_where_the_console_shows_keys_the_tags_must_agree_with_it(tmp_path):
-    """Issue 41: anyone allowed ec2:CreateTags on an instance can write its host-key tags; only the instance writes
+    """Anyone allowed ec2:CreateTags on an instance can write its host-key tags; only the instance writes
     its console. A tag the console contradicts is refused, naming the node and the instance; nothing is recorded."""
     path = tmp_path / "known_hosts"
     forged = ("ssh-ed25519", ed25519_key().get_base64())

@@ -1,4 +1,4 @@
-"""Issue 53 item 4: what a head's supervisor leaves in the versioned store bucket. A whole log.txt every 5 s made a
+"""What a head's supervisor leaves in the versioned store bucket. A whole log.txt every 5 s made a
 version per upload (a 10 MB log: ~170 GB a day of old versions); now a record is published only when it changed,
 the log in appended parts written once each, and logs and heartbeats carry the tag whose old versions expire after a
 day. Against a real moto S3 server with versioning on, a simulated 10-minute run (a progress line every tick, the

@@ -1,4 +1,4 @@
-"""fab doctor's store row asks only what the node role allows (issue 41 item 6): the real moto server process on
+"""fab doctor's store row asks only what the node role allows: the real moto server process on
 127.0.0.1 holds the bucket; the node role (infra.bucket.node_statements) is enforced on the client, since moto's IAM
 emulation ignores the s3:prefix condition that the role's listing depends on."""
 from __future__ import annotations
@@ -23,7 +23,7 @@ ACTION = {"HeadBucket": "s3:ListBucket", "ListObjectsV2": "s3:ListBucket", "List
           "PutObject": "s3:PutObject", "GetObject": "s3:GetObject", "DeleteObject": "s3:DeleteObject"}
 
 
-try:  # the node role's store statements: infra.policies since issue 41 item 3, infra.bucket before
+try:  # the node role's store statements: infra.policies now, infra.bucket before
     from infra.policies import store_statements as node_statements
 except ImportError:
     from infra.bucket import node_statements

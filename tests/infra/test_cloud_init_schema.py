@@ -1,4 +1,4 @@
-"""The nodes' and the head's user data pass cloud-init's own schema check (issue 41 item 12): cloud-init runs it
+"""The nodes' and the head's user data pass cloud-init's own schema check: cloud-init runs it
 only at first boot on a real instance, where a malformed cloud-config fails silently.
 
 cloud-init is not on PyPI, so the check here is its schema (tests/data/cloud-init: vendored from Debian 12's

@@ -1,6 +1,6 @@
-"""The head in the Pulumi program (issue 40 item 1), under Pulumi's mocks: a small on-demand instance in a group
+"""The head in the Pulumi program, under Pulumi's mocks: a small on-demand instance in a group
 of one, IMDSv2, encrypted, its own instance profile and least-privilege role, in the cluster's security group with
-no world-open ingress, in the cost estimate, and the partition-aware ARNs (issue 41 item 11) of every policy."""
+no world-open ingress, in the cost estimate, and the partition-aware ARNs of every policy."""
 from __future__ import annotations
 
 import base64
@@ -54,7 +54,7 @@ def test_the_head_is_a_small_on_demand_instance_with_imdsv2_an_encrypted_root_an
     profile = m.named("aws:iam/instanceProfile:InstanceProfile", "dev-head")
     assert template["iamInstanceProfile"] == {"arn": f"arn:aws:mock:::{profile.name}"}
     assert profile.inputs["role"] == "dev-head" and profile.name != "dev-node"  # its own role, not the nodes'
-    # under the path that the deployer's iam: rights and PassRole reach (issue 53 item 1)
+    # under the path that the deployer's iam: rights and PassRole reach
     assert profile.inputs["path"] == m.named("aws:iam/role:Role", "dev-head").inputs["path"] == "/xeon-cluster/"
     assert template["keyName"] == "dev-key"
     (nic,) = template["networkInterfaces"]
@@ -80,7 +80,7 @@ def test_the_head_is_a_small_on_demand_instance_with_imdsv2_an_encrypted_root_an
 
 
 def test_the_head_has_its_own_group_with_ssh_from_the_admin_cidr_only_and_the_nodes_take_ssh_from_it(program):
-    """Issue 53 item 2: the head (mesh key, run secrets) shares no group with nodes that run user code."""
+    """The head (mesh key, run secrets) shares no group with nodes that run user code."""
     run = program(adminCidr="198.51.100.0/28")
     m = run.mocks
     head, nodes = m.named(SG, "dev-head-sg"), m.named(SG, "dev-sg")
@@ -230,7 +230,7 @@ def test_the_cost_estimate_adds_the_head_on_demand():
 
 
 def test_china_regions_get_aws_cn_arns_and_principals_everywhere(program):
-    """Issue 41 item 11: no policy or trust the program writes names the 'aws' partition in aws-cn."""
+    """No policy or trust the program writes names the 'aws' partition in aws-cn."""
     run = program(Recorder(offered_zones=("cn-north-1a",), partition="aws-cn"), region="cn-north-1")
     m = run.mocks
     documents = [p.inputs["policy"] for p in m.of("aws:iam/rolePolicy:RolePolicy")]

@@ -1,4 +1,4 @@
-"""Every IAM policy the Pulumi program writes, docs/iam-policy.json and docs/iam-policy-pulumi.json, linted with parliament (issue 41): it knows
+"""Every IAM policy the Pulumi program writes, docs/iam-policy.json and docs/iam-policy-pulumi.json, linted with parliament: it knows
 each action's resource types and condition keys, which neither moto nor Pulumi's mocks enforce.
 
 The program runs under Pulumi's mocks in each partition (aws, aws-cn, aws-us-gov); its node and head policies, the
@@ -41,7 +41,7 @@ ACCEPTED = {
     ("fab", "RESOURCE_STAR"):
         "fab's reads only (GetConsoleOutput, ListRoleTags, GetInstanceProfile, List*BuildVersions): fab sweep reads "
         "every role, profile, instance and image build to find the cluster's by its tag, whose ids are not known when "
-        "the policy is written. Its deletes name their resource types and need the cluster's tag (issue 53)",
+        "the policy is written. Its deletes name their resource types and need the cluster's tag",
     ("pulumi", "RESOURCE_STAR"):
         "docs/iam-policy-pulumi.json: pulumi up creates what AWS names at creation (VPC, subnet, security group, "
         "launch templates, groups) and reads with Describe*/Get*, which take no resource; its IAM and S3 statements "

@@ -1,4 +1,4 @@
-"""docs/iam-policy.json against every AWS call fab makes (issue 26 item 6), built only: botocore's service
+"""docs/iam-policy.json against every AWS call fab makes, built only: botocore's service
 models map each client method named in fab's code (a call, a paginator, a name looked up in a table, or a bound
 method picked first and called later, as fab sweep's revokes are) to its IAM action. A real AWS account would
 confirm that no call needs a permission beyond its action."""

@@ -1,4 +1,4 @@
-"""Issue 53: the policies a security review reads first, through a scanner we did not write. cloudsplaining (the
+"""The policies a security review reads first, through a scanner we did not write. cloudsplaining (the
 least-privilege scanner a reviewer pastes policies into) runs over docs/iam-policy.json, docs/iam-policy-pulumi.json
 and every role, trust, bucket, boundary and key policy the Pulumi program renders under mocks, in each partition.
 

@@ -217,7 +217,7 @@ def test_one_self_replacing_group_holds_the_nodes_in_one_zone_and_placement_grou
         "Name": ("bert-node", True), "xeon-cluster:cluster": ("bert", True), "xeon-cluster:stack": ("dev", True),
         "xeon-cluster:role": ("worker", True), "xeon-cluster:ssh-user": ("ubuntu", True),
         "xeon-cluster:profile": ("upstream", True), "xeon-cluster:image": ("bake", True),
-        # the bucket its nodes write, on the group only: fab sweep never empties a live group's store (issue 53)
+        # the bucket its nodes write, on the group only: fab sweep never empties a live group's store
         "xeon-cluster:store": (m.one("aws:s3/bucket:Bucket").id, False)}
 
 
@@ -240,7 +240,7 @@ def test_a_zone_move_makes_a_subnet_that_does_not_overlap_and_a_new_placement_gr
 
 
 def test_a_zone_move_replaces_the_groups_old_one_first_so_one_pulumi_up_succeeds(program):
-    """Issue 41 item 10: a zone move changes the nodes' subnet and placement group. The group is replaced, deleted
+    """A zone move changes the nodes' subnet and placement group. The group is replaced, deleted
     first (its nodes drain through the hook inside it, so a run checkpoints), and Pulumi deletes the old subnet and
     placement group only after that, when nothing is left in them; the head's group likewise."""
     run = program()
@@ -316,7 +316,7 @@ def test_quota_and_rolling_lines_name_the_figures():
     assert set(catalog.HEAD_VCPUS) == set(catalog.HEAD_USD_H)  # every head type a stack may take has its vCPUs
     assert checks.rolling_line(("image",), 4, 50).startswith(
         "changing any of image rolls the nodes (instance refresh: 2 of 4 at a time, never more than 4 running)")
-    # a run on rolled nodes checkpoints at the termination hook (issue 41 item 11: the line said it fails)
+    # a run on rolled nodes checkpoints at the termination hook (the line once said it fails)
     assert checks.rolling_line(("image",), 4, 50).endswith(
         "a run in progress on them checkpoints at the termination hook and ends preempted: 'fab train --resume "
         "RUN_ID' (or --max-restarts) continues it")
@@ -424,9 +424,9 @@ def test_nodes_have_a_termination_hook_and_a_role_scoped_to_their_own_group(prog
     assert json.loads(role.inputs["assumeRolePolicy"])["Statement"][0]["Principal"] == {"Service": "ec2.amazonaws.com"}
     statements = role_policy(m, "dev-node")
     (lifecycle,) = [s for s in statements if "autoscaling:CompleteLifecycleAction" in s["Action"]]
-    # complete it, or keep it alive with heartbeats while the checkpoint uploads (issue 53 item 5)
+    # complete it, or keep it alive with heartbeats while the checkpoint uploads
     assert lifecycle["Action"] == ["autoscaling:CompleteLifecycleAction", "autoscaling:RecordLifecycleActionHeartbeat"]
-    # the group's ARN from its name (issue 41 item 8): the policy exists before the group, which waits for it
+    # the group's ARN from its name: the policy exists before the group, which waits for it
     assert lifecycle["Resource"] == [
         f"arn:aws:autoscaling:us-east-1:{ACCOUNT}:autoScalingGroup:*:autoScalingGroupName/dev-nodes"]
     policy = (ROLE_POLICY, "dev-node")
@@ -492,7 +492,7 @@ def test_the_store_bucket_is_private_encrypted_versioned_and_kept_with_its_prote
     m = run.mocks
     bucket = m.one("aws:s3/bucket:Bucket")
     assert bucket.inputs["bucketPrefix"].startswith("xc-dev-") and bucket.inputs.get("forceDestroy") is not True
-    # pulumi destroy keeps the bucket and everything that protects it (issue 41 item 2), and nothing else
+    # pulumi destroy keeps the bucket and everything that protects it, and nothing else
     protections = {m.one(typ).name for typ in STORE_PROTECTIONS}
     assert {name for name, kept in run.monitor.retained.items() if kept} == {bucket.name, *protections}
     assert all(m.one(typ).inputs["bucket"] == bucket.id for typ in STORE_PROTECTIONS)
@@ -514,7 +514,7 @@ def test_the_store_bucket_is_private_encrypted_versioned_and_kept_with_its_prote
     assert checkpoints["filter"]["and"] == {"prefix": "dev/runs/", "tags": {"xeon-cluster-kind": "checkpoint"}}
     assert checkpoints["noncurrentVersionExpiration"] == {"noncurrentDays": 1}  # a replaced checkpoint: one day
     assert rules["expire-noncurrent-versions"]["noncurrentVersionExpiration"]["noncurrentDays"] == 30
-    # logs and heartbeats, tagged as they are written (issue 53 item 4): their old versions last a day
+    # logs and heartbeats, tagged as they are written: their old versions last a day
     logs = rules["expire-noncurrent-logs"]
     assert logs["noncurrentVersionExpiration"] == {"noncurrentDays": 1}
     (key, value), = logs["filter"]["and"]["tags"].items()
@@ -526,7 +526,7 @@ def test_the_store_bucket_is_private_encrypted_versioned_and_kept_with_its_prote
 
 
 def test_pulumi_up_after_destroy_adopts_the_kept_bucket_instead_of_making_a_second(program):
-    """Issue 53 item 6: storeBucket names the bucket 'pulumi destroy' kept; the program imports it (its name, no
+    """`storeBucket` names the bucket 'pulumi destroy' kept; the program imports it (its name, no
     prefix), keeps it on the next destroy, and writes its protections again. Without it: a new bucket."""
     run = program(storeBucket="xc-dev-20261127abcd")
     bucket = run.mocks.one("aws:s3/bucket:Bucket")
@@ -545,7 +545,7 @@ def test_pulumi_up_after_destroy_adopts_the_kept_bucket_instead_of_making_a_seco
 
 
 def test_nodes_write_only_checkpoints_outputs_and_the_probe_and_delete_only_checkpoints_and_the_probe(program):
-    """Issue 41 item 3 and issue 53 item 2: user code on a node must not delete a run's outputs and records, nor any
+    """User code on a node must not delete a run's outputs and records, nor any
     version, nor write a record (summary, log, heartbeat) of any run: those are the head's and the operator's."""
     run = program(nodeCount="2")
     m = run.mocks

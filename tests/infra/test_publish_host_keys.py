@@ -1,4 +1,4 @@
-"""node_setup/publish_host_keys.py's first-boot behaviour (issue 41 items 8 and 11): it keeps trying with backoff
+"""node_setup/publish_host_keys.py's first-boot behaviour: it keeps trying with backoff
 for about ten minutes (a new role's policy takes a while to reach IAM everywhere), and it calls EC2 at the
 partition's own DNS suffix (amazonaws.com.cn in China), from IMDS or, where IMDS does not say, the region.
 The end-to-end publish against moto is in tests/cluster/test_hostkeys.py."""

@@ -1,4 +1,4 @@
-"""Issue 53 item 7: with image=base a replacement node boots stock Ubuntu without the software profile, so a run
+"""With image=base a replacement node boots stock Ubuntu without the software profile, so a run
 that --max-restarts would resume on it fails its preflight. The nodes say how they were made (the group's
 xeon-cluster:image tag, read into each node's labels by the aws inventory) and --max-restarts is refused on them in
 one line, attached or detached, before anything starts."""

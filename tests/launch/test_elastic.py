@@ -21,7 +21,7 @@ from launch.life.records import Status
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 
-# 800 samples x 3 epochs at 8 per device on 2 ranks: 150 optimizer steps (issue 56's Done when); a loss logged at
+# 800 samples x 3 epochs at 8 per device on 2 ranks: 150 optimizer steps; a loss logged at
 # every one
 ARGS = ("--num_train_epochs", "3", "--per_device_train_batch_size", "8", "--learning_rate", "1e-4",
         "--max_train_samples", "800", "--max_eval_samples", "64", "--seed", "42", "--logging_steps", "1")
@@ -110,7 +110,7 @@ def test_a_run_whose_node_does_not_return_goes_on_alone_with_the_same_batches_an
     sup = None
     try:
         reference = _reference(lc, no_dropout)
-        first, sup = _detached(lc, no_dropout, "--min-nodes", "1", "--restart-wait", "60")  # issue 56's Done when: 60 s
+        first, sup = _detached(lc, no_dropout, "--min-nodes", "1", "--restart-wait", "60")
         # a progress line every 7 steps, several steps a second: a notice raised after step 14 lands near step 20
         _notice_node1_at(lc, first, 14, after=10)  # node1 goes 10 s after its notice and nobody brings it back
         chain = _chain_end(lc, first, sup, 900)

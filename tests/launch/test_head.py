@@ -1,4 +1,4 @@
-"""The head (issue 40): on a real 2-node local cluster with its head, a detached `--max-restarts 1` run's supervisor
+"""The head: on a real 2-node local cluster with its head, a detached `--max-restarts 1` run's supervisor
 runs in the head's session (XC_SUPERVISOR=<run id>, started through the head's sshd, none on this side); with the
 operator's runs/ moved away a spot notice (fake IMDS) is recovered by the head, `fab runs` shows the chain ending ok
 from the store with what the restart cost, `fab logs` shows the resumed run's progress, nothing is left running,
@@ -72,7 +72,7 @@ def test_the_head_supervises_a_detached_run_and_recovers_it_with_the_operators_r
         assert (head_home / "runs" / first / "summary.json").is_file()
         if lc.runs.exists():  # this machine keeps nothing of the run: move whatever is there away
             shutil.move(lc.runs, tmp_path / "operator-runs-moved-away")
-        # the head publishes a running run's log in appended parts (issue 53): read as fab logs reads it
+        # the head publishes a running run's log in appended parts: read as fab logs reads it
         wait_until("training steps of the first run, read from the store",
               lambda: max(progress_steps(store_lib.read_log(store, first) or ""), default=0) >= 10, 400)
         beat = json.loads(store_lib.read_text(store, RunPaths(first).store_record(head_lib.HEARTBEAT)))

@@ -256,7 +256,7 @@ def test_a_notice_whose_checkpoint_is_not_durable_resumes_from_the_previous_comp
 
 
 def test_a_store_that_does_not_answer_is_its_own_cause_retried_and_the_run_stays_restartable(tmp_path, monkeypatch):
-    """Issue 53 item 4: expired credentials while the ending is decided are not 'no checkpoint' (a failure that
+    """Expired credentials while the ending is decided are not 'no checkpoint' (a failure that
     is not restarted): the store is asked again, and if it still does not answer the run is preempted with the
     cause 'store unreachable', which --max-restarts resumes (asking the store again then)."""
     from cluster import store as store_lib

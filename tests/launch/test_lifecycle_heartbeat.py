@@ -1,4 +1,4 @@
-"""Issue 53 item 5: a group termination (instance refresh, rebalance, scale-in) holds a leaving node for the hook's
+"""A group termination (instance refresh, rebalance, scale-in) holds a leaving node for the hook's
 300 s heartbeat timeout; while the notice's checkpoint uploads, the node records lifecycle heartbeats so that a slow
 upload is not cut at 270 s. botocore's Stubber checks every call against the Auto Scaling service model."""
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Issue 39's "done when" for a user's own Trainer script, unchanged, on a 2-node local cluster against the fake IMDS:
+"""A user's own Trainer script, unchanged, on a 2-node local cluster against the fake IMDS:
 a --workdir project (only the script) with its data files outside it, written as Hugging Face's run_glue.py is
 (its own argument dataclasses, info logging on the main process, train -> save_metrics/save_state -> evaluate).
 

@@ -1,4 +1,4 @@
-"""Issue 53 item 8: a job's arguments named like secrets (`--hub_token hf_...`) are masked in records and logs as
+"""A job's arguments named like secrets (`--hub_token hf_...`) are masked in records and logs as
 `--env` values are, and a resume or a restart still runs with the real value."""
 from __future__ import annotations
 

@@ -92,7 +92,7 @@ def test_an_instance_still_booting_is_listed_as_such(aws_env, tmp_path, monkeypa
 
 
 def test_the_head_is_listed_on_demand_with_its_cost_and_a_look_alike_is_not(aws_env, tmp_path, monkeypatch):
-    """Issue 40: the head (its own Auto Scaling group of one, infra/head.py) shows in 'fab status' as on-demand,
+    """The head (its own Auto Scaling group of one, infra/head.py) shows in 'fab status' as on-demand,
     and its price is in the total; an instance that only carries the head group's name as a plain tag does not."""
     from cluster import aws as discovery
     from infra.head import head_group_name

@@ -100,7 +100,7 @@ def test_a_detached_run_survives_fab_kill_9_and_resumes_by_itself(tmp_path, smal
 @pytest.mark.cluster
 @pytest.mark.slow
 def test_without_a_head_the_supervised_run_goes_on_when_fab_and_its_supervisor_are_killed(tmp_path, small_model):
-    """Issue 52: no head, so this machine supervises. SIGKILL of fab and of the supervisor with its SSH sessions
+    """No head, so this machine supervises. SIGKILL of fab and of the supervisor with its SSH sessions
     mid-run (a laptop closed for good): the ranks run under node 0's wrapper and go on; the next 'fab runs'
     concludes the run ok, with its results, and nothing of it is left running."""
     lc = start_cluster(tmp_path, 2)

@@ -1,4 +1,4 @@
-"""A user project with a top-level `training` package of its own (issue 54): its `--workdir` is before our code on the
+"""A user project with a top-level `training` package of its own: its `--workdir` is before our code on the
 ranks' sys.path, yet the rank hook's spot behaviour stays on (it imports our training.* from our code, theirs set
 aside and put back), a notice is taken, and `fab train --resume` fetches the checkpoint and continues. The user's
 `training.paths` shares a name with ours: each side keeps seeing its own.

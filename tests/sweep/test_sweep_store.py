@@ -1,4 +1,4 @@
-"""fab sweep and the cluster's store (issue 41 item 5), against the real moto server process on 127.0.0.1:
+"""fab sweep and the cluster's store, against the real moto server process on 127.0.0.1:
 under the documented policy (docs/iam-policy.json's S3 statements, enforced by moto's IAM emulation), the store is
 found beside buckets the policy does not let fab read; --include-store is refused while the cluster's group exists;
 a bare 'fab sweep' looks in the selected stack's region.
@@ -105,7 +105,7 @@ def test_include_store_is_refused_while_the_group_exists_even_untagged(aws_env):
 
 
 def test_include_store_while_the_cluster_lives_removes_only_old_buckets_no_live_group_writes(aws_env):
-    """Issue 53 item 6: 'pulumi up' after 'pulumi destroy' made a second bucket beside the kept one; the live groups
+    """'pulumi up' after 'pulumi destroy' made a second bucket beside the kept one; the live groups
     name their store (TAG_STORE), so --include-store may remove the old bucket and leaves the live cluster alone."""
     from core.constants import TAG_CLUSTER, TAG_STORE
 

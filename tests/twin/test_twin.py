@@ -188,7 +188,7 @@ print(json.dumps(dialed))
 def test_security_groups_admit_the_head_at_private_addresses_and_the_operator_at_public_ones(twin, tmp_path):
     """As on AWS: the nodes' rule naming the head's group admits the head at their private addresses only (a group
     reference matches traffic inside the VPC); the operator, outside, reaches public addresses, from adminCidr only.
-    The head's own code dials the private ones (issue 70, blocker 2: it dialed the public ones, and timed out)."""
+    The head's own code dials the private ones (dialing the public ones timed out)."""
     record = json.loads((Path(twin.env["XC_STATE_DIR"]) / "twin" / "twin.json").read_text())
     ids = twin.status_ids()
     found = twin.client("ec2").describe_instances(InstanceIds=[ids[k] for k in ("twin-head", "twin-0", "twin-1")])

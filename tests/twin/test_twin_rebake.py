@@ -1,4 +1,4 @@
-"""A re-bake on the AWS twin (issue 70, blocker 3), without root: the Pulumi program's resources on the twin's own
+"""A re-bake on the AWS twin, without root: the Pulumi program's resources on the twin's own
 control plane (twin.control, which refuses an instance of an image that does not exist, as AWS does), a second
 `pulumi up` that replaces the image build, the program's own clean-up (infra/amis.py) deregistering the superseded
 AMI, and then the head's replacement, which must boot from what the head's launch template names."""
