@@ -215,12 +215,18 @@ def checkpoints(url: str, run_id: str) -> list[int]:
     return _guard(url, shared.stored_steps, _store(url), run_id)
 
 
-def read_summary(url: str, run_id: str) -> dict | None:
-    data = _guard(url, _store(url).get_bytes, RunPaths(run_id).store_record("summary.json"))
+def read_summary(url: str, run_id: str, name: str = "summary.json") -> dict | None:
+    """The run's summary.json in the store (or another of its JSON records: results.json)."""
+    data = _guard(url, _store(url).get_bytes, RunPaths(run_id).store_record(name))
     try:
         return json.loads(data) if data else None
     except ValueError:
         return None
+
+
+def run_url(url: str, run_id: str) -> str:
+    """Where the run's records and outputs are in the store, as a URL: what a line about its end names."""
+    return f"{url.rstrip('/')}/{RunPaths(run_id).store}"
 
 
 def read_text(url: str, key: str) -> str | None:

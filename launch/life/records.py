@@ -258,7 +258,7 @@ def now_iso() -> str:
 @dataclass
 class RunResult:
     run_id: str
-    run_dir: Path
+    run_dir: Path | str  # a URL for a run followed in the store
     exit_code: int
     wall_s: float
     results: dict | None

@@ -302,7 +302,8 @@ def _follow_store(store: str, run_id: str, out: TextIO, poll_s: float, head: Nod
             time.sleep(poll_s)  # once more after the end: the log is published after the record
         router.flush_rest()
         if not rec.restarted_as:
-            return (result_line(RunResult(rec.run_id, Path(store), 0, float(rec.wall_s or 0), None))
+            return (result_line(RunResult(rec.run_id, store_lib.run_url(store, rec.run_id), 0, float(rec.wall_s or 0),
+                                          store_lib.read_summary(store, rec.run_id, "results.json")))
                     if rec.status == Status.OK else f"run {rec.run_id} {rec.status}: {rec.reason or 'see the log above'}")
         out.write(f"run {rec.run_id} {rec.status}; resumed as run {rec.restarted_as}\n")
         run_id = rec.restarted_as
