@@ -168,9 +168,11 @@ def start(spec: str, req, out: TextIO, env: dict | None = None, secrets_at: str 
                 break
             shown += len(line)
             if run_id is None:
-                out.write(line)  # the plan and staging lines, as an attached run shows them
                 m = re.match(r"run (\S+): results in ", line)
                 run_id = m.group(1) if m else None
+                where = os.environ.get(head.HEAD_ENV)  # the folder named is the head's, not the operator's
+                out.write(f"{line.rstrip()} on the head {where}; 'fab pull {run_id}' brings them to you\n"
+                          if run_id and where else line)  # the plan and staging lines, as an attached run shows them
         out.flush()
         if run_id and _ranks_running(RunPaths(run_id, runs_dir=req.runs_dir).home):
             restarts_allowed = req.spec.recovery.max_restarts

@@ -55,6 +55,9 @@ def test_the_head_supervises_a_detached_run_and_recovers_it_with_the_operators_r
             first, pid = m.group(1), int(m.group(2))
             ended = running.finish(60)
         assert ended.returncode == 0, ended.stdout[-3000:]
+        # the run's folder named is the head's: said so, with how to bring its results here
+        assert f"run {first}: results in {head_home}/" in ended.stdout and \
+            f" on the head head; 'fab pull {first}' brings them to you" in ended.stdout, ended.stdout[-3000:]
         # the supervisor: in the head's session, started through the head's sshd; nothing of it on this side
         assert processes_with_env(f"XC_SUPERVISOR={first}") == [pid]
         assert os.getsid(pid) == pid and os.getsid(pid) != os.getsid(0)
