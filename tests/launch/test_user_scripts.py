@@ -8,9 +8,11 @@ from __future__ import annotations
 import csv
 import json
 import math
+import re
 from pathlib import Path
 
 import pytest
+from conftest import progress_steps
 
 pytestmark = pytest.mark.cluster
 
@@ -102,6 +104,11 @@ def test_an_unchanged_trainer_script_trains_as_one_job_and_brings_its_output_hom
     assert (run_dir / "output" / "all_results.json").is_file()
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["status"] == "ok"
+    # rank 0's progress lines, as a bundled job's: the Trainer's tqdm bar ends no line until the run does
+    log = (run_dir / "log.txt").read_text()
+    assert progress_steps(log) == [1, 2, 3, 4], [ln for ln in log.splitlines() if "progress" in ln]
+    shown = [ln for ln in log.splitlines() if "[progress]" in ln]
+    assert all(re.match(r"(\[0( \S+)?\] )?\[progress\] step \d/4 ", ln) for ln in shown), shown  # rank 0's, a line each
     listing = cluster2.fab("runs").stdout
     row = next(line for line in listing.splitlines() if line.startswith(run_dir.name))
     assert "loss " in row, row  # the eval loss from the Trainer's all_results.json

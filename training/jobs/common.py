@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 
 from training.jobs import dist
-from training.runtime import events, publish, startup, tbsync
+from training.runtime import events, preempt, publish, startup, tbsync
 from training.speed import mfu
 from training.speed.levers import has_flag
 
@@ -35,32 +35,8 @@ def setup_logging(is_main: bool) -> None:
 
 
 def progress_callback(every: int | None = None):
-    """A TrainerCallback printing one progress line per ~5% of the steps (rank 0 only)."""
-    from transformers import TrainerCallback
-
-    class Progress(TrainerCallback):
-        def __init__(self):
-            self.started = self.last = time.monotonic()
-            self.loss = None
-
-        def on_train_begin(self, args, state, control, **kw):
-            self.started = self.last = time.monotonic()
-
-        def on_log(self, args, state, control, logs=None, **kw):
-            if logs and "loss" in logs:
-                self.loss = float(logs["loss"])
-
-        def on_step_end(self, args, state, control, **kw):
-            total = state.max_steps or 1
-            step_every = every or max(1, total // 20)
-            step = state.global_step
-            # the first step, every ~5%, the last, and at least every 30 s on long runs
-            due = step == 1 or step % step_every == 0 or step == total or time.monotonic() - self.last > 30
-            if state.is_world_process_zero and due:
-                self.last = time.monotonic()
-                events.emit(events.progress(step, total, time.monotonic() - self.started, self.loss, state.epoch))
-
-    return Progress()
+    """Rank 0's progress line (training.runtime.preempt.progress_callback, which users' Trainer scripts get too)."""
+    return preempt.progress_callback(every)
 
 
 def quiet_trainer(trainer) -> None:

@@ -13,6 +13,7 @@ import json
 import math
 import os
 import re
+import sys
 import time as _time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
@@ -52,9 +53,14 @@ class RunEvent:
                    float(raw.get("time", 0.0)), dict(raw.get("payload") or {}))
 
 
-def emit(event: RunEvent) -> None:
-    """The readable line on stdout, and the event in this rank's events file where XC_EVENTS names one."""
-    print(event.line(), flush=True)
+def emit(event: RunEvent, after_bar: bool = False) -> None:
+    """The readable line on stdout, and the event in this rank's events file where XC_EVENTS names one. after_bar:
+    on stderr after a newline instead, where a progress bar holds stderr's unfinished line (the two streams reach
+    the log through separate pipes, so a line on stdout could land at the end of the bar's)."""
+    if after_bar:
+        print("\n" + event.line(), file=sys.stderr, flush=True)
+    else:
+        print(event.line(), flush=True)
     target = os.environ.get(FILE_ENV)
     if not target:
         return

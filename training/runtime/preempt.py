@@ -57,11 +57,48 @@ def attach(trainer) -> Guard:
     publisher = publish.publisher_callback()  # after spot's: its on_save marks the checkpoint complete first
     if publisher is not None:
         trainer.add_callback(publisher)
-    events = tbsync.sync_callback(trainer)  # after the Trainer's own TensorBoard callback, which names the folder
-    if events is not None:
-        trainer.add_callback(events)
+    synced = tbsync.sync_callback(trainer)  # after the Trainer's own TensorBoard callback, which names the folder
+    if synced is not None:
+        trainer.add_callback(synced)
+    if not any(getattr(cb, "xc_progress", False) for cb in trainer.callback_handler.callbacks):
+        # a user's script: fab logs shows its steps as a bundled job's
+        trainer.add_callback(progress_callback(after_bar=not trainer.args.disable_tqdm))
     guard = trainer._xc_guard = Guard(watcher, callback, publisher)
     return guard
+
+
+def progress_callback(every: int | None = None, after_bar: bool = False):
+    """A TrainerCallback printing rank 0's progress line (events.progress): the first step, every ~5% of the steps,
+    the last, and at least every 30 s. A Trainer's own tqdm bar rewrites one line with carriage returns, which a
+    log read line by line (fab logs -f, the store's log) shows only when a newline comes, minutes later; after_bar
+    (a Trainer showing its bar): the line goes after the bar's, on its stream (events.emit)."""
+    from transformers import TrainerCallback
+
+    class Progress(TrainerCallback):
+        xc_progress = True  # attach() gives one to a Trainer that has none
+
+        def __init__(self):
+            self.started = self.last = time.monotonic()
+            self.loss = None
+
+        def on_train_begin(self, args, state, control, **kw):
+            self.started = self.last = time.monotonic()
+
+        def on_log(self, args, state, control, logs=None, **kw):
+            if logs and "loss" in logs:
+                self.loss = float(logs["loss"])
+
+        def on_step_end(self, args, state, control, **kw):
+            total = state.max_steps or 1
+            step_every = every or max(1, total // 20)
+            step = state.global_step
+            due = step == 1 or step % step_every == 0 or step == total or time.monotonic() - self.last > 30
+            if state.is_world_process_zero and due:
+                self.last = time.monotonic()
+                events.emit(events.progress(step, total, time.monotonic() - self.started, self.loss, state.epoch),
+                            after_bar=after_bar)
+
+    return Progress()
 
 
 def resume_checkpoint(trainer) -> str | None:
