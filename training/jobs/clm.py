@@ -26,7 +26,7 @@ from pathlib import Path
 
 from training.jobs import common, dist
 from training.jobs.clm_data import TINY, DataArguments, ModelArguments, TokenBlocks, prepared_folder
-from training.runtime import events
+from training.runtime import events, preempt
 from training.speed import levers
 
 log = logging.getLogger("training.jobs.clm")
@@ -131,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
     history: list[dict] = []
     trainer = Trainer(model=model, args=args, train_dataset=train_ds, eval_dataset=eval_ds,
                       processing_class=tokenizer, data_collator=default_data_collator, optimizers=fast.optimizers,
-                      callbacks=[common.progress_callback(), eval_callback(history)])
+                      callbacks=[preempt.progress_callback(), eval_callback(history)])
     common.quiet_trainer(trainer)
     hook = dist.comm_hook(trainer)
     n_params = sum(p.numel() for p in model.parameters())

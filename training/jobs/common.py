@@ -34,11 +34,6 @@ def setup_logging(is_main: bool) -> None:
     datasets.utils.logging.disable_progress_bar()
 
 
-def progress_callback(every: int | None = None):
-    """Rank 0's progress line (training.runtime.preempt.progress_callback, which users' Trainer scripts get too)."""
-    return preempt.progress_callback(every)
-
-
 def quiet_trainer(trainer) -> None:
     """Drop the Trainer's per-log dict printing (it runs on every node's local rank 0);
     rank 0's progress line carries the loss instead."""
@@ -293,7 +288,7 @@ def train_and_record(trainer, results: dict, train_ds, info) -> None:
     if train_ds is None:
         return
     from training.jobs import order  # lazy: torch (~1000 modules), which the job's module does not import
-    from training.runtime import preempt, spot  # lazy: urllib.request, http.client, ssl (+25% on the job's import)
+    from training.runtime import spot  # lazy: urllib.request, http.client, ssl (+25% on the job's import)
 
     dist.ready_for_ddp(trainer)
     resume = preempt.resume_checkpoint(trainer)

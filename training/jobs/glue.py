@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from training.jobs import common, dist
-from training.runtime import timeline
+from training.runtime import preempt, timeline
 from training.speed import levers
 
 log = logging.getLogger("training.jobs.glue")
@@ -245,7 +245,7 @@ def main(argv: list[str] | None = None) -> int:
     trainer = Trainer(model=model, args=args, train_dataset=train_ds, eval_dataset=eval_ds,
                       processing_class=tokenizer, data_collator=collator, optimizers=fast.optimizers,
                       compute_metrics=compute_metrics_fn(data_args.task_name, is_regression, num_labels),
-                      callbacks=[*timeline.callbacks(info.is_main), common.progress_callback()])  # the mark first
+                      callbacks=[*timeline.callbacks(info.is_main), preempt.progress_callback()])  # the mark first
     common.quiet_trainer(trainer)
     fast.attach(trainer)
     hook = dist.comm_hook(trainer)

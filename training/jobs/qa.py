@@ -21,6 +21,7 @@ from pathlib import Path
 import numpy as np
 
 from training.jobs import common, dist
+from training.runtime import preempt
 from training.speed import levers
 
 log = logging.getLogger("training.jobs.qa")
@@ -312,7 +313,7 @@ def main(argv: list[str] | None = None) -> int:
         tokenizer, pad_to_multiple_of=data_args.pad_to_multiple_of if data_args.pad_to_multiple_of > 1 else None)
     trainer = span_trainer(Trainer)(model=model, args=args, train_dataset=train_ds, processing_class=tokenizer,
                                     data_collator=collator, optimizers=fast.optimizers,
-                                    callbacks=[common.progress_callback()])
+                                    callbacks=[preempt.progress_callback()])
     common.quiet_trainer(trainer)
     fast.attach(trainer)
     hook = dist.comm_hook(trainer)
